@@ -1,0 +1,171 @@
+"""The plan tool: published layouts come out feasible and near the top; bad requests get one error."""
+import json
+import time
+
+import jsonschema
+import pytest
+
+from megatron_skill.contract import call, load_schema, schema_registry
+
+TOP = 10
+
+
+def _plan(**req):
+    env = call("plan", {"top": 100, "include_args": False, **req})
+    assert env["ok"], env
+    return env["result"]
+
+
+def _rank_of(result, **want):
+    for p in result["plans"]:
+        if all(p["layout"][k] == v for k, v in want.items()):
+            return p["rank"]
+    return None
+
+
+@pytest.mark.parametrize("req,wants", [
+    (dict(model="llama3-8b", num_gpus=8, seq_length=8192, global_batch_size=128),
+     [dict(tp=1, pp=1, cp=2), dict(tp=2, pp=1, cp=1)]),
+    (dict(model="llama3-70b", num_gpus=64, seq_length=8192, global_batch_size=128),
+     [dict(tp=4, pp=4, vp=5, cp=2), dict(tp=4, pp=8)]),
+    (dict(model="llama3.1-405b", num_gpus=1024, seq_length=8192, global_batch_size=512),
+     [dict(tp=8, pp=8, cp=2, vp=8)]),
+], ids=["llama3-8b-8xH100", "llama3-70b-64xH100", "llama3.1-405b-1024xH100"])
+def test_published_layouts_are_feasible_and_near_the_top(req, wants):
+    result = _plan(**req)
+    ranks = [_rank_of(result, **w) for w in wants]
+    assert any(r is not None and r <= TOP for r in ranks), (ranks, [p["label"] for p in result["plans"][:TOP]])
+
+
+def test_405b_on_16k_gpus_full_search():
+    started = time.perf_counter()
+    result = _plan(model="llama3.1-405b", num_gpus=16384, seq_length=8192, global_batch_size=2048)
+    elapsed = time.perf_counter() - started
+    print(f"405B on 16384 H100: {elapsed:.2f}s")  # the speed figure lives in references/benchmarks.md
+    best = result["plans"][0]["layout"]
+    assert best["tp"] == 8 and best["world_size"] == 16384
+    assert 0.2 < result["plans"][0]["mfu"] < 0.75
+
+
+def test_plan_response_matches_its_schema_and_breakdowns_add_up():
+    env = call("plan", {"model": "mixtral-8x7b", "num_gpus": 64, "seq_length": 4096})
+    schema = load_schema("plan", "response")
+    jsonschema.Draft202012Validator(schema, registry=schema_registry()).validate(env)
+    p = env["result"]["plans"][0]
+    mem = p["memory"]["first_stage"]
+    parts = ["weights_gib", "gradients_gib", "optimizer_gib", "activations_gib", "logits_gib", "transient_gib"]
+    assert sum(mem[k] for k in parts) == pytest.approx(mem["allocated_gib"], abs=0.05)
+    assert p["memory"]["peak_gib"] <= env["result"]["cluster"]["memory_gib"]
+    assert p["layout"]["ep"] >= 1 and "--num-experts" in p["megatron_args"]
+    steps = {k: v for k, v in p["time"].items() if k != "step_ms"}
+    assert sum(steps.values()) == pytest.approx(p["time"]["step_ms"], rel=1e-3)
+
+
+def test_rejections_are_grouped_by_rule_with_examples():
+    result = _plan(model="llama3-70b", num_gpus=64, seq_length=8192, global_batch_size=128)
+    rej = result["rejected"]
+    assert "out_of_memory" in rej and rej["out_of_memory"]["count"] > 0
+    for entry in rej.values():
+        assert entry["rule"] and entry["examples"]
+
+
+def test_rules_name_megatron_constraints():
+    # 24 heads (Llama-3.2 3B) cannot be split 16 ways; 28 layers not by PP 8 (nor 30 = 28 + 2).
+    result = _plan(model="llama3.2-3b", num_gpus=16, seq_length=4096, global_batch_size=64)
+    assert "tp_heads" in result["rejected"] or "tp_within_nvlink" in result["rejected"]
+    assert "pp_layers" in result["rejected"]
+
+
+def test_fp8_is_refused_on_ampere():
+    env = call("plan", {"model": "llama3-8b", "gpu": "a100-80gb", "num_gpus": 8, "precision": "fp8"})
+    assert not env["ok"] and env["error"]["code"] == "infeasible"
+    assert "fp8_arch" in env["error"]["details"]["rejected"]
+
+
+def test_fp8_plans_on_hopper_are_faster():
+    bf16 = _plan(model="llama3-8b", num_gpus=8, seq_length=8192, global_batch_size=128)
+    fp8 = _plan(model="llama3-8b", num_gpus=8, seq_length=8192, global_batch_size=128, precision="fp8")
+    assert fp8["plans"][0]["tokens_per_s"] > bf16["plans"][0]["tokens_per_s"]
+    assert "--fp8-format" in call("plan", {"model": "llama3-8b", "num_gpus": 8, "precision": "fp8"}
+                                  )["result"]["plans"][0]["megatron_args"]
+
+
+def test_constraints_fix_the_layout():
+    result = _plan(model="llama3-70b", num_gpus=64, seq_length=8192, global_batch_size=128,
+                   constraints={"tp": 8, "pp": 4, "recompute": ["full"]})
+    assert all(p["layout"]["tp"] == 8 and p["layout"]["pp"] == 4 and p["layout"]["recompute"] == "full"
+               for p in result["plans"])
+
+
+def test_model_by_fields_and_by_hf_config(tmp_path):
+    fields = {"num_layers": 16, "hidden_size": 2048, "ffn_hidden_size": 8192, "num_attention_heads": 32,
+              "num_query_groups": 8, "vocab_size": 128256, "untie_embeddings_and_output_weights": False}
+    a = _plan(model=fields, num_gpus=1, seq_length=4096, global_batch_size=8)
+    b = _plan(model="llama3.2-1b", num_gpus=1, seq_length=4096, global_batch_size=8)
+    assert a["model"]["params_b"] == b["model"]["params_b"]
+    from pathlib import Path
+    hf = Path(__file__).parent / "fixtures" / "hf" / "mixtral-8x7b"
+    c = _plan(hf_config=str(hf), num_gpus=16, seq_length=4096)
+    assert c["model"]["experts"] == 8
+
+
+def test_same_request_same_id_and_result():
+    req = {"model": "llama3-8b", "num_gpus": 16, "seq_length": 4096}
+    a, b = call("plan", dict(req)), call("plan", dict(req))
+    assert a["request_id"] == b["request_id"]
+    a["result"].pop("elapsed_s"), b["result"].pop("elapsed_s")
+    assert a == b
+    assert call("plan", {**req, "num_gpus": 32})["request_id"] != a["request_id"]
+    # Defaults filled in: the explicit default is the same request.
+    assert call("plan", {**req, "gpu": "h100-sxm", "top": 5})["request_id"] == a["request_id"]
+
+
+@pytest.mark.parametrize("args,code,where", [
+    (["--model", "llama-9b", "--num-gpus", "8"], "not_found", "/model"),
+    (["--model", "llama3-8b", "--gpu", "h300", "--num-gpus", "8"], "not_found", "/gpu"),
+    (["--model", "llama3-8b", "--num-gpus", "0"], "bad_request", "/num_gpus"),
+    (["--model", "llama3-70b", "--num-gpus", "3"], "infeasible", "/num_gpus"),
+    (["--model", "llama3-8b", "--num-gpus", "eight"], "bad_request", "argv"),
+    (["--model", "llama3-8b", "--num-gpus", "8", "--top", "0"], "bad_request", "/top"),
+    (["--hf-config", "tests/fixtures/hf/broken.json", "--num-gpus", "8"], "bad_model", "hf_config"),
+    (["--num-gpus", "8"], "bad_request", "/"),
+    (["--model", "llama3-8b"], "bad_request", "/num_gpus"),
+    (["--model", "llama3-8b", "--num-gpus", "8", "--precision", "fp4"], "bad_request", "/precision"),
+])
+def test_bad_requests_get_one_clear_json_error(cli, args, code, where):
+    rc, out, err = cli("plan", *args)
+    assert rc != 0 and isinstance(out, dict), (rc, out, err)
+    assert out["ok"] is False and out["error"]["code"] == code, out
+    assert out["error"]["where"].startswith(where), out
+    assert out["error"]["fix"]
+    assert "Traceback" not in err
+
+
+def test_wrong_types_in_a_json_request(cli):
+    rc, out, _ = cli("plan", "--request", "-", stdin=json.dumps({"model": "llama3-8b", "num_gpus": "8"}))
+    assert rc == 2 and out["error"]["where"] == "/num_gpus"
+    rc, out, _ = cli("plan", "--request", "-", stdin=json.dumps({"model": 7, "num_gpus": 8}))
+    assert rc == 2 and out["error"]["where"] == "/model"
+    rc, out, _ = cli("plan", "--request", "-", stdin="[1, 2")
+    assert rc == 2 and out["error"]["code"] == "bad_request"
+    rc, out, _ = cli("plan", "--request", "-", stdin=json.dumps({"model": "llama3-8b", "num_gpus": 8, "tpp": 2}))
+    assert rc == 2 and "tpp" in out["error"]["message"]
+
+
+def test_cli_flags_and_json_request_agree(cli, tmp_path):
+    req = {"model": "llama3-8b", "num_gpus": 8, "seq_length": 4096, "top": 2}
+    f = tmp_path / "req.json"
+    f.write_text(json.dumps(req))
+    rc1, a, _ = cli("plan", "--request", str(f))
+    rc2, b, _ = cli("plan", "--model", "llama3-8b", "--num-gpus", "8", "--seq-length", "4096", "--top", "2")
+    assert rc1 == rc2 == 0 and a["request_id"] == b["request_id"]
+    assert [p["label"] for p in a["result"]["plans"]] == [p["label"] for p in b["result"]["plans"]]
+
+
+def test_help_lists_flags(cli):
+    import subprocess
+    import sys
+    from conftest import ROOT
+    out = subprocess.run([sys.executable, str(ROOT / "tools/launch.py"), "plan", "--help"],
+                         capture_output=True, text=True).stdout
+    assert "--num-gpus" in out and "--constraints" in out and "Exit codes" in out

@@ -1,0 +1,238 @@
+"""The tool contract, written once: schemas, request ids, JSON in and out, exit codes.
+
+Every tool is registered with a function ``run(request, ctx) -> result``.  This module
+validates the request against ``schemas/<tool>.request.json`` (and fills its defaults)
+before the function sees it, derives the request id, wraps the result or the error in
+the response envelope, and builds the command line from the same schema, so the flags,
+``--help`` and the JSON form can never drift apart.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+from .errors import ToolError
+
+ROOT = Path(__file__).resolve().parents[2]
+SCHEMA_DIR = ROOT / "schemas"
+# Keys that change how a request is carried out or shown, not what it asks for.
+NON_SEMANTIC = {"dry_run"}
+
+
+@dataclasses.dataclass
+class Context:
+    dry_run: bool = False
+    progress: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr, flush=True)
+
+
+@dataclasses.dataclass
+class Tool:
+    name: str
+    summary: str
+    run: Callable[[dict, Context], dict]
+    acts: bool = False   # True when the tool changes the world (files, processes)
+
+
+_REGISTRY: dict[str, Tool] = {}
+
+
+def register(tool: Tool) -> Tool:
+    _REGISTRY[tool.name] = tool
+    return tool
+
+
+def tools() -> dict[str, Tool]:
+    from . import registry  # noqa: F401  (imports every tool module, which registers itself)
+    return dict(_REGISTRY)
+
+
+def load_schema(tool: str, kind: str) -> dict:
+    return json.loads((SCHEMA_DIR / f"{tool}.{kind}.json").read_text())
+
+
+def schema_registry():
+    """Every schema in schemas/, by its $id, so that "$ref": "common.json#..." resolves offline."""
+    from referencing import Registry, Resource
+
+    resources = []
+    for path in sorted(SCHEMA_DIR.glob("*.json")):
+        doc = json.loads(path.read_text())
+        resources.append((doc.get("$id", path.name), Resource.from_contents(doc)))
+    return Registry().with_resources(resources)
+
+
+def request_id(tool: str, request: dict) -> str:
+    """A hash of the canonical request: the same request always gets the same id."""
+    canonical = {k: v for k, v in request.items() if k not in NON_SEMANTIC}
+    blob = json.dumps({"tool": tool, "request": canonical}, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _fill_defaults(schema: dict, request: dict) -> dict:
+    out = dict(request)
+    for key, prop in schema.get("properties", {}).items():
+        if key not in out and "default" in prop:
+            out[key] = prop["default"]
+    return out
+
+
+def validate_request(tool: str, request: Any) -> dict:
+    """The request checked against its schema, with defaults filled in; or one ToolError."""
+    import jsonschema
+
+    schema = load_schema(tool, "request")
+    if not isinstance(request, dict):
+        raise ToolError("bad_request", "the request must be a JSON object", where="/",
+                        fix=f"see schemas/{tool}.request.json")
+    validator = jsonschema.Draft202012Validator(schema, registry=schema_registry())
+    errors = sorted(validator.iter_errors(request), key=lambda e: (len(list(e.absolute_path)), e.message))
+    if errors:
+        err = jsonschema.exceptions.best_match(errors) or errors[0]
+        where = "/" + "/".join(str(p) for p in err.absolute_path)
+        prop = err.schema if isinstance(err.schema, dict) else {}
+        hint = prop.get("description", "")
+        if err.validator == "additionalProperties":
+            known = sorted(schema.get("properties", {}))
+            hint = f"known fields: {', '.join(known)}"
+        elif "enum" in prop:
+            hint = f"one of {prop['enum']}"
+        raise ToolError("bad_request", err.message, where=where,
+                        fix=(hint or f"see schemas/{tool}.request.json"))
+    return _fill_defaults(schema, request)
+
+
+def call(tool_name: str, request: dict, ctx: Context | None = None) -> dict:
+    """Run a tool from Python: the same envelope the command line prints."""
+    ctx = ctx or Context(dry_run=bool(request.get("dry_run")) if isinstance(request, dict) else False)
+    tool = tools()[tool_name]
+    rid = None
+    try:
+        req = validate_request(tool_name, request)
+        rid = request_id(tool_name, req)
+        ctx.request_id = rid  # type: ignore[attr-defined]
+        result = tool.run(req, ctx)
+        return {"ok": True, "tool": tool_name, "request_id": rid, "result": result}
+    except ToolError as e:
+        env = {"ok": False, "tool": tool_name, "error": e.to_json()}
+        if rid:
+            env["request_id"] = rid
+        return env
+
+
+def exit_code(envelope: dict) -> int:
+    if envelope.get("ok"):
+        return 0
+    from .errors import EXIT_CODES
+    return EXIT_CODES.get(envelope["error"]["code"], 1)
+
+
+# ---- command line --------------------------------------------------------------------
+def _flag(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _scalar(kind: str | list | None) -> Callable[[str], Any]:
+    kinds = kind if isinstance(kind, list) else [kind]
+    if kinds == ["integer"]:
+        return int
+    if kinds == ["number"]:
+        return float
+    if kinds == ["string"]:
+        return str
+    return _json_or_text
+
+
+def build_parser(tool: Tool) -> argparse.ArgumentParser:
+    schema = load_schema(tool.name, "request")
+    p = argparse.ArgumentParser(
+        prog=f"launch.py {tool.name}", description=schema.get("description", tool.summary),
+        epilog=f"Request schema: schemas/{tool.name}.request.json. Output: one JSON object on stdout; "
+               "progress on stderr. Exit codes: 0 ok, 2 bad request, 3 not found, 4 infeasible, "
+               "5 environment, 6 conflict, 7 invalid script, 8 runtime failure.",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--request", metavar="FILE", help="the whole request as JSON, from FILE or - for stdin; "
+                   "flags given as well override its fields")
+    p.add_argument("--pretty", action="store_true", help="indent the JSON output")
+    for key, prop in schema.get("properties", {}).items():
+        if key == "dry_run":
+            p.add_argument("--dry-run", dest="dry_run", action="store_true", default=None,
+                           help=prop.get("description"))
+            continue
+        help_ = prop.get("description", "")
+        if "default" in prop:
+            help_ += f" (default: {json.dumps(prop['default'])})"
+        kind = prop.get("type")
+        if kind == "boolean":
+            p.add_argument(_flag(key), dest=key, action=argparse.BooleanOptionalAction, default=None, help=help_)
+        elif kind == "array":
+            item = prop.get("items", {}).get("type")
+            p.add_argument(_flag(key), dest=key, nargs="+", type=_scalar(item), default=None, help=help_)
+        else:
+            p.add_argument(_flag(key), dest=key, type=_scalar(kind), default=None, help=help_,
+                           metavar=key.upper() if kind != "object" else "JSON")
+    return p
+
+
+def _read_request(source: str) -> Any:
+    where = "stdin" if source == "-" else source
+    try:
+        text = sys.stdin.read() if source == "-" else Path(source).read_text()
+    except OSError as e:
+        raise ToolError("not_found", f"cannot read the request file: {e.strerror}", where="--request",
+                        fix="give a readable JSON file, or - for stdin")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ToolError("bad_request", f"the request in {where} is not JSON: {e}", where="--request",
+                        fix="give one JSON object")
+
+
+
+def main_for(tool: Tool, argv: list[str]) -> int:
+    parser = build_parser(tool)
+    # argparse prints usage and exits 2 on bad flags; turn that into the JSON error too.
+    def fail(message: str) -> None:
+        raise ToolError("bad_request", message, where="argv", fix=f"see: launch.py {tool.name} --help")
+    parser.error = fail  # type: ignore[method-assign]
+    pretty = "--pretty" in argv
+    try:
+        args = parser.parse_args(argv)
+        request: dict = {}
+        if args.request:
+            request = _read_request(args.request)
+            if not isinstance(request, dict):
+                raise ToolError("bad_request", "the request must be a JSON object", where="--request",
+                                fix=f"see schemas/{tool.name}.request.json")
+        for key, value in vars(args).items():
+            if key in ("request", "pretty") or value is None:
+                continue
+            request[key] = value
+        envelope = call(tool.name, request)
+    except ToolError as e:
+        envelope = {"ok": False, "tool": tool.name, "error": e.to_json()}
+    except KeyboardInterrupt:
+        envelope = {"ok": False, "tool": tool.name,
+                    "error": {"code": "runtime", "message": "interrupted", "fix": "run it again"}}
+    except Exception as e:  # a bug of ours: still one JSON error, the traceback only on request
+        if os.environ.get("MEGATRON_SKILL_DEBUG"):
+            traceback.print_exc()
+        print(f"internal error: {type(e).__name__}: {e}", file=sys.stderr)
+        envelope = {"ok": False, "tool": tool.name,
+                    "error": {"code": "runtime", "message": f"internal error: {type(e).__name__}: {e}",
+                              "fix": "set MEGATRON_SKILL_DEBUG=1 for the traceback and report it"}}
+    print(json.dumps(envelope, indent=2 if pretty else None, sort_keys=False))
+    return exit_code(envelope)

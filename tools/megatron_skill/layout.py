@@ -1,0 +1,160 @@
+"""A parallel layout (how one training job is cut over GPUs) and Megatron's rules for it.
+
+``check_layout`` names the first rule a layout breaks, in the words of Megatron's own
+argument checks, so the planner can group what it rejects and validate can say why.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from .catalog import GPUSpec
+from .model import ModelSpec
+
+RECOMPUTE = ("none", "selective", "full")
+PRECISIONS = ("bf16", "fp8")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    tp: int = 1                  # tensor parallel
+    pp: int = 1                  # pipeline parallel
+    vp: int = 1                  # virtual pipeline stages per pipeline rank (1: plain 1F1B)
+    cp: int = 1                  # context parallel
+    ep: int = 1                  # expert parallel
+    etp: int = 1                 # expert tensor parallel
+    dp: int = 1                  # data parallel
+    mbs: int = 1                 # micro-batch size
+    gbs: int = 1                 # global batch size (sequences)
+    seq_length: int = 4096
+    recompute: str = "none"      # none | selective | full
+    recompute_layers: int = 0    # with full: layers of each (virtual) stage recomputed
+    distributed_optimizer: bool = True
+    sequence_parallel: bool = False
+    precision: str = "bf16"
+    pipeline_split: str = "even"  # even | embedding_loss: the embedding and the loss count as layers
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.cp * self.dp
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.gbs // (self.mbs * self.dp)
+
+    @property
+    def expert_dp(self) -> int:
+        """Data-parallel size of the expert weights (Megatron's MoE parallel folding)."""
+        return self.world_size // (self.etp * self.ep * self.pp)
+
+    def stage_layers(self, model: ModelSpec) -> tuple[int, int]:
+        """Transformer layers on the first and on the last pipeline rank."""
+        L, p, v = model.num_layers, self.pp, self.vp
+        if self.pipeline_split == "embedding_loss":
+            per_chunk = (L + 2) // (p * v)
+            per_rank = per_chunk * v
+            if p == 1:
+                return L, L
+            return per_rank - 1, per_rank - 1
+        return L // p, L // p
+
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["world_size"] = self.world_size
+        d["num_microbatches"] = self.num_microbatches
+        if self.ep > 1 or self.etp > 1:
+            d["expert_dp"] = self.expert_dp
+        return d
+
+    def label(self) -> str:
+        parts = [f"TP{self.tp}", f"PP{self.pp}"]
+        if self.vp > 1:
+            parts.append(f"VP{self.vp}")
+        if self.cp > 1:
+            parts.append(f"CP{self.cp}")
+        if self.ep > 1:
+            parts.append(f"EP{self.ep}")
+        if self.etp > 1:
+            parts.append(f"ETP{self.etp}")
+        parts += [f"DP{self.dp}", f"mbs{self.mbs}"]
+        if self.recompute == "full":
+            parts.append(f"recompute-full{self.recompute_layers}")
+        elif self.recompute == "selective":
+            parts.append("recompute-sel")
+        if self.precision == "fp8":
+            parts.append("FP8")
+        if not self.distributed_optimizer:
+            parts.append("no-distopt")
+        if self.tp > 1 and not self.sequence_parallel:
+            parts.append("no-SP")
+        return " ".join(parts)
+
+
+# Each rule: (name, human explanation with the fix). Names are stable: tests and callers use them.
+RULES = {
+    "world_size": "TP x PP x CP x DP must equal the number of GPUs",
+    "tp_heads": "num_attention_heads must be divisible by TP",
+    "tp_query_groups": "num_query_groups must be divisible by TP",
+    "tp_within_nvlink": "TP must fit inside one NVLink domain (a node): TP traffic is on every layer",
+    "ep_experts": "num_experts must be divisible by EP",
+    "ep_without_moe": "EP and expert-TP need a mixture-of-experts model",
+    "expert_folding": "TP x CP x DP must be divisible by EP x expert-TP (Megatron's MoE parallel folding)",
+    "moe_needs_sp": "an MoE model with TP > 1 needs --sequence-parallel",
+    "pp_layers": "num_layers must be divisible by PP (or by PP after counting the embedding and loss as layers)",
+    "vp_layers": "layers per pipeline rank must be divisible by the virtual stages",
+    "vp_needs_pp": "the interleaved schedule (VP > 1) needs PP > 1",
+    "vp_microbatches": "with VP > 1 the number of micro-batches must be a multiple of PP",
+    "cp_sequence": "seq_length must be divisible by 2 x CP (load-balanced causal context parallel)",
+    "gbs_divisible": "global batch must be divisible by micro-batch x DP",
+    "fp8_arch": "FP8 needs Hopper (sm_90) or newer",
+    "sp_needs_tp": "sequence parallel needs TP > 1",
+    "recompute_layers": "full recompute of N layers needs 1 <= N <= layers per (virtual) stage",
+    "seq_positions": "seq_length exceeds the learned position embeddings",
+    "out_of_memory": "predicted peak memory exceeds the GPU",
+}
+
+
+def check_layout(lay: Layout, model: ModelSpec, gpu: GPUSpec, n_gpus: int) -> str | None:
+    """The name of the first rule the layout breaks, or None."""
+    if lay.world_size != n_gpus:
+        return "world_size"
+    if model.num_attention_heads % lay.tp:
+        return "tp_heads"
+    if not model.multi_latent_attention and model.query_groups % lay.tp:
+        return "tp_query_groups"
+    if lay.tp > gpu.nvlink_domain:
+        return "tp_within_nvlink"
+    if (lay.ep > 1 or lay.etp > 1) and not model.is_moe:
+        return "ep_without_moe"
+    if model.is_moe and model.num_experts % lay.ep:
+        return "ep_experts"
+    if (lay.tp * lay.cp * lay.dp) % (lay.ep * lay.etp):
+        return "expert_folding"
+    if lay.sequence_parallel and lay.tp == 1:
+        return "sp_needs_tp"
+    if model.is_moe and lay.tp > 1 and not lay.sequence_parallel:
+        return "moe_needs_sp"
+    layers = model.num_layers + (2 if lay.pipeline_split == "embedding_loss" else 0)
+    if layers % lay.pp:
+        return "pp_layers"
+    if lay.vp > 1:
+        if lay.pp == 1:
+            return "vp_needs_pp"
+        if (layers // lay.pp) % lay.vp:
+            return "vp_layers"
+        if lay.num_microbatches % lay.pp:
+            return "vp_microbatches"
+    if lay.seq_length % (2 * lay.cp) and lay.cp > 1:
+        return "cp_sequence"
+    if lay.gbs % (lay.mbs * lay.dp):
+        return "gbs_divisible"
+    if lay.precision == "fp8" and not gpu.supports_fp8:
+        return "fp8_arch"
+    if lay.recompute == "full":
+        per_chunk = lay.stage_layers(model)[0] // lay.vp if lay.pipeline_split == "even" else \
+            (model.num_layers + 2) // (lay.pp * lay.vp)
+        if not 1 <= lay.recompute_layers <= max(per_chunk, 1):
+            return "recompute_layers"
+    if model.position_embedding_type == "learned_absolute" and lay.seq_length > model.max_position_embeddings:
+        return "seq_positions"
+    return None

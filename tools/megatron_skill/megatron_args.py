@@ -1,0 +1,130 @@
+"""Megatron command-line arguments for a model, a layout and the training settings.
+
+The one place that turns this skill's data into ``pretrain_gpt.py`` flags; plan shows
+them, render writes them into launch scripts, and the tests parse every vector with
+Megatron's own parser (megatron.training.arguments).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from .layout import Layout
+from .model import ModelSpec
+
+# Needed when neither Transformer Engine nor apex is installed: each of these fused paths
+# otherwise imports one of them and fails at start-up (seen with megatron-core 0.19.2).
+NO_TE_FLAGS = ["--no-masked-softmax-fusion", "--no-gradient-accumulation-fusion",
+               "--no-persist-layer-norm", "--no-rope-fusion"]
+
+
+def model_args(m: ModelSpec) -> list[str]:
+    a = ["--num-layers", m.num_layers, "--hidden-size", m.hidden_size,
+         "--ffn-hidden-size", m.ffn_hidden_size, "--num-attention-heads", m.num_attention_heads,
+         "--max-position-embeddings", m.max_position_embeddings,
+         "--normalization", m.normalization, "--position-embedding-type", m.position_embedding_type]
+    if m.kv_channels and not m.multi_latent_attention:
+        a += ["--kv-channels", m.kv_channels]
+    if m.num_query_groups and m.num_query_groups != m.num_attention_heads and not m.multi_latent_attention:
+        a += ["--group-query-attention", "--num-query-groups", m.num_query_groups]
+    if m.position_embedding_type == "rope":
+        a += ["--rotary-base", m.rotary_base]
+    if m.activation == "swiglu":
+        a += ["--swiglu"]
+    elif m.activation == "squared_relu":
+        a += ["--squared-relu"]
+    if not m.add_bias_linear:
+        a += ["--disable-bias-linear"]
+    if m.add_qkv_bias and not m.add_bias_linear:
+        a += ["--add-qkv-bias"]
+    if m.qk_layernorm:
+        a += ["--qk-layernorm"]
+    if m.untie_embeddings_and_output_weights:
+        a += ["--untie-embeddings-and-output-weights"]
+    if m.multi_latent_attention:
+        a += ["--multi-latent-attention", "--kv-lora-rank", m.kv_lora_rank,
+              "--qk-head-dim", m.qk_head_dim, "--qk-pos-emb-head-dim", m.qk_pos_emb_head_dim,
+              "--v-head-dim", m.v_head_dim]
+        if m.q_lora_rank:
+            a += ["--q-lora-rank", m.q_lora_rank]
+    if m.is_moe:
+        a += ["--num-experts", m.num_experts, "--moe-router-topk", m.moe_router_topk,
+              "--moe-ffn-hidden-size", m.expert_ffn, "--moe-token-dispatcher-type", "alltoall",
+              "--moe-grouped-gemm", "--moe-router-load-balancing-type", "aux_loss",
+              "--moe-aux-loss-coeff", "1e-3"]
+        if m.moe_shared_expert_intermediate_size:
+            a += ["--moe-shared-expert-intermediate-size", m.moe_shared_expert_intermediate_size]
+        if m.moe_layer_freq != 1:
+            freq = m.moe_layer_freq
+            if isinstance(freq, list):
+                freq = "[" + ",".join(str(int(x)) for x in freq) + "]"
+            a += ["--moe-layer-freq", str(freq)]
+    if m.mtp_num_layers:
+        a += ["--mtp-num-layers", m.mtp_num_layers]
+    return [str(x) for x in a]
+
+
+def layout_args(lay: Layout, model: ModelSpec) -> list[str]:
+    a: list[Any] = ["--tensor-model-parallel-size", lay.tp, "--pipeline-model-parallel-size", lay.pp,
+                    "--context-parallel-size", lay.cp,
+                    "--micro-batch-size", lay.mbs, "--global-batch-size", lay.gbs,
+                    "--seq-length", lay.seq_length]
+    if lay.vp > 1:
+        a += ["--num-virtual-stages-per-pipeline-rank", lay.vp]
+    if lay.pipeline_split == "embedding_loss":
+        a += ["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"]
+    if model.is_moe:
+        a += ["--expert-model-parallel-size", lay.ep, "--expert-tensor-parallel-size", lay.etp]
+    if lay.sequence_parallel:
+        a += ["--sequence-parallel"]
+    if lay.distributed_optimizer:
+        a += ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
+    elif lay.dp * lay.cp > 1:
+        a += ["--overlap-grad-reduce"]
+    if lay.recompute == "selective":
+        mods = ["core_attn", "layernorm"] + (["moe_act"] if model.is_moe else [])
+        a += ["--recompute-granularity", "selective", "--recompute-modules", *mods]
+    elif lay.recompute == "full":
+        a += ["--recompute-granularity", "full", "--recompute-method", "block",
+              "--recompute-num-layers", lay.recompute_layers]
+    a += ["--bf16"]
+    if lay.precision == "fp8":
+        a += ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"]
+    return [str(x) for x in a]
+
+
+def training_args(settings: dict[str, Any]) -> list[str]:
+    """Optimizer, schedule, data, logging and checkpointing flags from render/train settings."""
+    s = settings
+    a: list[Any] = [
+        "--train-iters", s["train_iters"], "--lr", s["lr"], "--min-lr", s["min_lr"],
+        "--lr-decay-style", "cosine", "--lr-warmup-iters", s["lr_warmup_iters"],
+        "--weight-decay", s["weight_decay"], "--clip-grad", 1.0,
+        "--adam-beta1", 0.9, "--adam-beta2", 0.95, "--init-method-std", s["init_method_std"],
+        "--attention-dropout", 0.0, "--hidden-dropout", 0.0,
+        "--log-interval", s["log_interval"], "--log-throughput", "--log-timers-to-tensorboard",
+        "--eval-iters", s["eval_iters"], "--eval-interval", s["eval_interval"],
+        "--seed", s["seed"],
+    ]
+    if s.get("data_path"):
+        a += ["--data-path", *s["data_path"], "--split", s.get("split", "99,1,0")]
+        if s.get("tokenizer_model"):
+            a += ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", s["tokenizer_model"]]
+        else:
+            a += ["--tokenizer-type", "NullTokenizer", "--vocab-size", s["vocab_size"]]
+    else:
+        a += ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", s["vocab_size"]]
+    if s.get("save"):
+        a += ["--save", s["save"], "--load", s["save"], "--save-interval", s["save_interval"],
+              "--ckpt-format", "torch_dist"]
+    if s.get("tensorboard_dir"):
+        a += ["--tensorboard-dir", s["tensorboard_dir"]]
+    return [str(x) for x in a]
+
+
+def full_args(model: ModelSpec, lay: Layout, settings: dict[str, Any], have_te: bool) -> list[str]:
+    a = model_args(model) + layout_args(lay, model) + training_args(settings)
+    if have_te:
+        a += ["--transformer-impl", "transformer_engine", "--attention-backend", "auto"]
+    else:
+        a += ["--transformer-impl", "local"] + NO_TE_FLAGS
+    return a

@@ -1,0 +1,398 @@
+"""A transformer's shape, and what follows from it alone: parameter counts.
+
+Field names are Megatron's own argument names (``--num-layers`` is ``num_layers``),
+so a spec maps one-to-one onto a launch command and onto the ``args`` namespace that
+Megatron's own accounting code reads.  Nothing here knows about GPUs or parallelism.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from .errors import ToolError
+
+# What a field left out of a catalog entry or a request means: a Llama-style decoder.
+DEFAULTS: dict[str, Any] = {
+    "family": "custom",
+    "num_query_groups": None,          # None: plain multi-head attention
+    "kv_channels": None,               # None: hidden_size // num_attention_heads
+    "max_position_embeddings": 4096,
+    "rotary_base": 10000,
+    "untie_embeddings_and_output_weights": True,
+    "activation": "swiglu",            # swiglu | gelu | squared_relu
+    "normalization": "RMSNorm",        # RMSNorm | LayerNorm
+    "position_embedding_type": "rope", # rope | learned_absolute
+    "add_bias_linear": False,
+    "add_qkv_bias": False,
+    "qk_layernorm": False,
+    "num_experts": None,
+    "moe_router_topk": 2,
+    "moe_ffn_hidden_size": None,
+    "moe_shared_expert_intermediate_size": None,
+    "moe_layer_freq": 1,
+    "multi_latent_attention": False,
+    "q_lora_rank": None,
+    "kv_lora_rank": 512,
+    "qk_head_dim": 128,
+    "qk_pos_emb_head_dim": 64,
+    "v_head_dim": 128,
+    "mtp_num_layers": None,
+    "default_seq_length": None,
+    "published_params": None,
+    "published_active_params": None,
+    "source": None,
+}
+REQUIRED = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "vocab_size")
+ENUMS = {
+    "activation": ("swiglu", "gelu", "squared_relu"),
+    "normalization": ("RMSNorm", "LayerNorm"),
+    "position_embedding_type": ("rope", "learned_absolute"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    vocab_size: int
+    family: str
+    num_query_groups: int | None
+    kv_channels: int | None
+    max_position_embeddings: int
+    rotary_base: int
+    untie_embeddings_and_output_weights: bool
+    activation: str
+    normalization: str
+    position_embedding_type: str
+    add_bias_linear: bool
+    add_qkv_bias: bool
+    qk_layernorm: bool
+    num_experts: int | None
+    moe_router_topk: int
+    moe_ffn_hidden_size: int | None
+    moe_shared_expert_intermediate_size: int | None
+    moe_layer_freq: int | str
+    multi_latent_attention: bool
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_head_dim: int
+    qk_pos_emb_head_dim: int
+    v_head_dim: int
+    mtp_num_layers: int | None
+    default_seq_length: int | None
+    published_params: float | None
+    published_active_params: float | None
+    source: str | None
+
+    # ---- derived shape ---------------------------------------------------------------
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def query_groups(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def gated(self) -> bool:
+        return self.activation == "swiglu"
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.num_experts)
+
+    @property
+    def norm_params(self) -> int:
+        """Parameters of one norm: RMSNorm has a scale, LayerNorm a scale and a bias."""
+        return self.hidden_size * (1 if self.normalization == "RMSNorm" else 2)
+
+    def moe_pattern(self) -> list[int]:
+        """1 for each layer whose MLP is a mixture of experts, as Megatron's --moe-layer-freq."""
+        return list(self._moe_pattern)
+
+    @functools.cached_property
+    def _moe_pattern(self) -> tuple[int, ...]:
+        if not self.is_moe:
+            return (0,) * self.num_layers
+        return tuple(moe_layer_pattern(self.moe_layer_freq, self.num_layers))
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self._moe_pattern)
+
+    @property
+    def num_dense_layers(self) -> int:
+        return self.num_layers - self.num_moe_layers
+
+    @property
+    def expert_ffn(self) -> int:
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size
+
+    # ---- parameters, per part --------------------------------------------------------
+    def attention_params(self) -> int:
+        """Weights of one attention block (without its input norm)."""
+        h = self.hidden_size
+        if self.multi_latent_attention:
+            a, qk = self.num_attention_heads, self.qk_head_dim + self.qk_pos_emb_head_dim
+            if self.q_lora_rank:
+                q = h * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * a * qk
+            else:
+                q = h * a * qk
+            kv = (h * (self.kv_lora_rank + self.qk_pos_emb_head_dim) + self.kv_lora_rank
+                  + self.kv_lora_rank * a * (self.qk_head_dim + self.v_head_dim))
+            return q + kv + a * self.v_head_dim * h
+        q = self.num_attention_heads * self.head_dim
+        kv = 2 * self.query_groups * self.head_dim
+        params = h * (q + kv) + q * h
+        if self.add_bias_linear or self.add_qkv_bias:
+            params += q + kv
+        if self.add_bias_linear:
+            params += h
+        if self.qk_layernorm:
+            params += 2 * self.head_dim * (1 if self.normalization == "RMSNorm" else 2)
+        return params
+
+    def mlp_params(self, ffn: int) -> int:
+        """Weights of one dense MLP with hidden width ffn."""
+        h = self.hidden_size
+        up = (2 if self.gated else 1) * ffn
+        params = h * up + ffn * h
+        if self.add_bias_linear:
+            params += up + h
+        return params
+
+    def router_params(self) -> int:
+        return self.hidden_size * self.num_experts if self.is_moe else 0
+
+    def routed_expert_params(self) -> int:
+        """All routed experts of one MoE layer."""
+        return self.num_experts * self.mlp_params(self.expert_ffn) if self.is_moe else 0
+
+    def shared_expert_params(self) -> int:
+        s = self.moe_shared_expert_intermediate_size
+        return self.mlp_params(s) if s else 0
+
+    def layer_params(self, moe: bool) -> int:
+        norms = 2 * self.norm_params
+        if moe:
+            mlp = self.router_params() + self.routed_expert_params() + self.shared_expert_params()
+        else:
+            mlp = self.mlp_params(self.ffn_hidden_size)
+        return self.attention_params() + mlp + norms
+
+    def embedding_params(self, vocab: int | None = None) -> int:
+        """Input embedding, plus learned positions when the model has them."""
+        v = vocab or self.vocab_size
+        pos = self.max_position_embeddings * self.hidden_size
+        return v * self.hidden_size + (pos if self.position_embedding_type == "learned_absolute" else 0)
+
+    def output_params(self, vocab: int | None = None) -> int:
+        """The output layer's own weight: none when tied to the input embedding."""
+        v = vocab or self.vocab_size
+        return v * self.hidden_size if self.untie_embeddings_and_output_weights else 0
+
+    def mtp_params(self) -> int:
+        """DeepSeek-V3-style multi-token prediction modules (shared embedding and head)."""
+        if not self.mtp_num_layers:
+            return 0
+        last_is_moe = bool(self.moe_pattern()[-1])
+        h = self.hidden_size
+        per_module = self.layer_params(last_is_moe) + 3 * self.norm_params + 2 * h * h
+        return self.mtp_num_layers * per_module
+
+    def total_params(self, vocab: int | None = None) -> int:
+        """The main model, as papers count it (MTP modules excluded)."""
+        layers = (self.num_dense_layers * self.layer_params(False)
+                  + self.num_moe_layers * self.layer_params(True))
+        return layers + self.norm_params + self.embedding_params(vocab) + self.output_params(vocab)
+
+    def active_params(self, vocab: int | None = None) -> int:
+        """Parameters a token touches: the top-k routed experts instead of all of them."""
+        if not self.is_moe:
+            return self.total_params(vocab)
+        idle = (self.num_experts - self.moe_router_topk) * self.mlp_params(self.expert_ffn)
+        return self.total_params(vocab) - self.num_moe_layers * idle
+
+    def summary(self) -> dict[str, Any]:
+        out = {
+            "name": self.name,
+            "family": self.family,
+            "params_b": round(self.total_params() / 1e9, 3),
+            "layers": self.num_layers,
+            "hidden": self.hidden_size,
+            "heads": self.num_attention_heads,
+            "query_groups": self.query_groups,
+            "vocab": self.vocab_size,
+        }
+        if self.is_moe:
+            out.update(active_params_b=round(self.active_params() / 1e9, 3),
+                       experts=self.num_experts, topk=self.moe_router_topk)
+        if self.mtp_num_layers:
+            out["mtp_params_b"] = round(self.mtp_params() / 1e9, 3)
+        return out
+
+    def to_fields(self) -> dict[str, Any]:
+        """The spec as plain field values, the form a request may carry."""
+        return dataclasses.asdict(self)
+
+
+def moe_layer_pattern(freq: int | str | list, num_layers: int) -> list[int]:
+    """Megatron's --moe-layer-freq: an int N (every Nth layer, from layer 0), a list, or
+    the string form "([0]*3+[1]*58)".  Parsed without eval."""
+    if isinstance(freq, int):
+        return [1 if i % freq == 0 else 0 for i in range(num_layers)]
+    if isinstance(freq, list):
+        pattern = [int(bool(x)) for x in freq]
+    else:
+        text = str(freq).strip().strip("()").replace(" ", "")
+        pattern = []
+        for part in text.split("+"):
+            m = re.fullmatch(r"\[([01](?:,[01])*)\](?:\*(\d+))?", part)
+            if not m:
+                raise ToolError("bad_model", f"cannot read moe_layer_freq {freq!r}",
+                                where="model.moe_layer_freq",
+                                fix='give an int, a list of 0/1, or a string like "([0]*3+[1]*58)"')
+            items = [int(x) for x in m.group(1).split(",")]
+            pattern += items * int(m.group(2) or 1)
+    if len(pattern) != num_layers:
+        raise ToolError("bad_model", f"moe_layer_freq has {len(pattern)} entries for {num_layers} layers",
+                        where="model.moe_layer_freq", fix="give one 0/1 entry per layer")
+    return pattern
+
+
+def build_spec(name: str, fields: dict[str, Any], where: str = "model") -> ModelSpec:
+    """A spec from field values: defaults filled in, every field checked."""
+    known = {f.name for f in dataclasses.fields(ModelSpec)} - {"name"}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise ToolError("bad_model", f"unknown model field(s) {unknown}", where=where,
+                        fix=f"use Megatron argument names, e.g. {', '.join(REQUIRED)}")
+    missing = [k for k in REQUIRED if fields.get(k) is None]
+    if missing:
+        raise ToolError("bad_model", f"model is missing {missing}", where=where,
+                        fix="give every one of " + ", ".join(REQUIRED))
+    values = {**DEFAULTS, **fields}
+    for key in REQUIRED + ("num_query_groups", "kv_channels", "num_experts", "moe_ffn_hidden_size",
+                           "moe_shared_expert_intermediate_size", "q_lora_rank", "mtp_num_layers"):
+        v = values[key]
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
+            raise ToolError("bad_model", f"{key} must be a positive integer, got {v!r}",
+                            where=f"{where}.{key}", fix=f"set {key} to a positive integer")
+    for key, choices in ENUMS.items():
+        if values[key] not in choices:
+            raise ToolError("bad_model", f"{key} must be one of {list(choices)}, got {values[key]!r}",
+                            where=f"{where}.{key}", fix=f"choose one of {list(choices)}")
+    spec = ModelSpec(name=name, **values)
+    if not spec.multi_latent_attention and spec.num_attention_heads % spec.query_groups:
+        raise ToolError("bad_model", "num_attention_heads must be a multiple of num_query_groups",
+                        where=f"{where}.num_query_groups", fix="use a divisor of num_attention_heads")
+    if spec.is_moe:
+        if spec.moe_router_topk > spec.num_experts:
+            raise ToolError("bad_model", "moe_router_topk exceeds num_experts",
+                            where=f"{where}.moe_router_topk", fix="route to at most num_experts experts")
+        spec.moe_pattern()  # raises on a malformed pattern
+    return spec
+
+
+# ---- Hugging Face config.json --------------------------------------------------------
+def from_hf_config(path: str | Path) -> ModelSpec:
+    """Read a local Hugging Face config.json (Llama, Mixtral, Qwen2/3, Qwen3-MoE, DeepSeek-V3)."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    where = "hf_config"
+    try:
+        cfg = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise ToolError("not_found", f"no config.json at {str(p)!r}", where=where,
+                        fix="give the path of a local Hugging Face model folder or its config.json")
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ToolError("bad_model", f"{p.name} is not valid JSON: {e}", where=where,
+                        fix="give an unmodified Hugging Face config.json")
+    if not isinstance(cfg, dict):
+        raise ToolError("bad_model", "config.json must hold a JSON object", where=where,
+                        fix="give an unmodified Hugging Face config.json")
+    mtype = cfg.get("model_type")
+    readers = {"llama": _hf_llama, "mistral": _hf_llama, "mixtral": _hf_llama, "qwen2": _hf_llama,
+               "qwen3": _hf_llama, "qwen2_moe": _hf_llama, "qwen3_moe": _hf_llama,
+               "deepseek_v3": _hf_deepseek, "deepseek_v2": _hf_deepseek}
+    if mtype not in readers:
+        raise ToolError("bad_model", f"model_type {mtype!r} is not supported", where=f"{where}.model_type",
+                        fix=f"supported: {sorted(readers)}; or give the model as field values")
+    try:
+        fields = readers[mtype](cfg)
+    except KeyError as e:
+        raise ToolError("bad_model", f"config.json of model_type {mtype!r} lacks {e.args[0]!r}",
+                        where=f"{where}.{e.args[0]}", fix="give a complete Hugging Face config.json")
+    name = cfg.get("_name_or_path") or p.parent.name or mtype
+    return build_spec(str(name), fields, where=where)
+
+
+def _hf_llama(cfg: dict) -> dict:
+    heads = cfg["num_attention_heads"]
+    fields = {
+        "family": cfg["model_type"],
+        "num_layers": cfg["num_hidden_layers"],
+        "hidden_size": cfg["hidden_size"],
+        "ffn_hidden_size": cfg["intermediate_size"],
+        "num_attention_heads": heads,
+        "num_query_groups": cfg.get("num_key_value_heads") or heads,
+        "kv_channels": cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        "vocab_size": cfg["vocab_size"],
+        "max_position_embeddings": cfg.get("max_position_embeddings", 4096),
+        "rotary_base": int(cfg.get("rope_theta", 10000)),
+        "untie_embeddings_and_output_weights": not cfg.get("tie_word_embeddings", False),
+        "add_qkv_bias": cfg["model_type"].startswith("qwen2"),
+        "qk_layernorm": cfg["model_type"].startswith("qwen3"),
+    }
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts")
+    if experts:
+        fields.update(num_experts=experts, moe_router_topk=cfg["num_experts_per_tok"],
+                      moe_ffn_hidden_size=cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
+        dense_only = set(cfg.get("mlp_only_layers") or [])
+        step = cfg.get("decoder_sparse_step", 1) or 1
+        pattern = [0 if (i in dense_only or (i + 1) % step) else 1 for i in range(fields["num_layers"])]
+        if 0 in pattern:
+            fields["moe_layer_freq"] = pattern
+        if cfg.get("shared_expert_intermediate_size"):
+            fields["moe_shared_expert_intermediate_size"] = cfg["shared_expert_intermediate_size"]
+    return fields
+
+
+def _hf_deepseek(cfg: dict) -> dict:
+    layers = cfg["num_hidden_layers"]
+    dense = cfg.get("first_k_dense_replace", 0)
+    fields = {
+        "family": "deepseek",
+        "num_layers": layers,
+        "hidden_size": cfg["hidden_size"],
+        "ffn_hidden_size": cfg["intermediate_size"],
+        "num_attention_heads": cfg["num_attention_heads"],
+        "vocab_size": cfg["vocab_size"],
+        "max_position_embeddings": cfg.get("max_position_embeddings", 4096),
+        "rotary_base": int(cfg.get("rope_theta", 10000)),
+        "untie_embeddings_and_output_weights": not cfg.get("tie_word_embeddings", False),
+        "multi_latent_attention": True,
+        "q_lora_rank": cfg.get("q_lora_rank"),
+        "kv_lora_rank": cfg["kv_lora_rank"],
+        "qk_head_dim": cfg["qk_nope_head_dim"],
+        "qk_pos_emb_head_dim": cfg["qk_rope_head_dim"],
+        "v_head_dim": cfg["v_head_dim"],
+        "kv_channels": cfg["v_head_dim"],
+        "num_experts": cfg["n_routed_experts"],
+        "moe_router_topk": cfg["num_experts_per_tok"],
+        "moe_ffn_hidden_size": cfg["moe_intermediate_size"],
+        "moe_layer_freq": [0] * dense + [1] * (layers - dense),
+    }
+    if cfg.get("n_shared_experts"):
+        fields["moe_shared_expert_intermediate_size"] = cfg["n_shared_experts"] * cfg["moe_intermediate_size"]
+    if cfg.get("num_nextn_predict_layers"):
+        fields["mtp_num_layers"] = cfg["num_nextn_predict_layers"]
+    return fields

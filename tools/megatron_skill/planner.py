@@ -1,0 +1,201 @@
+"""The search: every layout Megatron accepts for a model on a cluster, costed and ranked.
+
+Order of the loops follows the cost of a wrong choice: TP and CP (inside the NVLink
+domain), PP and its split, virtual stages, EP, then micro-batch and recompute.  Variants
+that can only lose are not costed: with the same communication volume, turning the
+distributed optimizer or sequence parallelism off only adds memory, and more recompute
+than the least that fits only adds time.  They are reported as 'dominated'.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterable
+
+from .catalog import GPUSpec
+from .flops import padded_vocab_size, training_flops
+from .layout import RULES, Layout, check_layout
+from .memory import GIB, memory_report
+from .model import ModelSpec
+from .timing import step_time
+
+RULES_EXTRA = {
+    "dominated": "costed no further: another variant of the same layout is as fast with less memory "
+                 "(distributed optimizer or sequence parallel off), or a lighter recompute already fits",
+    "constraint": "excluded by the request's constraints",
+}
+
+
+@dataclasses.dataclass
+class Candidate:
+    layout: Layout
+    memory: dict[str, Any]
+    time: Any
+    tokens_per_s: float
+    tflops_per_gpu: float
+    mfu: float
+    peak_gib: float
+
+
+@dataclasses.dataclass
+class SearchResult:
+    candidates: list[Candidate]
+    rejected: dict[str, dict[str, Any]]
+    evaluated: int
+
+
+def _pow2_upto(n: int) -> list[int]:
+    out, x = [], 1
+    while x <= n:
+        out.append(x)
+        x *= 2
+    return out
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+class _Rejections:
+    def __init__(self) -> None:
+        self.table: dict[str, dict[str, Any]] = {}
+
+    def add(self, rule: str, example: str, n: int = 1) -> None:
+        entry = self.table.setdefault(rule, {"count": 0, "rule": RULES.get(rule) or RULES_EXTRA[rule],
+                                             "examples": []})
+        entry["count"] += n
+        if len(entry["examples"]) < 3 and example not in entry["examples"]:
+            entry["examples"].append(example)
+
+
+def _allowed(constraints: dict, key: str, values: Iterable) -> list:
+    fixed = constraints.get(key)
+    if fixed is None:
+        return list(values)
+    fixed = fixed if isinstance(fixed, list) else [fixed]
+    return [v for v in fixed]
+
+
+def search(model: ModelSpec, gpu: GPUSpec, n_gpus: int, seq_length: int, gbs: int,
+           precisions: list[str], constraints: dict[str, Any] | None = None,
+           headroom_gib: float = 0.0, te: bool = True) -> SearchResult:
+    c = constraints or {}
+    rej = _Rejections()
+    out: list[Candidate] = []
+    capacity = gpu.memory_bytes - headroom_gib * GIB
+    max_tp = min(gpu.nvlink_domain, n_gpus, 64)
+    tps = _allowed(c, "tp", _pow2_upto(max(n_gpus, 1)))
+    cps = _allowed(c, "cp", _pow2_upto(min(n_gpus, 64)))
+    mbss = _allowed(c, "mbs", _pow2_upto(16))
+    for precision in precisions:
+        for tp in tps:
+            base = Layout(tp=tp, seq_length=seq_length, gbs=gbs, precision=precision,
+                          sequence_parallel=tp > 1)
+            if tp > max_tp and n_gpus % tp == 0:
+                rej.add("tp_within_nvlink", f"TP{tp}")
+                continue
+            if n_gpus % tp:
+                continue
+            for rule, ok in (("tp_heads", model.num_attention_heads % tp == 0),
+                             ("tp_query_groups", model.multi_latent_attention or model.query_groups % tp == 0)):
+                if not ok:
+                    rej.add(rule, f"TP{tp}")
+                    break
+            else:
+                if precision == "fp8" and not gpu.supports_fp8:
+                    rej.add("fp8_arch", f"FP8 on {gpu.key}")
+                    continue
+                for cp in cps:
+                    if n_gpus % (tp * cp):
+                        continue
+                    if cp > 1 and seq_length % (2 * cp):
+                        rej.add("cp_sequence", f"CP{cp} seq{seq_length}")
+                        continue
+                    rest = n_gpus // (tp * cp)
+                    for pp in _allowed(c, "pp", _divisors(rest)):
+                        if rest % pp or pp > model.num_layers:
+                            continue
+                        dp = rest // pp
+                        if model.num_layers % pp == 0:
+                            split = "even"
+                        elif (model.num_layers + 2) % pp == 0:
+                            split = "embedding_loss"
+                        else:
+                            rej.add("pp_layers", f"PP{pp} for {model.num_layers} layers")
+                            continue
+                        _search_stage(model, gpu, n_gpus, dataclasses.replace(
+                            base, cp=cp, pp=pp, dp=dp, pipeline_split=split), c, mbss, capacity, rej, out, te)
+    return SearchResult(candidates=out, rejected=rej.table, evaluated=len(out))
+
+
+def _search_stage(model: ModelSpec, gpu: GPUSpec, n_gpus: int, lay: Layout, c: dict, mbss: list[int],
+                  capacity: float, rej: _Rejections, out: list[Candidate], te: bool) -> None:
+    layers = model.num_layers + (2 if lay.pipeline_split == "embedding_loss" else 0)
+    per_rank = layers // lay.pp
+    vps = [1] if lay.pp == 1 else [v for v in _divisors(per_rank) if v <= 16]
+    vps = _allowed(c, "vp", vps)
+    if model.is_moe:
+        eps = [e for e in _divisors(model.num_experts)]
+        etps = [1] + ([lay.tp] if lay.tp > 1 else [])
+    else:
+        eps, etps = [1], [1]
+    eps, etps = _allowed(c, "ep", eps), _allowed(c, "etp", etps)
+    recomputes = _allowed(c, "recompute", ["none", "selective", "full"])
+    for vp in vps:
+        if vp > 1 and lay.pp == 1:
+            continue
+        for ep in eps:
+            for etp in etps:
+                if (lay.tp * lay.cp * lay.dp) % (ep * etp):
+                    rej.add("expert_folding", f"EP{ep} ETP{etp} with TP{lay.tp} CP{lay.cp} DP{lay.dp}")
+                    continue
+                for mbs in mbss:
+                    cand = dataclasses.replace(lay, vp=vp, ep=ep, etp=etp, mbs=mbs,
+                                               distributed_optimizer=c.get("distributed_optimizer", True))
+                    if c.get("sequence_parallel") is False and lay.tp > 1:
+                        cand = dataclasses.replace(cand, sequence_parallel=False)
+                    rule = check_layout(cand, model, gpu, n_gpus)
+                    if rule:
+                        rej.add(rule, cand.label())
+                        continue
+                    _try_recompute(model, gpu, cand, recomputes, capacity, rej, out, te)
+
+
+def _recompute_options(model: ModelSpec, lay: Layout, allowed: list[str]) -> list[Layout]:
+    opts = []
+    if "none" in allowed:
+        opts.append(dataclasses.replace(lay, recompute="none"))
+    if "selective" in allowed:
+        opts.append(dataclasses.replace(lay, recompute="selective"))
+    if "full" in allowed:
+        layers = model.num_layers + (2 if lay.pipeline_split == "embedding_loss" else 0)
+        per_chunk = max(1, layers // (lay.pp * lay.vp) - (1 if lay.pipeline_split == "embedding_loss" else 0))
+        for n in sorted({max(1, per_chunk // 2), per_chunk}):
+            opts.append(dataclasses.replace(lay, recompute="full", recompute_layers=n))
+    return opts
+
+
+def _try_recompute(model, gpu, lay, allowed, capacity, rej, out, te) -> None:
+    padded = padded_vocab_size(model.vocab_size, lay.tp)
+    options = _recompute_options(model, lay, allowed)
+    for i, opt in enumerate(options):
+        mem = memory_report(model, opt, padded)
+        peak = max(m.total for m in mem.values())
+        if peak > capacity:
+            rej.add("out_of_memory", f"{opt.label()}: {peak / GIB:.0f} GiB")
+            continue
+        out.append(cost(model, gpu, opt, padded, mem, te))
+        if len(options) - i - 1:
+            rej.add("dominated", f"{options[-1].label()} (heavier recompute than needed)", len(options) - i - 1)
+        return
+
+
+def cost(model: ModelSpec, gpu: GPUSpec, lay: Layout, padded: int, mem=None, te: bool = True) -> Candidate:
+    mem = mem or memory_report(model, lay, padded)
+    t = step_time(model, lay, gpu, padded, te)
+    step = t.total
+    tokens = lay.gbs * lay.seq_length
+    model_flops = training_flops(model, lay.seq_length, lay.gbs, padded)
+    tflops = model_flops / step / lay.world_size / 1e12
+    return Candidate(layout=lay, memory=mem, time=t, tokens_per_s=tokens / step,
+                     tflops_per_gpu=tflops, mfu=tflops / gpu.bf16_dense_tflops,
+                     peak_gib=max(m.total for m in mem.values()) / GIB)

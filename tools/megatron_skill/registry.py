@@ -1,0 +1,2 @@
+"""Imports every tool module so that each registers itself with the contract."""
+from . import plan  # noqa: F401

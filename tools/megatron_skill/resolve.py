@@ -1,0 +1,56 @@
+"""Turn the model and cluster parts of a request into specs; shared by every tool."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from . import catalog
+from .catalog import GPUSpec
+from .errors import ToolError
+from .model import ModelSpec, build_spec, from_hf_config
+
+
+def resolve_model(req: dict[str, Any]) -> ModelSpec:
+    model, hf = req.get("model"), req.get("hf_config")
+    if model is not None and hf is not None:
+        raise ToolError("bad_request", "give model or hf_config, not both", where="/hf_config",
+                        fix="drop one of the two")
+    if hf is not None:
+        return from_hf_config(hf)
+    if model is None:
+        raise ToolError("bad_request", "no model given", where="/model",
+                        fix=f"name one ({', '.join(catalog.model_names())}), give its fields, or hf_config")
+    if isinstance(model, str):
+        return catalog.get_model(model, where="/model")
+    fields = dict(model)
+    name = str(fields.pop("name", "custom"))
+    return build_spec(name, fields, where="/model")
+
+
+def resolve_cluster(req: dict[str, Any]) -> tuple[GPUSpec, int, int]:
+    """(GPU, GPUs in all, GPUs per node)."""
+    gpu = catalog.get_gpu(req["gpu"], where="/gpu")
+    per_node = req.get("gpus_per_node") or gpu.gpus_per_node
+    if req.get("num_gpus") is not None:
+        n = req["num_gpus"]
+        if req.get("nodes") is not None and req["nodes"] * per_node != n:
+            raise ToolError("bad_request", f"num_gpus {n} differs from nodes x gpus_per_node "
+                            f"({req['nodes']} x {per_node})", where="/num_gpus",
+                            fix="give num_gpus, or nodes (and gpus_per_node), not a mismatch")
+    elif req.get("nodes") is not None:
+        n = req["nodes"] * per_node
+    else:
+        raise ToolError("bad_request", "no GPU count given", where="/num_gpus",
+                        fix="give num_gpus, or nodes (with gpus_per_node if not the GPU's usual)")
+    if per_node > gpu.nvlink_domain and gpu.nvlink_domain < 72:
+        per_node = per_node  # a wider node than the catalog's: NVLink still spans nvlink_domain
+    return gpu, n, per_node
+
+
+def default_seq_length(model: ModelSpec) -> int:
+    return model.default_seq_length or min(8192, model.max_position_embeddings)
+
+
+def default_global_batch(seq_length: int) -> int:
+    """About 4M tokens a step (the Llama 3 and DeepSeek-V3 regime), as a power of two."""
+    return 2 ** round(math.log2(max(1, 4 * 2**20 // seq_length)))

@@ -1,0 +1,243 @@
+"""Step time of a layout: compute at calibrated efficiency, communication, pipeline bubble.
+
+One micro-batch on the busiest pipeline rank is costed piece by piece (GEMMs by a
+roofline of their shapes, flash attention, memory-bound elementwise work, the loss),
+then the 1F1B or interleaved schedule multiplies it out, and what Megatron does not
+hide (TP collectives, MoE all-to-all, the exposed part of the data-parallel reduce and
+gather, the optimizer step) is added.  Every efficiency comes from catalog/calibration.json.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from typing import Any
+
+from . import flops as F
+from .catalog import CATALOG_DIR, GPUSpec
+from .layout import Layout
+from .memory import BF16, FP32, param_split, rank_layers, ranks_to_check
+from .model import ModelSpec
+
+
+@functools.lru_cache(maxsize=None)
+def calibration(gpu_key: str) -> dict[str, Any]:
+    data = json.loads((CATALOG_DIR / "calibration.json").read_text())
+    return {**data["default"], **data["gpus"].get(gpu_key, {})}
+
+
+@dataclasses.dataclass
+class StepTime:
+    gemm: float = 0.0
+    attention: float = 0.0
+    elementwise: float = 0.0
+    loss: float = 0.0
+    recompute: float = 0.0
+    tp_comm: float = 0.0
+    cp_comm: float = 0.0
+    ep_comm: float = 0.0
+    pp_comm: float = 0.0
+    bubble: float = 0.0
+    dp_comm_exposed: float = 0.0
+    optimizer: float = 0.0
+    host: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return sum(dataclasses.asdict(self).values())
+
+    def to_json(self) -> dict[str, float]:
+        out = {f"{k}_ms": round(v * 1e3, 2) for k, v in dataclasses.asdict(self).items()}
+        out["step_ms"] = round(self.total * 1e3, 2)
+        return out
+
+
+class _Cost:
+    """Seconds for the primitive operations on one GPU of a given kind."""
+
+    def __init__(self, gpu: GPUSpec, precision: str, te: bool):
+        cal = calibration(gpu.key)
+        # Transformer Engine overlaps TP collectives with GEMMs (--tp-comm-overlap); without
+        # it the forward ones are exposed and the backward ones half hidden behind wgrad GEMMs.
+        self.tp_exposed = cal["tp_exposed_te"] if te else cal["tp_exposed"]
+        self.latency = cal["collective_latency_us"] * 1e-6
+        self.cal = cal
+        fp8 = precision == "fp8" and gpu.fp8_dense_tflops
+        peak = (gpu.fp8_dense_tflops if fp8 else gpu.bf16_dense_tflops) * 1e12
+        self.gemm_rate = peak * (cal["gemm_fp8"] if fp8 else cal["gemm_bf16"])
+        self.attn_rate = gpu.bf16_dense_tflops * 1e12 * (cal["attention_te"] if te else cal["attention"])
+        self.hbm = gpu.hbm_gbps * 1e9 * cal["hbm"]
+        self.nvlink = gpu.nvlink_gbps * 1e9 * cal["nvlink_bus"]
+        self.network = gpu.network_gbps * 1e9 * cal["network_bus"]
+        self.in_bytes = 1 if fp8 else BF16
+
+    def gemm(self, m: float, n: float, k: float) -> float:
+        """Forward + both backward GEMMs of an (m x k) @ (k x n) product: a roofline, where
+        thin shapes pay for their bytes, plus a penalty for dimensions too small to fill the GPU."""
+        if m <= 0 or n <= 0 or k <= 0:
+            return 0.0
+        small = (1 + 64 / n) * (1 + 64 / k) * (1 + 64 / m)
+        compute = 2 * m * n * k / self.gemm_rate * small
+        bytes_ = self.in_bytes * (m * k + k * n) + BF16 * m * n
+        return 3 * max(compute, bytes_ / self.hbm)
+
+    def memory_bound(self, nbytes: float) -> float:
+        return nbytes / self.hbm
+
+    def collective(self, nbytes: float, group: int, fast: bool, kind: str) -> float:
+        """Ring time of an all-gather / reduce-scatter (kind 'ag'), or an all-reduce ('ar')."""
+        if group <= 1 or nbytes <= 0:
+            return 0.0
+        bw = self.nvlink if fast else self.network
+        factor = 2 if kind == "ar" else 1
+        return factor * (group - 1) / group * nbytes / bw
+
+
+def _layer_gemms(model: ModelSpec, lay: Layout, cost: _Cost, tokens: float, moe: bool) -> float:
+    h, t = model.hidden_size, lay.tp
+    if model.multi_latent_attention:
+        a, qk = model.num_attention_heads, model.qk_head_dim + model.qk_pos_emb_head_dim
+        ql, kvl = model.q_lora_rank, model.kv_lora_rank
+        time = (cost.gemm(tokens, ql, h) + cost.gemm(tokens, a * qk / t, ql) if ql
+                else cost.gemm(tokens, a * qk / t, h))
+        time += cost.gemm(tokens, kvl + model.qk_pos_emb_head_dim, h)
+        time += cost.gemm(tokens, a * (model.qk_head_dim + model.v_head_dim) / t, kvl)
+        time += cost.gemm(tokens, h, a * model.v_head_dim / t)
+    else:
+        q = model.num_attention_heads * model.head_dim
+        kv = 2 * model.query_groups * model.head_dim
+        time = cost.gemm(tokens, (q + kv) / t, h) + cost.gemm(tokens, h, q / t)
+    up = 2 if model.gated else 1
+    if moe:
+        k, fe, ep, etp = model.moe_router_topk, model.expert_ffn, lay.ep, lay.etp
+        # With balanced routing a rank's experts see as many (token, expert) pairs as it sends:
+        # its sequence-parallel share of tokens x top-k, gathered over the expert-TP group.
+        local_experts = model.num_experts // ep
+        routed_tokens = tokens * k * etp / t
+        per_expert = routed_tokens / local_experts
+        time += local_experts * (cost.gemm(per_expert, up * fe / etp, h) + cost.gemm(per_expert, h, fe / etp))
+        time += cost.gemm(tokens, model.num_experts, h)  # router
+        fs = model.moe_shared_expert_intermediate_size
+        if fs:
+            time += cost.gemm(tokens, up * fs / t, h) + cost.gemm(tokens, h, fs / t)
+    else:
+        f = model.ffn_hidden_size
+        time += cost.gemm(tokens, up * f / t, h) + cost.gemm(tokens, h, f / t)
+    return time
+
+
+def _layer_elementwise_bytes(model: ModelSpec, lay: Layout, moe: bool) -> float:
+    """Bytes that norms, RoPE, the activation function and residual adds move per token,
+    forward and backward (about three passes over what the forward writes)."""
+    h, t = model.hidden_size, lay.tp
+    sp = 1 / t if (lay.sequence_parallel or t == 1) else 1
+    q = model.num_attention_heads * model.head_dim
+    kv = 2 * model.query_groups * model.head_dim
+    ffn = (model.expert_ffn * model.moe_router_topk + (model.moe_shared_expert_intermediate_size or 0)
+           if moe else model.ffn_hidden_size)
+    fwd = BF16 * (2 * 2 * h * sp + 2 * 2 * h * sp + 2 * (q + kv) / t + 3 * ffn / t)
+    return 3 * fwd
+
+
+def step_time(model: ModelSpec, lay: Layout, gpu: GPUSpec, padded_vocab: int, te: bool = True) -> StepTime:
+    cost = _Cost(gpu, lay.precision, te)
+    st = StepTime()
+    h, t, s = model.hidden_size, lay.tp, lay.seq_length
+    tokens = lay.mbs * s / lay.cp                      # tokens of one micro-batch on this rank
+    sp = lay.sequence_parallel or t == 1
+    pattern = model.moe_pattern()
+    node = gpu.nvlink_domain
+
+    # The busiest rank decides the pace of the pipeline: the one with most work per micro-batch.
+    def rank_time(rank: int) -> tuple[StepTime, int]:
+        r = StepTime()
+        layers = rank_layers(model, lay, rank)
+        n_moe = sum(pattern[i] for i in layers)
+        n_dense = len(layers) - n_moe
+        for moe, n in ((False, n_dense), (True, n_moe)):
+            if n == 0:
+                continue
+            r.gemm += n * _layer_gemms(model, lay, cost, tokens, moe)
+            core = F.core_attention_flops_per_token(model, s) * tokens / t
+            # Load-balanced causal CP runs attention as 2 x CP smaller blocks per rank: less efficient.
+            attn_rate = cost.attn_rate / (1 + 0.1 * (lay.cp - 1))
+            r.attention += n * 3 * core / attn_rate
+            r.elementwise += n * cost.memory_bound(_layer_elementwise_bytes(model, lay, moe) * tokens)
+            # TP: 2 all-gathers + 2 reduce-scatters forward (or 2 all-reduces without SP),
+            # as many backward; the backward ones overlap half with the weight-gradient GEMMs.
+            act = BF16 * tokens * h
+            tp_one = cost.collective(act, t, t <= node, "ag") + (cost.latency if t > 1 else 0.0)
+            r.tp_comm += n * tp_one * 8 * cost.tp_exposed
+            if lay.cp > 1:
+                kv = (2 * model.query_groups * model.head_dim if not model.multi_latent_attention
+                      else model.num_attention_heads * (model.qk_head_dim + model.qk_pos_emb_head_dim + model.v_head_dim))
+                fast = t * lay.cp <= node
+                ring = 3 * (lay.cp - 1) * (BF16 * tokens * kv / t / (cost.nvlink if fast else cost.network)
+                                           + cost.latency)
+                # The ring overlaps with attention blocks, but never completely.
+                r.cp_comm += n * max(0.25 * ring, ring - 3 * core / attn_rate)
+            if moe:
+                # Dispatch and combine, forward and backward: 4 all-to-alls of the routed tokens.
+                a2a = BF16 * tokens / (t if sp else 1) * model.moe_router_topk * h * (lay.ep - 1) / lay.ep
+                fast = t * lay.ep <= node
+                r.ep_comm += n * 4 * (a2a / (cost.nvlink if fast else cost.network) + cost.latency)
+        if lay.recompute == "full":
+            per_chunk = len(layers) / lay.vp
+            frac = min(lay.recompute_layers, per_chunk) / max(per_chunk, 1)
+            r.recompute = frac * (r.gemm + r.attention + r.elementwise + r.tp_comm / 2) / 3
+        elif lay.recompute == "selective":
+            r.recompute = 0.1 * r.elementwise
+        if rank == lay.pp - 1:  # output layer and the loss over the (padded) vocabulary
+            r.gemm += cost.gemm(tokens, padded_vocab / t, h) * (1 + (model.mtp_num_layers or 0))
+            r.loss += cost.memory_bound(tokens * padded_vocab / t * (BF16 + 4 * FP32))
+        return r, len(layers)
+
+    ranks = ranks_to_check(lay)
+    per_rank = {r: rank_time(r)[0] for r in ranks}
+    busiest = max(per_rank.values(), key=lambda r: r.total)
+    m = lay.num_microbatches
+    for f in dataclasses.fields(StepTime):
+        setattr(st, f.name, getattr(busiest, f.name) * m)
+    st.bubble = busiest.total * (lay.pp - 1) / lay.vp
+
+    if lay.pp > 1:  # activations to the next stage and gradients back, per micro-batch and chunk
+        p2p = BF16 * tokens * h / (t if sp else 1)
+        fast = lay.world_size <= node
+        per_mb = 2 * lay.vp * (p2p / (cost.nvlink if fast else cost.network) + cost.latency)
+        st.pp_comm = m * per_mb * (0.2 if lay.vp > 1 else 1.0)
+
+    # Data parallel: reduce-scatter fp32 gradients, all-gather bf16 weights (or one all-reduce).
+    # Megatron starts them bucket by bucket during the last micro-batch's backward and the
+    # next step's first forward, so only what outlasts one micro-batch shows.
+    first = rank_layers(model, lay, 0)
+    n_moe = sum(pattern[i] for i in first)
+    ts, rep, exp = param_split(model, len(first) - n_moe, n_moe)
+    ts += padded_vocab * h
+    dense_local = ts / t + rep
+    expert_local = exp / (lay.ep * lay.etp)
+    dp_group = lay.dp * lay.cp
+    dp_fast = lay.tp * dp_group <= node
+    edp_fast = lay.etp * lay.ep * lay.expert_dp <= node
+    if lay.distributed_optimizer:
+        rs = cost.collective(FP32 * dense_local, dp_group, dp_fast, "ag") + \
+            cost.collective(FP32 * expert_local, lay.expert_dp, edp_fast, "ag")
+        ag = cost.collective(BF16 * dense_local, dp_group, dp_fast, "ag") + \
+            cost.collective(BF16 * expert_local, lay.expert_dp, edp_fast, "ag")
+    else:
+        rs = cost.collective(FP32 * dense_local, dp_group, dp_fast, "ar") + \
+            cost.collective(FP32 * expert_local, lay.expert_dp, edp_fast, "ar")
+        ag = 0.0
+    # The reduce-scatter hides behind the backward passes of the pipeline's cool-down (the last
+    # micro-batch, plus the bubble's (PP-1)/VP slots), the gather behind the next warm-up.
+    window = busiest.total * (1 + (lay.pp - 1) / lay.vp)
+    st.dp_comm_exposed = max(0.05 * rs, rs - 0.6 * window) + max(0.05 * ag, ag - 0.3 * window)
+
+    # Adam over this rank's shard: fp32 master, two moments, the gradient, the bf16 weight.
+    shard = dp_group if lay.distributed_optimizer else 1
+    eshard = lay.expert_dp if lay.distributed_optimizer else 1
+    opt_params = dense_local / shard + expert_local / eshard
+    st.optimizer = cost.memory_bound(opt_params * (3 * 2 * FP32 + FP32 + BF16) + (dense_local + expert_local) * FP32)
+    n_layers = max(len(rank_layers(model, lay, r)) for r in ranks)
+    st.host = m * (lay.vp * cost.cal["host_overhead_ms_per_microbatch"]
+                   + n_layers * cost.cal["layer_overhead_ms"]) * 1e-3
+    return st
