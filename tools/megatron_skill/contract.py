@@ -75,11 +75,27 @@ def request_id(tool: str, request: dict) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+def _resolve(prop: dict) -> dict:
+    ref = prop.get("$ref", "")
+    if ref.startswith("common.json#/$defs/"):
+        common = json.loads((SCHEMA_DIR / "common.json").read_text())
+        return {**common["$defs"][ref.rsplit("/", 1)[1]], **{k: v for k, v in prop.items() if k != "$ref"}}
+    return prop
+
+
 def _fill_defaults(schema: dict, request: dict) -> dict:
+    """Top-level defaults, and the defaults of object-valued fields one level down."""
     out = dict(request)
     for key, prop in schema.get("properties", {}).items():
+        prop = _resolve(prop)
         if key not in out and "default" in prop:
             out[key] = prop["default"]
+        if isinstance(out.get(key), dict) and prop.get("type") == "object":
+            inner = dict(out[key])
+            for k, p in prop.get("properties", {}).items():
+                if k not in inner and "default" in p:
+                    inner[k] = p["default"]
+            out[key] = inner
     return out
 
 

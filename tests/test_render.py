@@ -1,0 +1,192 @@
+"""render: scripts that Megatron's parser, shellcheck, bash and a real Slurm accept; inert quoting."""
+import json
+import os
+import shutil
+import string
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import ROOT
+from megatron_skill import megatron_parser
+from megatron_skill.contract import call
+
+# A cluster size for each catalog model, as the model is usually trained.
+CLUSTERS = {"llama3.2-1b": 8, "llama3.2-3b": 8, "llama3-8b": 8, "llama3-70b": 64, "llama3.1-405b": 1024,
+            "mixtral-8x7b": 64, "mixtral-8x22b": 128, "deepseek-v3": 1024, "qwen3-30b-a3b": 16,
+            "qwen3-235b-a22b": 256, "nemotron4-340b": 768, "gpt3-175b": 1024}
+
+
+def _render(tmp_path, **req):
+    req.setdefault("output_dir", str(tmp_path / "out"))
+    env = call("render", req)
+    assert env["ok"], env
+    return env["result"], Path(env["result"]["files"][0]["path"]).read_text()
+
+
+def _shellcheck(path):
+    proc = subprocess.run(["shellcheck", "-S", "warning", str(path)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout
+
+
+@pytest.mark.parametrize("model", sorted(CLUSTERS))
+@pytest.mark.parametrize("launcher", ["torchrun-multinode", "slurm"])
+def test_top_plan_of_each_catalog_model_renders_a_valid_script(tmp_path, model, launcher):
+    n = CLUSTERS[model]
+    seq = 2048 if model == "gpt3-175b" else 4096  # GPT-3's learned positions stop at 2048
+    res, text = _render(tmp_path, model=model, num_gpus=n, seq_length=seq, launcher=launcher)
+    path = Path(res["files"][0]["path"])
+    assert subprocess.run(["bash", "-n", str(path)]).returncode == 0
+    _shellcheck(path)
+    # The argument vector, as the script will pass it, under Megatron's parser and validate_args.
+    assert res["parser_check"] == "megatron.training.arguments"
+    args = megatron_parser.parse(res["megatron_args"] + ["--transformer-impl", "local"], world_size=n)
+    lay = res["layout"]
+    assert args.tensor_model_parallel_size == lay["tp"] and args.data_parallel_size == lay["dp"]
+    assert args.pipeline_model_parallel_size == lay["pp"]
+    for flag in res["megatron_args"]:
+        if flag.startswith("--"):
+            assert flag in text
+
+
+def test_single_node_script_runs_megatron_args_through_the_entry(tmp_path):
+    res, text = _render(tmp_path, model="llama3-8b", num_gpus=8, seq_length=8192, global_batch_size=128)
+    assert "--standalone --nproc-per-node 8" in text
+    assert "tools/pretrain_gpt.py" in text
+    assert "--use-distributed-optimizer" in res["megatron_args"]
+    if res["layout"]["tp"] > 1:
+        assert "--sequence-parallel" in res["megatron_args"] and "CUDA_DEVICE_MAX_CONNECTIONS" in text
+    for flag in ["--no-masked-softmax-fusion", "--no-gradient-accumulation-fusion", "--no-persist-layer-norm",
+                 "--no-rope-fusion", "--log-throughput", "--mock-data"]:
+        assert flag in text
+
+
+def test_fp8_plan_sets_format_and_recipe(tmp_path):
+    res, text = _render(tmp_path, model="llama3-8b", num_gpus=8, precision="fp8")
+    assert "--fp8-format hybrid" in " ".join(res["megatron_args"])
+    assert "--fp8-recipe" in res["megatron_args"]
+    assert "needs Transformer Engine" in text
+
+
+def test_same_request_same_run_id_and_files(tmp_path):
+    req = dict(model="mixtral-8x7b", num_gpus=64, launcher="slurm", output_dir=str(tmp_path / "o"))
+    a, b = call("render", dict(req)), call("render", dict(req))
+    assert a["request_id"] == b["request_id"] == a["result"]["run_id"]
+    assert a["result"]["files"] == b["result"]["files"]
+
+
+def test_dry_run_writes_nothing(tmp_path, cli):
+    out = tmp_path / "dry"
+    rc, res, _ = cli("render", "--model", "llama3-8b", "--num-gpus", "8", "--output-dir", str(out), "--dry-run")
+    assert rc == 0 and res["result"]["dry_run"] and res["result"]["actions"]
+    assert not out.exists()
+
+
+def test_explicit_layout_is_checked(tmp_path):
+    env = call("render", {"model": "llama3-8b", "num_gpus": 6, "output_dir": str(tmp_path),
+                          "layout": {"tp": 3, "pp": 1, "mbs": 1}})
+    assert not env["ok"] and env["error"]["code"] == "infeasible" and "tp_heads" in env["error"]["message"]
+    env = call("render", {"model": "llama3-70b", "num_gpus": 8, "output_dir": str(tmp_path),
+                          "layout": {"tp": 1, "pp": 1, "mbs": 8}})
+    assert not env["ok"] and env["error"]["code"] == "infeasible" and "GiB" in env["error"]["message"]
+
+
+def test_hostile_slurm_values_are_refused(tmp_path):
+    env = call("render", {"model": "llama3-8b", "num_gpus": 8, "launcher": "slurm", "output_dir": str(tmp_path),
+                          "slurm": {"job_name": "x\n#SBATCH --uid=0"}})
+    assert not env["ok"] and env["error"]["where"] == "/slurm/job_name"
+    env = call("render", {"model": "llama3-8b", "num_gpus": 8, "output_dir": str(tmp_path),
+                          "env": {"A;B": "1"}})
+    assert not env["ok"] and env["error"]["where"] == "/env"
+
+
+HOSTILE = st.text(alphabet=string.ascii_letters + string.digits + " $()`;&|<>\\\"'\n\t*?!#~{}-=/.", min_size=1,
+                  max_size=24)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(name=HOSTILE, value=HOSTILE, data=HOSTILE)
+def test_hostile_strings_render_as_inert_text(tmp_path, name, value, data):
+    work = Path(os.environ.get("TMPDIR", "/tmp")) / f"hostile-{os.getpid()}"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir()
+    run_dir = str(work / f"run {name}")
+    stub = work / "python-stub"
+    record = work / "argv.json"
+    stub.write_text(f"#!{sys.executable}\nimport json, sys\n"
+                    f"if sys.argv[1:2] == ['-m']:\n    json.dump(sys.argv[1:], open({str(record)!r}, 'w'))\n")
+    stub.chmod(0o755)
+    model = {"name": name, "num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 128,
+             "num_attention_heads": 4, "vocab_size": 256}
+    env = call("render", {"model": model, "num_gpus": 1, "seq_length": 64, "global_batch_size": 2,
+                          "output_dir": str(work / "out"), "run_dir": run_dir, "python": str(stub),
+                          "env": {"SKILL_TEST_VALUE": value},
+                          "training": {"data_path": [data], "train_iters": 2}})
+    assert env["ok"], env
+    script = env["result"]["files"][0]["path"]
+    _shellcheck(script)
+    clean = {k: v for k, v in os.environ.items() if k not in ("RUN_DIR", "PYTHON", "MEGATRON_SKILL_ENTRY")}
+    proc = subprocess.run(["bash", script], cwd=work, env=clean, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    argv = json.loads(record.read_text())
+    megatron = argv[argv.index(env["result"]["megatron_args"][0]):]
+    expected_data = ("./" + data) if data.startswith("-") else data
+    assert megatron[megatron.index("--data-path") + 1] == expected_data
+    assert megatron[megatron.index("--save") + 1] == run_dir + "/checkpoints"
+    # Nothing ran: the only things in the work folder are what the script was meant to make.
+    made = {p.name for p in work.iterdir()}
+    assert made <= {"out", "python-stub", "argv.json", Path(run_dir).relative_to(work).parts[0]}, made
+    shutil.rmtree(work, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    if not shutil.which("sbatch"):
+        pytest.fail("Slurm is not installed: .ci/run installs slurmctld, slurmd and munge")
+    subprocess.run([str(ROOT / "tests" / "slurm_cluster.sh"), "start"], check=True, timeout=120)
+    return True
+
+
+def test_rendered_sbatch_runs_under_slurm_with_the_right_rendezvous(tmp_path, slurm):
+    run_dir = tmp_path / "run"
+    res, _ = _render(tmp_path, model="llama3.2-1b", num_gpus=2, gpus_per_node=2, seq_length=1024,
+                     global_batch_size=8, launcher="slurm", run_dir=str(run_dir),
+                     slurm={"gpus": False, "exclusive": False, "time": "00:05:00", "job_name": "skill-test"},
+                     python=sys.executable)
+    script = res["files"][0]["path"]
+    env = {**os.environ, "MEGATRON_SKILL_ENTRY": str(ROOT / "tests" / "rendezvous_probe.py"),
+           "MASTER_PORT": "29731"}
+    proc = subprocess.run(["sbatch", "--wait", f"--chdir={tmp_path}", script], env=env, capture_output=True,
+                          text=True, timeout=300)
+    logs = "".join(p.read_text() for p in tmp_path.glob("slurm-*.out"))
+    assert proc.returncode == 0, proc.stderr + logs
+    probe = json.loads((run_dir / "probe.json").read_text())
+    assert probe["world_size"] == 2 and probe["rank_sum"] == 1
+    assert sorted(r["local_rank"] for r in probe["ranks"]) == [0, 1]
+    # torchrun's rendezvous id is the Slurm job, and every rank ran on the allocated node.
+    assert probe["rdzv_run_id"] == probe["slurm_job_id"] != ""
+    node = subprocess.run(["sinfo", "-h", "-o", "%N"], capture_output=True, text=True).stdout.strip()
+    assert {r["host"].split(".")[0] for r in probe["ranks"]} == {node}
+    assert probe["argv"][:len(res["megatron_args"])] == res["megatron_args"]
+    assert "--transformer-impl" in probe["argv"]
+
+
+def test_multinode_script_rendezvous_on_localhost(tmp_path):
+    # Two "nodes" on one machine: the same script started twice, meeting at MASTER_ADDR.
+    run_dir = tmp_path / "run"
+    res, _ = _render(tmp_path, model="llama3.2-1b", num_gpus=2, gpus_per_node=1, seq_length=1024,
+                     global_batch_size=8, launcher="torchrun-multinode", run_dir=str(run_dir),
+                     python=sys.executable)
+    script = res["files"][0]["path"]
+    env = {**os.environ, "MEGATRON_SKILL_ENTRY": str(ROOT / "tests" / "rendezvous_probe.py"),
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29733"}
+    procs = [subprocess.Popen(["bash", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=180)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    probe = json.loads((run_dir / "probe.json").read_text())
+    assert probe["world_size"] == 2 and probe["rank_sum"] == 1

@@ -1,0 +1,198 @@
+"""The render tool: launch scripts from templates/, every Megatron flag checked first.
+
+A render request is a plan request (model, cluster, sequence, batch) plus, optionally, the
+layout to use (else the planner's best), the launcher, and the training settings.  The
+run id is the request id: the same request always writes the same files to the same place.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import re
+import shlex
+from pathlib import Path
+from typing import Any
+
+from . import megatron_args, megatron_flags
+from .contract import ROOT, Context, Tool, register
+from .errors import ToolError
+from .flops import padded_vocab_size
+from .layout import RULES, Layout, check_layout
+from .memory import GIB
+from .planner import cost, search
+from .resolve import default_global_batch, default_seq_length, resolve_cluster, resolve_model
+
+TEMPLATES = ROOT / "templates"
+LAUNCHERS = {"torchrun": "torchrun.sh.j2", "torchrun-multinode": "torchrun_multinode.sh.j2",
+             "slurm": "slurm.sbatch.j2"}
+SCRIPT_NAMES = {"torchrun": "launch.sh", "torchrun-multinode": "launch_multinode.sh", "slurm": "launch.sbatch"}
+ENTRY_SCRIPT = ROOT / "tools" / "pretrain_gpt.py"
+# #SBATCH lines are read by sbatch, not bash: quoting does not apply, so values must be plain.
+SLURM_SAFE = re.compile(r"^[A-Za-z0-9._:+@-]+$")
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def _comment(value: object) -> str:
+    """Text safe inside a '#' comment: no line breaks or control characters."""
+    return "".join(ch if ch.isprintable() else "?" for ch in str(value))
+
+
+def _quote(value: object) -> str:
+    """shlex.quote, and quotes around commas too (bash does not need them; shellcheck's
+    SC2054 reads a bare comma in an array as a mistake)."""
+    text = shlex.quote(str(value))
+    return f"'{text}'" if "," in text and not text.startswith("'") else text
+
+
+def _path(value: str) -> str:
+    """A path argparse cannot mistake for a flag: './-x', not '-x'."""
+    return "./" + value if value.startswith("-") else value
+
+
+def _environment():
+    import jinja2
+
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), undefined=jinja2.StrictUndefined,
+                             keep_trailing_newline=True, autoescape=False)
+    env.filters["q"] = _quote
+    env.filters["comment"] = _comment
+    return env
+
+
+def _group_args(argv: list[str]) -> list[list[str]]:
+    """One flag and its values per line, so the script reads like a Megatron command."""
+    lines: list[list[str]] = []
+    for a in argv:
+        if a.startswith("--") or not lines:
+            lines.append([a])
+        else:
+            lines[-1].append(a)
+    return lines
+
+
+def _layout_from_request(req: dict, model, gpu, n_gpus: int, seq: int, gbs: int) -> tuple[Layout, Any]:
+    if req.get("layout"):
+        fields = {k: v for k, v in req["layout"].items() if k in {f.name for f in dataclasses.fields(Layout)}}
+        fields.update(seq_length=seq, gbs=gbs)
+        fields.setdefault("dp", max(1, n_gpus // (fields.get("tp", 1) * fields.get("pp", 1) * fields.get("cp", 1))))
+        fields.setdefault("sequence_parallel", fields.get("tp", 1) > 1)
+        lay = Layout(**fields)
+        rule = check_layout(lay, model, gpu, n_gpus)
+        if rule:
+            raise ToolError("infeasible", f"the layout {lay.label()} breaks the rule {rule!r}: {RULES[rule]}",
+                            where="/layout", fix="run plan and take one of its layouts")
+        cand = cost(model, gpu, lay, padded_vocab_size(model.vocab_size, lay.tp), te=req["transformer_engine"])
+        if cand.peak_gib > gpu.memory_gib:
+            raise ToolError("infeasible", f"the layout {lay.label()} needs {cand.peak_gib:.1f} GiB per GPU, "
+                            f"more than the {gpu.memory_gib} GiB of {gpu.key}", where="/layout",
+                            fix="more recompute, a smaller micro-batch, or more TP/PP; plan finds one that fits")
+        return lay, cand
+    precisions = ["fp8"] if req["precision"] == "fp8" else ["bf16"]
+    res = search(model, gpu, n_gpus, seq, gbs, precisions, te=req["transformer_engine"])
+    if not res.candidates:
+        raise ToolError("infeasible", f"no layout of {model.name} fits {n_gpus} x {gpu.key}", where="/num_gpus",
+                        fix="run plan for the reasons, and change the GPU count, batch or sequence length")
+    best = max(res.candidates, key=lambda c: (c.tokens_per_s, -c.peak_gib))
+    return best.layout, best
+
+
+def _check_values(req: dict) -> None:
+    slurm = req.get("slurm") or {}
+    for key in ("job_name", "partition", "account", "time"):
+        v = slurm.get(key)
+        if v is not None and not SLURM_SAFE.match(str(v)):
+            raise ToolError("bad_request", f"slurm.{key} {v!r} has characters an #SBATCH line cannot carry",
+                            where=f"/slurm/{key}", fix="use letters, digits and . _ : + @ - only")
+    for key in (req.get("env") or {}):
+        if not ENV_NAME.match(key):
+            raise ToolError("bad_request", f"{key!r} is not an environment variable name", where="/env",
+                            fix="use letters, digits and _ (not starting with a digit)")
+
+
+def build(req: dict, ctx: Context) -> dict[str, Any]:
+    """Everything render would write, without writing it."""
+    _check_values(req)
+    model = resolve_model(req)
+    gpu, n_gpus, per_node = resolve_cluster(req)
+    seq = req.get("seq_length") or default_seq_length(model)
+    gbs = req.get("global_batch_size") or default_global_batch(seq)
+    lay, cand = _layout_from_request(req, model, gpu, n_gpus, seq, gbs)
+    nodes = max(1, n_gpus // per_node)
+    launcher = req["launcher"]
+    if launcher == "torchrun" and nodes > 1:
+        raise ToolError("bad_request", f"{n_gpus} GPUs need {nodes} nodes; torchrun alone starts one",
+                        where="/launcher", fix="use launcher torchrun-multinode or slurm")
+    if n_gpus % per_node and n_gpus > per_node:
+        raise ToolError("bad_request", f"{n_gpus} GPUs is not a whole number of {per_node}-GPU nodes",
+                        where="/num_gpus", fix="use a multiple of gpus_per_node")
+    gpus_here = min(per_node, n_gpus)
+    run_id = ctx.request_id  # type: ignore[attr-defined]
+    out_dir = Path(req.get("output_dir") or Path("runs") / run_id)
+    run_dir = req.get("run_dir") or str(out_dir.resolve())
+    training = dict(req["training"])
+    training.setdefault("vocab_size", model.vocab_size)
+    training["save"] = _path(training.get("save") or f"{run_dir}/checkpoints")
+    if training.get("data_path"):
+        training["data_path"] = [_path(p) for p in training["data_path"]]
+    if training.get("tokenizer_model"):
+        training["tokenizer_model"] = _path(training["tokenizer_model"])
+    training["tensorboard_dir"] = f"{run_dir}/tensorboard"
+    argv = (megatron_args.model_args(model) + megatron_args.layout_args(lay, model)
+            + megatron_args.training_args(training))
+    # Both variants the script may run, with and without Transformer Engine, must parse.
+    parser_check = megatron_flags.check(argv + ["--transformer-impl", "local"] + megatron_args.NO_TE_FLAGS,
+                                        world_size=lay.world_size)
+    env = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if (lay.tp > 1 or lay.cp > 1) else {}
+    env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    env.update(req.get("env") or {})
+    entry = (str(Path(req["megatron_lm"]) / "pretrain_gpt.py") if req.get("megatron_lm") else str(ENTRY_SCRIPT))
+    slurm = {"job_name": f"megatron-{run_id[:8]}", "time": "04:00:00", "gpus": True, "exclusive": True,
+             "partition": None, "account": None, "cpus_per_task": None, **(req.get("slurm") or {})}
+    context = {
+        "run_id": run_id, "label": lay.label(), "model_name": model.name, "gpu": gpu.key, "num_gpus": n_gpus,
+        "nodes": nodes, "gpus_per_node": gpus_here, "run_dir": run_dir, "python": req["python"],
+        "entry": entry, "env": env, "arg_lines": _group_args(argv), "no_te_flags": megatron_args.NO_TE_FLAGS,
+        "fp8": lay.precision == "fp8", "parser_check": parser_check, "master_port": req["master_port"],
+        "peak_gib": f"{cand.peak_gib:.1f}", "tokens_per_s": f"{cand.tokens_per_s:,.0f}",
+        "mfu": f"{cand.mfu:.3f}", "slurm": slurm, "script_name": SCRIPT_NAMES[launcher],
+    }
+    text = _environment().get_template(LAUNCHERS[launcher]).render(**context)
+    script = out_dir / SCRIPT_NAMES[launcher]
+    run_cmd = {"torchrun": f"bash {script}", "torchrun-multinode": f"MASTER_ADDR=<host> bash {script}  # on every node",
+               "slurm": f"sbatch {script}"}[launcher]
+    return {
+        "run_id": run_id,
+        "launcher": launcher,
+        "layout": lay.to_json(),
+        "label": lay.label(),
+        "prediction": {"peak_gib": round(cand.peak_gib, 2), "tokens_per_s": round(cand.tokens_per_s),
+                       "mfu": round(cand.mfu, 4)},
+        "megatron_args": argv,
+        "parser_check": parser_check,
+        "files": [{"path": str(script), "sha256": hashlib.sha256(text.encode()).hexdigest(), "mode": "0755"}],
+        "run_dir": run_dir,
+        "command": run_cmd,
+        "_text": text,
+    }
+
+
+def run(req: dict, ctx: Context) -> dict[str, Any]:
+    out = build(req, ctx)
+    text = out.pop("_text")
+    path = Path(out["files"][0]["path"])
+    if ctx.dry_run:
+        out["dry_run"] = True
+        out["actions"] = [f"mkdir -p {path.parent}", f"write {path} ({len(text)} bytes, mode 0755)"]
+        return out
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.chmod(tmp, 0o755)
+    tmp.replace(path)  # atomic: a reader never sees half a script
+    ctx.progress(f"render: wrote {path} ({out['label']})")
+    return out
+
+
+TOOL = register(Tool(name="render", summary="Write torchrun / Slurm launch scripts for a plan; every Megatron "
+                     "flag checked by Megatron's own parser.", run=run, acts=True))
