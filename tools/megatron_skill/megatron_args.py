@@ -95,9 +95,12 @@ def layout_args(lay: Layout, model: ModelSpec) -> list[str]:
 def training_args(settings: dict[str, Any]) -> list[str]:
     """Optimizer, schedule, data, logging and checkpointing flags from render/train settings."""
     s = settings
+    warmup = s.get("lr_warmup_iters")
+    if warmup is None:
+        warmup = min(100, s["train_iters"] // 10)
     a: list[Any] = [
         "--train-iters", s["train_iters"], "--lr", s["lr"], "--min-lr", s["min_lr"],
-        "--lr-decay-style", "cosine", "--lr-warmup-iters", s["lr_warmup_iters"],
+        "--lr-decay-style", "cosine", "--lr-warmup-iters", warmup,
         "--weight-decay", s["weight_decay"], "--clip-grad", 1.0,
         "--adam-beta1", 0.9, "--adam-beta2", 0.95, "--init-method-std", s["init_method_std"],
         "--attention-dropout", 0.0, "--hidden-dropout", 0.0,
@@ -113,9 +116,11 @@ def training_args(settings: dict[str, Any]) -> list[str]:
             a += ["--tokenizer-type", "NullTokenizer", "--vocab-size", s["vocab_size"]]
     else:
         a += ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", s["vocab_size"]]
-    if s.get("save"):
+    if s.get("save") and s.get("checkpoint", True):
         a += ["--save", s["save"], "--load", s["save"], "--save-interval", s["save_interval"],
               "--ckpt-format", "torch_dist"]
+    if s.get("log_memory_interval"):
+        a += ["--log-memory-interval", s["log_memory_interval"]]
     if s.get("tensorboard_dir"):
         a += ["--tensorboard-dir", s["tensorboard_dir"]]
     return [str(x) for x in a]

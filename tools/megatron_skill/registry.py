@@ -1,3 +1,6 @@
 """Imports every tool module so that each registers itself with the contract."""
 from . import plan  # noqa: F401
 from . import render  # noqa: F401
+from . import train  # noqa: F401
+from . import bench  # noqa: F401
+from . import doctor  # noqa: F401

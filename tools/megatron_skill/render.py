@@ -30,6 +30,9 @@ SCRIPT_NAMES = {"torchrun": "launch.sh", "torchrun-multinode": "launch_multinode
 ENTRY_SCRIPT = ROOT / "tools" / "pretrain_gpt.py"
 # #SBATCH lines are read by sbatch, not bash: quoting does not apply, so values must be plain.
 SLURM_SAFE = re.compile(r"^[A-Za-z0-9._:+@-]+$")
+RENDER_KEYS = ("model", "hf_config", "gpu", "num_gpus", "nodes", "gpus_per_node", "seq_length", "global_batch_size",
+               "transformer_engine", "precision", "layout", "launcher", "megatron_lm", "python", "master_port",
+               "env", "training", "slurm")
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -98,6 +101,11 @@ def _layout_from_request(req: dict, model, gpu, n_gpus: int, seq: int, gbs: int)
 
 
 def _check_values(req: dict) -> None:
+    training = req.get("training") or {}
+    if training.get("lr_warmup_iters") is not None and training["lr_warmup_iters"] >= training["train_iters"]:
+        raise ToolError("bad_request", "lr_warmup_iters must be below train_iters (Megatron's scheduler "
+                        "asserts warm-up < decay steps)", where="/training/lr_warmup_iters",
+                        fix="lower lr_warmup_iters, or leave it out for a tenth of train_iters")
     slurm = req.get("slurm") or {}
     for key in ("job_name", "partition", "account", "time"):
         v = slurm.get(key)

@@ -1,0 +1,161 @@
+"""The bench tool: measured throughput and MFU of a configuration, beside the planner's prediction.
+
+A benchmark is a short train run (warm-up plus timed iterations, no checkpoints, memory
+reported every iteration) through the same rendered script as train.  TFLOP/s/GPU is
+Megatron's own log figure (its num_floating_point_operations), MFU is that over the dense
+BF16 peak of the GPU found here, and every measured figure stands beside the prediction
+for the same layout with the error in %.  With calibrate, it measures GEMM, attention and
+HBM efficiency on this GPU instead, the figures the step-time model uses.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from . import megatron_log, train
+from .catalog import get_gpu, gpu_by_device_name
+from .contract import Context, Tool, register
+from .errors import ToolError
+from .flops import padded_vocab_size
+from .layout import Layout
+from .memory import GIB
+from .planner import cost
+from .resolve import resolve_model
+
+
+def _pct(measured: float, predicted: float) -> float:
+    return round((predicted - measured) / measured * 100, 1)
+
+
+def _gpu(req: dict):
+    n, name = train.detect_gpus()
+    if req.get("gpu"):
+        return get_gpu(req["gpu"], where="/gpu"), n
+    if name:
+        found = gpu_by_device_name(name)
+        if found:
+            return found, n
+        raise ToolError("not_found", f"the GPU here ({name}) is not in the catalog", where="/gpu",
+                        fix="give gpu explicitly, or add it to catalog/gpus.json")
+    return None, 0
+
+
+def _calibrate(req: dict, ctx: Context, out_dir: Path) -> dict[str, Any]:
+    gpu, n = _gpu(req)
+    if not n:
+        raise ToolError("environment", "calibration needs a CUDA GPU", where="/calibrate", fix="run it on the GPU")
+    from .runtime import calibrate
+
+    ctx.progress(f"bench: calibrating {gpu.key} (GEMM, attention, HBM)")
+    result = calibrate.measure(gpu.bf16_dense_tflops, gpu.fp8_dense_tflops, gpu.hbm_gbps)
+    result.update(gpu=gpu.key, date=time.strftime("%Y-%m-%d"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "calibration.json").write_text(json.dumps(result, indent=1))
+    return {"calibration": result, "files": [str(out_dir / "calibration.json")]}
+
+
+def run(req: dict, ctx: Context) -> dict[str, Any]:
+    run_id = ctx.request_id  # type: ignore[attr-defined]
+    out_dir = (Path(req["runs_root"]) / run_id).resolve()
+    if req["calibrate"]:
+        if ctx.dry_run:
+            return {"dry_run": True, "actions": ["measure GEMM / attention / HBM", f"write {out_dir}/calibration.json"]}
+        return _calibrate(req, ctx, out_dir)
+    model = resolve_model(req)
+    gpu, n = _gpu(req)
+    if gpu is None:
+        gpu = get_gpu("h100-sxm")
+    iters = req["warmup_iters"] + req["timed_iters"]
+    training = {**req.get("training", {}), "train_iters": iters, "log_interval": 1, "log_memory_interval": 1,
+                "checkpoint": False, "eval_iters": 0, "eval_interval": iters + 1, "lr_warmup_iters": 1}
+    treq = {k: v for k, v in req.items() if k in train_keys()}
+    treq.update(training=training, backend="gpu", gpu=gpu.key, runs_root=req["runs_root"], resume=False,
+                launcher="torchrun")
+    treq = train_defaults(treq)
+    result = train.run(treq, ctx)
+    if ctx.dry_run:
+        return result
+    log = Path(result["log"])
+    parsed = megatron_log.parse(log.read_text(errors="replace").splitlines())
+    timed = [r for r in parsed["iterations"] if r["iteration"] > req["warmup_iters"]]
+    if not timed:
+        raise ToolError("runtime", "the benchmark logged no timed iteration", where=str(log),
+                        fix="raise timed_iters, or read the log")
+    lay_json = result["layout"]
+    seq, gbs = lay_json["seq_length"], lay_json["gbs"]
+    world = lay_json["world_size"]
+    iter_ms = statistics.median(r["iter_ms"] for r in timed)
+    tokens = gbs * seq / (iter_ms / 1e3)
+    tflops = statistics.median(r["tflops_per_gpu"] for r in timed if "tflops_per_gpu" in r)
+    mem = parsed["memory"]
+    max_alloc = max((m["max_allocated_mb"] for m in mem.values()), default=0.0) / 1024
+    lay = Layout(**{k: v for k, v in lay_json.items() if k in Layout.__dataclass_fields__})
+    from .runtime.compat import have_transformer_engine
+    te = have_transformer_engine()
+    pred = cost(model, gpu, lay, padded_vocab_size(model.vocab_size, lay.tp), te=te)
+    pred_alloc = max(m.allocated for m in pred.memory.values()) / GIB
+    out = {
+        "run_id": run_id, "run_dir": result["run_dir"], "gpu": gpu.key, "num_gpus": world,
+        "model": model.summary(), "label": lay.label(), "layout": lay_json,
+        "measured": {"iter_ms": round(iter_ms, 1), "tokens_per_s": round(tokens), "tokens_per_s_per_gpu": round(tokens / world),
+                     "tflops_per_gpu": round(tflops, 1), "mfu": round(tflops / gpu.bf16_dense_tflops, 4),
+                     "max_allocated_gib": round(max_alloc, 2),
+                     "max_reserved_gib": round(max((m["max_reserved_mb"] for m in mem.values()), default=0.0) / 1024, 2),
+                     "final_loss": timed[-1].get("loss")},
+        "predicted": {"iter_ms": round(pred.time.total * 1e3, 1), "tokens_per_s": round(pred.tokens_per_s),
+                      "tflops_per_gpu": round(pred.tflops_per_gpu, 1), "mfu": round(pred.mfu, 4),
+                      "allocated_gib": round(pred_alloc, 2)},
+        "loss_curve": [[r["iteration"], r.get("loss")] for r in parsed["iterations"]],
+    }
+    out["error_pct"] = {"tokens_per_s": _pct(tokens, pred.tokens_per_s),
+                        "memory": _pct(max_alloc, pred_alloc) if max_alloc else None}
+    out["files"] = _write_reports(out, Path(result["run_dir"]), parsed)
+    return out
+
+
+def _write_reports(out: dict, run_dir: Path, parsed: dict) -> list[str]:
+    (run_dir / "bench.json").write_text(json.dumps(out, indent=1))
+    m, p = out["measured"], out["predicted"]
+    md = [f"# bench {out['run_id']}: {out['model']['name']} on {out['num_gpus']} x {out['gpu']}, {out['label']}",
+          "", "| | measured | predicted | error |", "|---|---|---|---|",
+          f"| tokens/s | {m['tokens_per_s']:,} | {p['tokens_per_s']:,} | {out['error_pct']['tokens_per_s']} % |",
+          f"| TFLOP/s/GPU | {m['tflops_per_gpu']} | {p['tflops_per_gpu']} | |",
+          f"| MFU | {m['mfu']:.1%} | {p['mfu']:.1%} | |",
+          f"| peak allocated GiB | {m['max_allocated_gib']} | {p['allocated_gib']} | {out['error_pct']['memory']} % |", ""]
+    (run_dir / "bench.md").write_text("\n".join(md))
+    files = [str(run_dir / "bench.json"), str(run_dir / "bench.md")]
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        its = parsed["iterations"]
+        fig, ax = plt.subplots(1, 2, figsize=(10, 3.5))
+        ax[0].plot([r["iteration"] for r in its], [r.get("tflops_per_gpu", 0) for r in its], marker=".")
+        ax[0].set_xlabel("iteration"); ax[0].set_ylabel("TFLOP/s/GPU"); ax[0].set_title("throughput")
+        ax[1].plot([r["iteration"] for r in its], [r.get("loss") for r in its], marker=".")
+        ax[1].set_xlabel("iteration"); ax[1].set_ylabel("lm loss"); ax[1].set_title("loss")
+        fig.suptitle(f"{out['model']['name']} {out['label']} on {out['gpu']}")
+        fig.tight_layout()
+        fig.savefig(run_dir / "bench.png", dpi=100)
+        files.append(str(run_dir / "bench.png"))
+    except ImportError:
+        pass
+    return files
+
+
+def train_keys() -> set[str]:
+    from .contract import load_schema
+    return set(load_schema("train", "request")["properties"])
+
+
+def train_defaults(treq: dict) -> dict:
+    from .contract import _fill_defaults, load_schema
+    return _fill_defaults(load_schema("train", "request"), treq)
+
+
+TOOL = register(Tool(name="bench", summary="Measure tokens/s, TFLOP/s/GPU, MFU and peak memory of a configuration "
+                     "on the GPUs here, beside the planner's prediction; or calibrate the planner.", run=run, acts=True))

@@ -1,0 +1,149 @@
+"""Reading Megatron training logs: iteration lines, memory reports, and known failures.
+
+Megatron's last rank prints one line per logging interval:
+  [time] iteration   10/ 100 | consumed samples: 320 | elapsed time per iteration (ms): 3091.0 |
+  throughput per GPU (TFLOP/s/GPU): 348.6 | learning rate: 1.8E-04 | global batch size: 32 |
+  lm loss: 3.06E-01 | loss scale: 1.0 | grad norm: 1.451 | number of skipped iterations: 0 | ...
+and memory reports "[Rank 0] (after 5 iterations) memory (MB) | allocated: ... | max allocated: ...".
+With several ranks writing to one file, lines can interleave or break; the parser takes
+what it can read from each line and counts the rest.
+"""
+from __future__ import annotations
+
+import math
+import re
+from typing import Any, Iterable
+
+ITER = re.compile(r"iteration\s+(\d+)\s*/\s*(\d+)")
+FIELD = re.compile(r"\|\s*([A-Za-z][A-Za-z0-9 /()_\-]*?)\s*:\s*([-+0-9.eEinfaINFA]+)")
+MEMORY = re.compile(r"\[Rank (\d+)\].*?memory \(MB\)\s*\|\s*allocated:\s*([\d.]+)\s*\|\s*max allocated:\s*([\d.]+)"
+                    r"\s*\|\s*reserved:\s*([\d.]+)\s*\|\s*max reserved:\s*([\d.]+)")
+KEYS = {
+    "consumed samples": "consumed_samples",
+    "elapsed time per iteration (ms)": "iter_ms",
+    "throughput per GPU (TFLOP/s/GPU)": "tflops_per_gpu",
+    "learning rate": "lr",
+    "global batch size": "global_batch_size",
+    "lm loss": "loss",
+    "loss scale": "loss_scale",
+    "grad norm": "grad_norm",
+    "number of skipped iterations": "skipped",
+    "number of nan iterations": "nan",
+}
+
+# Known failures: what the log says, what it means, what to do.
+FAILURES = [
+    ("out_of_memory", re.compile(r"CUDA out of memory|OutOfMemoryError|torch\.OutOfMemoryError"),
+     "a rank ran out of GPU memory",
+     "lower --micro-batch-size, add recompute (--recompute-granularity selective or full), or raise TP/PP; "
+     "'launch.py plan' with the same model and GPUs predicts which layouts fit"),
+    ("nccl_timeout", re.compile(r"Watchdog caught collective operation timeout|NCCL.*[Tt]imeout|ProcessGroupNCCL.*timed out"),
+     "a collective timed out: a rank hung or died, or the network stalled",
+     "find the first rank that failed above this line; check NCCL_DEBUG=INFO output, the network (NCCL_SOCKET_IFNAME, "
+     "IB), and that every rank runs the same script; raise --distributed-timeout-minutes only for slow checkpoint I/O"),
+    ("nccl_error", re.compile(r"NCCL error|ncclInternalError|ncclSystemError|ncclUnhandledCudaError"),
+     "NCCL failed", "run with NCCL_DEBUG=INFO; check driver / NCCL versions and the fabric"),
+    ("make_helpers", re.compile(r"Failed to compile the C\+\+ dataset helper|make: \*\*\*.*helpers"),
+     "Megatron tried to build its dataset helpers with make, which the pip wheel cannot",
+     "launch through the skill's tools/pretrain_gpt.py, which uses the prebuilt helpers"),
+    ("missing_fusion", re.compile(r"No module named '(apex|transformer_engine|fused_layer_norm_cuda)'|"
+                                  r"apex is not installed|Transformer Engine.*required"),
+     "a fused kernel that needs Transformer Engine or apex was asked for",
+     "without TE add --transformer-impl local --no-masked-softmax-fusion --no-gradient-accumulation-fusion "
+     "--no-persist-layer-norm --no-rope-fusion ('launch.py render' does this)"),
+]
+
+
+def _num(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def parse_iteration(line: str) -> dict[str, Any] | None:
+    m = ITER.search(line)
+    if not m or "|" not in line:
+        return None
+    rec: dict[str, Any] = {"iteration": int(m.group(1)), "train_iters": int(m.group(2))}
+    for key, value in FIELD.findall(line):
+        name = KEYS.get(key.strip())
+        if name:
+            v = _num(value)
+            if v is not None:
+                rec[name] = v
+    return rec
+
+
+def parse(lines: Iterable[str]) -> dict[str, Any]:
+    iterations: dict[int, dict] = {}
+    memory: dict[int, dict] = {}
+    failures: list[dict] = []
+    unreadable = 0
+    for n, line in enumerate(lines, 1):
+        m = MEMORY.search(line)
+        if m:
+            rank = int(m.group(1))
+            cur = memory.setdefault(rank, {"max_allocated_mb": 0.0, "max_reserved_mb": 0.0})
+            cur["max_allocated_mb"] = max(cur["max_allocated_mb"], float(m.group(3)))
+            cur["max_reserved_mb"] = max(cur["max_reserved_mb"], float(m.group(5)))
+        elif "iteration" in line and "|" in line:
+            rec = parse_iteration(line)
+            if rec and ("loss" in rec or "iter_ms" in rec):
+                iterations[rec["iteration"]] = {**iterations.get(rec["iteration"], {}), **rec}
+            else:
+                unreadable += 1
+        for code, rx, meaning, fix in FAILURES:
+            if rx.search(line) and not any(f["code"] == code for f in failures):
+                failures.append({"code": code, "line": n, "text": line.strip()[:300], "meaning": meaning, "fix": fix})
+    return {"iterations": [iterations[k] for k in sorted(iterations)], "memory": memory,
+            "failures": failures, "unreadable_lines": unreadable}
+
+
+def summarize(parsed: dict[str, Any], seq_length: int | None = None, peak_tflops: float | None = None,
+              skip_first: int = 1) -> dict[str, Any]:
+    """Loss curve, speed (excluding the first logged interval: compilation and warm-up),
+    memory, and anomalies (NaN, skipped iterations, loss spikes, divergence)."""
+    its = parsed["iterations"]
+    out: dict[str, Any] = {"logged_iterations": len(its), "failures": parsed["failures"],
+                           "unreadable_lines": parsed["unreadable_lines"]}
+    if not its:
+        return out
+    out["last_iteration"] = its[-1]["iteration"]
+    out["train_iters"] = its[-1]["train_iters"]
+    losses = [(r["iteration"], r["loss"]) for r in its if "loss" in r]
+    out["loss_curve"] = [[i, l] for i, l in losses]
+    if losses:
+        out["first_loss"], out["final_loss"] = losses[0][1], losses[-1][1]
+    out["lr_curve"] = [[r["iteration"], r["lr"]] for r in its if "lr" in r]
+    steady = its[skip_first:] if len(its) > skip_first else its
+    times = [r["iter_ms"] for r in steady if "iter_ms" in r]
+    if times:
+        ms = sorted(times)[len(times) // 2]
+        out["iter_ms_median"] = round(ms, 1)
+        gbs = its[-1].get("global_batch_size")
+        if gbs and seq_length:
+            out["tokens_per_s"] = round(gbs * seq_length / (ms / 1e3), 1)
+    tf = [r["tflops_per_gpu"] for r in steady if "tflops_per_gpu" in r]
+    if tf:
+        t = sorted(tf)[len(tf) // 2]
+        out["tflops_per_gpu"] = round(t, 1)
+        if peak_tflops:
+            out["mfu"] = round(t / peak_tflops, 4)
+    if parsed["memory"]:
+        out["max_allocated_gib"] = round(max(m["max_allocated_mb"] for m in parsed["memory"].values()) / 1024, 2)
+        out["max_reserved_gib"] = round(max(m["max_reserved_mb"] for m in parsed["memory"].values()) / 1024, 2)
+    out["nan_iterations"] = int(max((r.get("nan", 0) for r in its), default=0))
+    out["skipped_iterations"] = int(max((r.get("skipped", 0) for r in its), default=0))
+    anomalies = []
+    vals = [l for _, l in losses]
+    for k in range(3, len(vals)):
+        base = sorted(vals[max(0, k - 5):k])[len(vals[max(0, k - 5):k]) // 2]
+        if math.isfinite(vals[k]) and base > 0 and vals[k] > 1.5 * base and vals[k] - base > 0.5:
+            anomalies.append({"kind": "loss_spike", "iteration": losses[k][0], "loss": vals[k], "before": base})
+    if any(not math.isfinite(v) for v in vals) or out["nan_iterations"]:
+        anomalies.append({"kind": "nan", "iteration": next((i for i, v in losses if not math.isfinite(v)), None)})
+    if len(vals) >= 6 and math.isfinite(vals[-1]) and vals[-1] > 1.2 * min(vals) and vals[-1] > vals[len(vals) // 2]:
+        anomalies.append({"kind": "divergence", "iteration": losses[-1][0], "loss": vals[-1], "best": min(vals)})
+    out["anomalies"] = anomalies
+    return out

@@ -1,0 +1,205 @@
+"""A small, real Megatron-Core training loop on CPU (gloo), for tiny models.
+
+megatron.training.pretrain needs CUDA; this loop runs the same model code without it:
+Megatron-Core's GPTModel with the skill's layer spec, tensor parallelism over gloo,
+Megatron's dataset builder (mock or indexed data), and per-rank checkpoints with the
+model and optimizer state.  It prints Megatron-format iteration lines, so the
+same log reader serves both.  Run under torchrun:  torchrun --nproc-per-node N cpu_loop.py CONFIG.json
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def build_model(cfg: dict):
+    import torch
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from .cpu_rope import keep_rope_on_cpu
+    from .specs import local_sdpa_spec
+
+    m = cfg["model"]
+    act = {"swiglu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu,
+           "squared_relu": lambda x: torch.nn.functional.relu(x) ** 2}[m.get("activation", "swiglu")]
+    config = TransformerConfig(
+        num_layers=m["num_layers"], hidden_size=m["hidden_size"], ffn_hidden_size=m["ffn_hidden_size"],
+        num_attention_heads=m["num_attention_heads"], num_query_groups=m.get("num_query_groups"),
+        kv_channels=m.get("kv_channels"), normalization=m.get("normalization", "RMSNorm"),
+        gated_linear_unit=m.get("activation", "swiglu") == "swiglu", activation_func=act,
+        add_bias_linear=m.get("add_bias_linear", False), tensor_model_parallel_size=cfg["tp"],
+        sequence_parallel=cfg["tp"] > 1, use_cpu_initialization=True, params_dtype=torch.float32,
+        attention_dropout=0.0, hidden_dropout=0.0, init_method_std=cfg.get("init_method_std", 0.02),
+        masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
+        apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+        num_moe_experts=m.get("num_experts"), moe_router_topk=m.get("moe_router_topk", 2),
+        moe_ffn_hidden_size=m.get("moe_ffn_hidden_size"), moe_token_dispatcher_type="alltoall",
+    )
+    spec = local_sdpa_spec(m.get("num_experts"), False, m.get("qk_layernorm", False), False,
+                           normalization=m.get("normalization", "RMSNorm"))
+    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=cfg["padded_vocab_size"],
+                     max_sequence_length=cfg["seq_length"], position_embedding_type="rope",
+                     rotary_base=m.get("rotary_base", 10000),
+                     share_embeddings_and_output_weights=not m.get("untie_embeddings_and_output_weights", True))
+    keep_rope_on_cpu(model)
+    return model
+
+
+def build_data(cfg: dict, dp_rank: int, dp_size: int):
+    """Megatron's own dataset builder: MockGPTDataset, or GPTDataset over an indexed dataset."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+    from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
+
+    data_path = cfg.get("data_path")
+    ds_cfg = GPTDatasetConfig(
+        random_seed=cfg["seed"], sequence_length=cfg["seq_length"],
+        blend=(data_path, None) if data_path else None, split="99,1,0" if data_path else None,
+        tokenizer=NullTokenizer(vocab_size=cfg["vocab_size"]), reset_position_ids=False,
+        reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False,
+        path_to_cache=cfg.get("data_cache"), mid_level_dataset_surplus=0.005,
+    )
+    n = cfg["train_iters"] * cfg["global_batch_size"]
+    kind = GPTDataset if data_path else MockGPTDataset
+    train, _, _ = BlendedMegatronDatasetBuilder(kind, [n, 0, 0], lambda: True, ds_cfg).build()
+    mbs, per_dp = cfg["micro_batch_size"], cfg["global_batch_size"] // dp_size
+    return train, mbs, per_dp
+
+
+def _batches(dataset, start_sample: int, per_dp: int, mbs: int, dp_rank: int, dp_size: int, gbs: int):
+    import torch
+    step = start_sample // gbs
+    while True:
+        base = step * gbs + dp_rank * per_dp
+        for k in range(0, per_dp, mbs):
+            items = [dataset[base + k + j] for j in range(mbs)]
+            yield {key: torch.stack([torch.as_tensor(it[key]) for it in items])
+                   for key in ("tokens", "labels", "loss_mask", "position_ids")}
+        step += 1
+
+
+def save_checkpoint(model, optimizer, iteration: int, ckpt_root: Path, rank: int) -> None:
+    """One file per tensor-parallel rank (Megatron's legacy 'torch' layout, mp_rank_XX),
+    written by data-parallel rank 0: the other DP ranks hold the same replica.  (Megatron's
+    torch_dist writer synchronizes on CUDA devices, which a CPU-only machine does not have.)"""
+    from megatron.core import parallel_state as ps
+
+    import torch
+    import torch.distributed as dist
+
+    path = ckpt_root / f"iter_{iteration:07d}"
+    if rank == 0:
+        path.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    if ps.get_data_parallel_rank() == 0:
+        tmp = path / f"mp_rank_{tp_rank:02d}.pt.tmp"
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "iteration": iteration,
+                    "rng": torch.get_rng_state()}, tmp)
+        tmp.replace(path / f"mp_rank_{tp_rank:02d}.pt")
+    dist.barrier()
+    if rank == 0:  # the marker last: a checkpoint counts only once every rank has written it
+        marker = ckpt_root / "latest_checkpointed_iteration.txt.tmp"
+        marker.write_text(str(iteration))
+        marker.replace(ckpt_root / "latest_checkpointed_iteration.txt")
+    dist.barrier()
+
+
+def load_checkpoint(model, optimizer, ckpt_root: Path, rank: int) -> int:
+    import torch
+    from megatron.core import parallel_state as ps
+
+    latest = ckpt_root / "latest_checkpointed_iteration.txt"
+    if not latest.exists():
+        return 0
+    iteration = int(latest.read_text())
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    state = torch.load(ckpt_root / f"iter_{iteration:07d}" / f"mp_rank_{tp_rank:02d}.pt", weights_only=False)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["rng"])
+    return iteration
+
+
+def lr_at(cfg: dict, it: int) -> float:
+    warm, total = cfg["lr_warmup_iters"], cfg["train_iters"]
+    if it < warm:
+        return cfg["lr"] * (it + 1) / warm
+    frac = (it - warm) / max(1, total - warm)
+    return cfg["min_lr"] + 0.5 * (cfg["lr"] - cfg["min_lr"]) * (1 + math.cos(math.pi * min(frac, 1.0)))
+
+
+def main(config_path: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    cfg = json.loads(Path(config_path).read_text())
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    from megatron.core import parallel_state as ps
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=cfg["tp"])
+    torch.manual_seed(cfg["seed"])
+    model = build_model(cfg)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], betas=(0.9, 0.95),
+                                  weight_decay=cfg["weight_decay"])
+    ckpt_root = Path(cfg["save"])
+    start = load_checkpoint(model, optimizer, ckpt_root, rank)
+    if start and rank == 0:
+        print(f"> loaded checkpoint from iteration {start}", flush=True)
+    dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    dataset, mbs, per_dp = build_data(cfg, dp_rank, dp_size)
+    gbs = cfg["global_batch_size"]
+    batches = _batches(dataset, start * gbs, per_dp, mbs, dp_rank, dp_size, gbs)
+    dp_group = ps.get_data_parallel_group()
+    consumed = start * gbs
+    for it in range(start, cfg["train_iters"]):
+        t0 = time.perf_counter()
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(cfg, it)
+        loss_sum = torch.zeros(()); tokens = torch.zeros(())
+        for _ in range(per_dp // mbs):
+            b = next(batches)
+            losses = model(b["tokens"], b["position_ids"], None, labels=b["labels"])
+            mask = b["loss_mask"].float()
+            (torch.sum(losses.float() * mask) / (mask.sum() * (per_dp // mbs))).backward()
+            loss_sum += torch.sum(losses.detach().float() * mask); tokens += mask.sum()
+        if dp_size > 1:
+            for p in model.parameters():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad, group=dp_group)
+                    p.grad /= dp_size
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.get("clip_grad", 1.0))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        stats = torch.stack([loss_sum, tokens])
+        dist.all_reduce(stats, group=dp_group)
+        consumed += gbs
+        ms = (time.perf_counter() - t0) * 1e3
+        if rank == 0 and ((it + 1) % cfg["log_interval"] == 0 or it + 1 == cfg["train_iters"] or it == start):
+            stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+            print(f" [{stamp}] iteration {it + 1:8d}/{cfg['train_iters']:8d} | consumed samples: {consumed:12d} | "
+                  f"elapsed time per iteration (ms): {ms:.1f} | learning rate: {lr_at(cfg, it):.6E} | "
+                  f"global batch size: {gbs:5d} | lm loss: {(stats[0] / stats[1]).item():.6E} | "
+                  f"number of skipped iterations:   0 | number of nan iterations:   0 |", flush=True)
+        if cfg.get("save_interval") and (it + 1) % cfg["save_interval"] == 0:
+            save_checkpoint(model, optimizer, it + 1, ckpt_root, rank)
+            if rank == 0:
+                print(f"saving checkpoint at iteration {it + 1:7d} to {ckpt_root} (per-rank torch files)", flush=True)
+    if cfg.get("save") and cfg["train_iters"] % max(1, cfg.get("save_interval") or cfg["train_iters"]):
+        save_checkpoint(model, optimizer, cfg["train_iters"], ckpt_root, rank)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from megatron_skill.runtime.cpu_loop import main as _main  # as a module, so relative imports work
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    _main(sys.argv[1])

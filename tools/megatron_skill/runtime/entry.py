@@ -1,0 +1,111 @@
+"""Megatron training through megatron.training.pretrain, from the megatron-core wheel alone.
+
+What Megatron-LM's pretrain_gpt.py does, for the skill: parse and validate the usual
+flags, build the GPT model config with Megatron's own builder (only the layer spec is
+ours when Transformer Engine is missing), build GPT datasets (mock or indexed), and hand
+everything to ``pretrain``.  Data is read on every rank of the first and last pipeline
+stage, so tensor-parallel ranks need no broadcast: they read the same samples.
+"""
+from __future__ import annotations
+
+import time
+from functools import partial
+
+_START = time.time()
+
+import torch  # noqa: E402
+from megatron.core import parallel_state  # noqa: E402
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder  # noqa: E402
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset  # noqa: E402
+from megatron.core.enums import ModelType  # noqa: E402
+
+from . import compat, specs  # noqa: E402
+
+
+def _tokenizer(args):
+    try:
+        from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
+        return build_tokenizer(args)
+    except Exception:
+        from megatron.training import get_tokenizer
+        return get_tokenizer()
+
+
+def _on_data_rank(vp_stage=None) -> bool:
+    from megatron.training.utils import is_first_or_last_pipeline_stage
+    return is_first_or_last_pipeline_stage(vp_stage)
+
+
+def datasets_provider(train_val_test_num_samples, vp_stage=None):
+    from megatron.training import get_args, print_rank_0
+    from megatron.training.utils import get_blend_and_blend_per_split
+
+    args = get_args()
+    blend, blend_per_split = get_blend_and_blend_per_split(args)
+    config = GPTDatasetConfig(
+        random_seed=args.seed, sequence_length=args.seq_length, blend=blend, blend_per_split=blend_per_split,
+        split=args.split, num_dataset_builder_threads=args.num_dataset_builder_threads,
+        path_to_cache=args.data_cache_path, mmap_bin_files=args.mmap_bin_files, tokenizer=_tokenizer(args),
+        reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss, create_attention_mask=args.create_attention_mask_in_dataloader,
+    )
+    kind = MockGPTDataset if args.mock_data else GPTDataset
+    print_rank_0(f"> building {kind.__name__} train/valid/test datasets")
+    return BlendedMegatronDatasetBuilder(kind, train_val_test_num_samples,
+                                         partial(_on_data_rank, vp_stage=vp_stage), config).build()
+
+
+datasets_provider.is_distributed = True  # every rank of a data stage reads; no TP broadcast
+
+
+def _get_batch(data_iterator, vp_stage=None):
+    if not _on_data_rank(vp_stage):
+        return None, None, None, None, None
+    batch = next(data_iterator)
+    batch = {k: (v.cuda(non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
+    if parallel_state.get_context_parallel_world_size() > 1:
+        from megatron.core.utils import get_batch_on_this_cp_rank
+        batch.setdefault("cu_seqlens", None)
+        batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False,
+                                          cp_group=parallel_state.get_context_parallel_group())
+    return (batch["tokens"], batch["labels"], batch["loss_mask"], batch.get("attention_mask"),
+            batch["position_ids"])
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Sum of token losses and the token count; Megatron averages over the global batch."""
+    losses = output_tensor.view(-1).float()
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().clone().detach().to(torch.int)
+    return loss, num_tokens, {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
+
+
+def forward_step(data_iterator, model, return_schedule_plan: bool = False):
+    from megatron.core.utils import get_attr_wrapped_model
+    from megatron.training import get_timers
+
+    timers = get_timers()
+    timers("batch-generator", log_level=2).start()
+    vp_stage = get_attr_wrapped_model(model, "vp_stage")
+    tokens, labels, loss_mask, attention_mask, position_ids = _get_batch(data_iterator, vp_stage)
+    timers("batch-generator").stop()
+    output = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
+    return output, partial(loss_func, loss_mask)
+
+
+def main() -> None:
+    from megatron.training import pretrain, print_rank_0
+    from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
+    from megatron.training.arguments import parse_and_validate_args
+
+    fixes = compat.apply()
+    args = parse_and_validate_args(args_defaults={"tokenizer_type": "NullTokenizer"})
+    model_cfg = gpt_config_from_args(args)
+    if args.transformer_impl == "local":
+        model_cfg.transformer_layer_spec = specs.layer_spec_for
+        fixes.append("layer spec: Megatron-Core local layers with SDPA core attention")
+    cfg = pretrain_cfg_container_from_args(args, model_cfg)
+    for fix in fixes:
+        print_rank_0(f"> megatron-core-training skill: {fix}")
+    pretrain(cfg, datasets_provider, ModelType.encoder_or_decoder, forward_step)

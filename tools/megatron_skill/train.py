@@ -1,0 +1,190 @@
+"""The train tool: run Megatron training for a request, in a run directory named by its id.
+
+On GPUs it renders the launch script (render) into the run directory and runs it: torchrun
+on this machine, or sbatch with launcher slurm.  Without a GPU it runs the same model
+code (Megatron-Core's GPTModel, the skill's layer spec) in a small CPU loop with gloo, for
+tiny models.  Progress (iteration, loss, tokens/s, ETA) goes to stderr as the log grows.
+
+The same request never starts a second job: a running one is refused; a finished one
+returns its recorded result; a killed or failed one is resumed from its last checkpoint
+when the request says resume, and refused otherwise.
+"""
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from . import megatron_log, render
+from .catalog import gpu_by_device_name
+from .contract import Context, Tool, register
+from .errors import ToolError
+from .runs import RunLock, latest_checkpoint, read_state, write_state
+
+
+def detect_gpus() -> tuple[int, str | None]:
+    """(count, device name) of the CUDA GPUs torch sees here; (0, None) without torch or GPUs."""
+    try:
+        import torch
+    except ImportError:
+        return 0, None
+    if not torch.cuda.is_available():
+        return 0, None
+    return torch.cuda.device_count(), torch.cuda.get_device_name(0)
+
+
+def _backend(req: dict) -> str:
+    if req["backend"] != "auto":
+        return req["backend"]
+    return "gpu" if detect_gpus()[0] else "cpu"
+
+
+def _progress_line(rec: dict, started: float, seq: int | None) -> str:
+    it, total = rec["iteration"], rec["train_iters"]
+    parts = [f"iter {it}/{total}"]
+    if "loss" in rec:
+        parts.append(f"loss {rec['loss']:.4f}")
+    if "iter_ms" in rec and rec.get("global_batch_size") and seq:
+        parts.append(f"{rec['global_batch_size'] * seq / (rec['iter_ms'] / 1e3):,.0f} tokens/s")
+        eta = (total - it) * rec["iter_ms"] / 1e3
+        parts.append(f"ETA {int(eta // 60)}m{int(eta % 60):02d}s")
+    if "tflops_per_gpu" in rec:
+        parts.append(f"{rec['tflops_per_gpu']:.0f} TFLOP/s/GPU")
+    return "train: " + " | ".join(parts) + f" ({time.time() - started:.0f}s)"
+
+
+def stream(cmd: list[str], log_path: Path | None, ctx: Context, seq: int | None, env: dict | None = None,
+           cwd: Path | None = None) -> int:
+    """Run cmd, show progress from Megatron's iteration lines; append its output to log_path
+    (None when the command keeps its own log, as the rendered scripts do)."""
+    import os
+
+    started = time.time()
+    with (open(log_path, "a") if log_path else open(os.devnull, "w")) as log:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, **(env or {})}, cwd=cwd, bufsize=1)
+        try:
+            for line in proc.stdout:  # type: ignore[union-attr]
+                log.write(line)
+                log.flush()  # others (logs, a watcher) read the file while it grows
+                rec = megatron_log.parse_iteration(line) if "iteration" in line else None
+                if rec and "loss" in rec:
+                    ctx.progress(_progress_line(rec, started, seq))
+        except KeyboardInterrupt:
+            proc.terminate()
+            raise
+        return proc.wait()
+
+
+def run(req: dict, ctx: Context) -> dict[str, Any]:
+    backend = _backend(req)
+    if req.get("num_gpus") is None and req.get("nodes") is None:
+        req = {**req, "num_gpus": max(1, detect_gpus()[0])}
+    run_id = ctx.request_id  # type: ignore[attr-defined]
+    run_dir = (Path(req["runs_root"]) / run_id).resolve()
+    if backend == "cpu":
+        from .train_cpu import plan_cpu_run
+        plan = plan_cpu_run(req, run_dir, run_id)
+    else:
+        plan = _plan_gpu_run(req, ctx, run_dir)
+    state = read_state(run_dir)
+    actions = plan["actions"]
+    ckpt = latest_checkpoint(run_dir / "checkpoints")
+    if state and state.get("status") == "finished":
+        ctx.progress(f"train: run {run_id} already finished; returning its result (nothing launched)")
+        return {**state["result"], "already_finished": True}
+    if state and state.get("status") == "running":
+        lock_owner = RunLock(run_dir).owner()
+        if lock_owner:
+            RunLock(run_dir).acquire()  # raises conflict while the owner lives; clears a stale lock
+            RunLock(run_dir).release()
+    if state and state.get("status") in ("failed", "killed", "running") and not req["resume"]:
+        raise ToolError("conflict", f"run {run_id} exists (status {state.get('status')}, "
+                        f"last checkpoint {ckpt})", where=str(run_dir),
+                        fix="pass --resume to continue from its last checkpoint, or change the request")
+    if ctx.dry_run:
+        return {"run_id": run_id, "run_dir": str(run_dir), "backend": backend, "dry_run": True,
+                "resume_from": ckpt if req["resume"] else None, "actions": actions,
+                "layout": plan.get("layout"), "prediction": plan.get("prediction")}
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lock = RunLock(run_dir)
+    lock.acquire()
+    try:
+        write_state(run_dir, status="running", run_id=run_id, backend=backend, request=req,
+                    resumed_from=ckpt if (state and req["resume"]) else None)
+        plan["write"]()
+        log_path = run_dir / "logs" / "train.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        ctx.progress(f"train: run {run_id} in {run_dir} ({backend}); log {log_path}")
+        own_log = backend == "gpu" and req["launcher"] != "slurm"  # the script tees to logs/train.log
+        rc = stream(plan["command"], None if own_log else log_path, ctx, plan["seq_length"],
+                    env=plan.get("env"), cwd=run_dir)
+        if req["launcher"] == "slurm" and backend == "gpu":
+            for out in sorted(run_dir.glob("slurm-*.out")):
+                log_path.write_text(log_path.read_text() + out.read_text() if log_path.exists() else out.read_text())
+        parsed = megatron_log.parse(log_path.read_text(errors="replace").splitlines())
+        summary = megatron_log.summarize(parsed, plan["seq_length"], plan.get("peak_tflops"))
+        result = {"run_id": run_id, "run_dir": str(run_dir), "backend": backend, "returncode": rc,
+                  "log": str(log_path), "checkpoint_iteration": latest_checkpoint(run_dir / "checkpoints"),
+                  "layout": plan.get("layout"), "prediction": plan.get("prediction"),
+                  "summary": {k: v for k, v in summary.items() if k not in ("loss_curve", "lr_curve")},
+                  "loss_curve": summary.get("loss_curve", [])[-50:]}
+        if rc != 0:
+            write_state(run_dir, status="failed", returncode=rc)
+            failure = summary["failures"][0] if summary.get("failures") else None
+            raise ToolError("runtime", f"training exited with status {rc}"
+                            + (f": {failure['meaning']}" if failure else ""), where=str(log_path),
+                            fix=(failure["fix"] if failure else "read the end of the log; rerun with --resume "
+                                 "to continue from the last checkpoint"), details={"result": result})
+        write_state(run_dir, status="finished", result=result)
+        return result
+    except KeyboardInterrupt:
+        write_state(run_dir, status="killed")
+        raise
+    finally:
+        lock.release()
+
+
+def _plan_gpu_run(req: dict, ctx: Context, run_dir: Path) -> dict[str, Any]:
+    n, name = detect_gpus()
+    if req["backend"] == "gpu" and n == 0 and not ctx.dry_run:
+        raise ToolError("environment", "no CUDA GPU is visible here", where="/backend",
+                        fix="run on a GPU machine, or use backend cpu with a tiny model")
+    sub = {k: v for k, v in req.items() if k in render.RENDER_KEYS}
+    sub.update(output_dir=str(run_dir), run_dir=str(run_dir))
+    if name and "gpu" not in req:
+        gpu = gpu_by_device_name(name)
+        if gpu:
+            sub["gpu"] = gpu.key
+    out = render.build(sub, ctx)
+    text = out.pop("_text")
+    script = Path(out["files"][0]["path"])
+    peak = None
+    try:
+        from .catalog import get_gpu
+        peak = get_gpu(sub.get("gpu", "h100-sxm")).bf16_dense_tflops
+    except ToolError:
+        pass
+
+    def write() -> None:
+        script.parent.mkdir(parents=True, exist_ok=True)
+        script.write_text(text)
+        script.chmod(0o755)
+
+    if req["launcher"] == "slurm":
+        command = ["sbatch", "--wait", f"--chdir={run_dir}", str(script)]
+    else:
+        command = ["bash", str(script)]
+    return {"actions": [f"write {script}", " ".join(shlex.quote(c) for c in command)], "write": write,
+            "command": command, "seq_length": out["layout"]["seq_length"], "layout": out["layout"],
+            "prediction": out["prediction"], "peak_tflops": peak}
+
+
+TOOL = register(Tool(name="train", summary="Run Megatron-Core training (torchrun or Slurm on GPUs; a tiny CPU "
+                     "run without them) in a run directory named by the request id; resumable.", run=run,
+                     acts=True))

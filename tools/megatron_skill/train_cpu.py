@@ -1,0 +1,62 @@
+"""The CPU side of train: a tiny model through runtime/cpu_loop.py under torchrun (gloo)."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from .errors import ToolError
+from .flops import padded_vocab_size
+from .resolve import default_global_batch, resolve_model
+
+CPU_MAX_PARAMS = 60e6  # enough for tests and demos; anything larger belongs on a GPU
+LOOP = Path(__file__).resolve().parent / "runtime" / "cpu_loop.py"
+
+
+def plan_cpu_run(req: dict, run_dir: Path, run_id: str) -> dict[str, Any]:
+    model = resolve_model(req)
+    if model.total_params() > CPU_MAX_PARAMS:
+        raise ToolError("environment", f"no GPU here, and {model.name} ({model.total_params() / 1e9:.2f}B "
+                        f"parameters) is too large for the CPU loop (at most {CPU_MAX_PARAMS / 1e6:.0f}M)",
+                        where="/model", fix="run on a GPU machine, or train model tiny-gpt on CPU")
+    if model.multi_latent_attention or model.mtp_num_layers:
+        raise ToolError("environment", "the CPU loop does not build MLA or MTP models", where="/model",
+                        fix="run on a GPU machine")
+    layout = req.get("layout") or {}
+    tp = layout.get("tp", 1)
+    procs = req.get("num_gpus") or 1
+    if procs % tp or model.num_attention_heads % tp or model.query_groups % tp:
+        raise ToolError("bad_request", f"TP {tp} does not divide the processes ({procs}) or the heads",
+                        where="/layout/tp", fix="use a TP that divides both")
+    dp = procs // tp
+    seq = req.get("seq_length") or model.default_seq_length or 256
+    gbs = req.get("global_batch_size") or min(default_global_batch(seq), 8 * dp)
+    mbs = layout.get("mbs", 1)
+    if gbs % (mbs * dp):
+        raise ToolError("bad_request", f"global batch {gbs} is not divisible by micro-batch {mbs} x DP {dp}",
+                        where="/global_batch_size", fix="make it a multiple of micro-batch x DP")
+    t = req["training"]
+    iters = t["train_iters"]
+    warm = t.get("lr_warmup_iters")
+    config = {
+        "model": {k: v for k, v in model.to_fields().items() if v is not None and k not in ("source",)},
+        "tp": tp, "seq_length": seq, "vocab_size": model.vocab_size,
+        "padded_vocab_size": padded_vocab_size(model.vocab_size, tp),
+        "seed": t["seed"], "lr": t["lr"], "min_lr": t["min_lr"],
+        "lr_warmup_iters": min(100, iters // 10) if warm is None else warm,
+        "weight_decay": t["weight_decay"], "init_method_std": t["init_method_std"], "train_iters": iters,
+        "global_batch_size": gbs, "micro_batch_size": mbs, "log_interval": t["log_interval"],
+        "save_interval": t["save_interval"], "save": str(run_dir / "checkpoints"),
+        "data_path": t.get("data_path"), "data_cache": str(run_dir / "data_cache"),
+    }
+    cfg_path = run_dir / "cpu_run.json"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(procs),
+               str(LOOP), str(cfg_path)]
+
+    def write() -> None:
+        cfg_path.write_text(json.dumps(config, indent=1))
+
+    return {"actions": [f"write {cfg_path}", " ".join(command)], "write": write, "command": command,
+            "seq_length": seq, "env": {"OMP_NUM_THREADS": "1"},
+            "layout": {"tp": tp, "pp": 1, "dp": dp, "mbs": mbs, "gbs": gbs, "seq_length": seq}, "prediction": None}

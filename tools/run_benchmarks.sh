@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Reproduce every GPU figure in references/benchmarks.md on the GPU(s) of this machine:
+#   bash tools/run_benchmarks.sh OUTDIR
+# Needs Python with torch and megatron-core (tools/setup.sh). Each step is a launch.py call;
+# the JSON each prints is kept in OUTDIR.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:?usage: run_benchmarks.sh OUTDIR}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+RUNS="$OUT/runs"
+step() { local name=$1 limit=$2; shift 2; echo "== $name" >&2; timeout "$limit" "$@" > "$OUT/$name.json" 2> "$OUT/$name.err"; echo "   rc=$?" >&2; }
+
+step doctor 120 "$PY" tools/launch.py doctor
+step calibrate 300 "$PY" tools/launch.py bench --calibrate --runs-root "$RUNS"
+step bench-3b 400 "$PY" tools/launch.py bench --request tools/benchmarks/llama-3b-shape-bf16.json --runs-root "$RUNS"
+step bench-1b 400 "$PY" tools/launch.py bench --request tools/benchmarks/llama-1b-shape-bf16.json --runs-root "$RUNS"
+
+# A train run killed with SIGKILL mid-run (the whole process group, as a node failure would),
+# refused when started again without --resume, then resumed from its last checkpoint.
+echo "== kill-resume" >&2
+KREQ=tools/benchmarks/kill-resume-125m.json
+run_dir=$("$PY" tools/launch.py train --request "$KREQ" --runs-root "$RUNS" --dry-run 2>/dev/null |
+  "$PY" -c 'import json, sys; print(json.load(sys.stdin)["result"]["run_dir"])')
+log="$run_dir/logs/train.log"
+setsid "$PY" tools/launch.py train --request "$KREQ" --runs-root "$RUNS" > "$OUT/kill-first.json" 2> "$OUT/kill-first.err" &
+pid=$!
+for _ in $(seq 1 600); do
+  if [ -f "$log" ] && grep -qE "iteration +25/" "$log"; then break; fi
+  sleep 0.5
+done
+kill -9 -- -"$pid" 2>/dev/null; sleep 3
+echo "   killed after: $(grep -oE 'iteration +[0-9]+/' "$log" | tail -1)" >&2
+step kill-norsm 120 "$PY" tools/launch.py train --request "$KREQ" --runs-root "$RUNS"
+step kill-resume 400 "$PY" tools/launch.py train --request "$KREQ" --runs-root "$RUNS" --resume
+cp "$log" "$OUT/kill-resume-train.log" 2>/dev/null
+
+# The README's first command: plan, render and a short train of the embedded default.
+step quickstart 400 bash tools/quickstart.sh "$OUT/quickstart"
