@@ -4,20 +4,23 @@
 # Needs Python with torch and megatron-core (tools/setup.sh). Each step is a launch.py call;
 # the JSON each prints is kept in OUTDIR.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 OUT=${1:?usage: run_benchmarks.sh OUTDIR}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 RUNS="$OUT/runs"
+ONLY=${ONLY:-doctor calibrate bench-3b bench-1b kill-resume quickstart}  # a subset: ONLY="bench-1b kill-resume"
+want() { [[ " $ONLY " == *" $1 "* ]]; }
 step() { local name=$1 limit=$2; shift 2; echo "== $name" >&2; timeout "$limit" "$@" > "$OUT/$name.json" 2> "$OUT/$name.err"; echo "   rc=$?" >&2; }
 
-step doctor 120 "$PY" tools/launch.py doctor
-step calibrate 300 "$PY" tools/launch.py bench --calibrate --runs-root "$RUNS"
-step bench-3b 400 "$PY" tools/launch.py bench --request tools/benchmarks/llama-3b-shape-bf16.json --runs-root "$RUNS"
-step bench-1b 400 "$PY" tools/launch.py bench --request tools/benchmarks/llama-1b-shape-bf16.json --runs-root "$RUNS"
+want doctor && step doctor 120 "$PY" tools/launch.py doctor
+want calibrate && step calibrate 300 "$PY" tools/launch.py bench --calibrate --runs-root "$RUNS"
+want bench-3b && step bench-3b 400 "$PY" tools/launch.py bench --request tools/benchmarks/llama-3b-shape-bf16.json --runs-root "$RUNS"
+want bench-1b && step bench-1b 400 "$PY" tools/launch.py bench --request tools/benchmarks/llama-1b-shape-bf16.json --runs-root "$RUNS"
 
 # A train run killed with SIGKILL mid-run (the whole process group, as a node failure would),
 # refused when started again without --resume, then resumed from its last checkpoint.
+if want kill-resume; then
 echo "== kill-resume" >&2
 KREQ=tools/benchmarks/kill-resume-125m.json
 run_dir=$("$PY" tools/launch.py train --request "$KREQ" --runs-root "$RUNS" --dry-run 2>/dev/null |
@@ -34,6 +37,7 @@ echo "   killed after: $(grep -oE 'iteration +[0-9]+/' "$log" | tail -1)" >&2
 step kill-norsm 120 "$PY" tools/launch.py train --request "$KREQ" --runs-root "$RUNS"
 step kill-resume 400 "$PY" tools/launch.py train --request "$KREQ" --runs-root "$RUNS" --resume
 cp "$log" "$OUT/kill-resume-train.log" 2>/dev/null
+fi
 
 # The README's first command: plan, render and a short train of the embedded default.
-step quickstart 400 bash tools/quickstart.sh "$OUT/quickstart"
+want quickstart && step quickstart 400 bash tools/quickstart.sh "$OUT/quickstart"
