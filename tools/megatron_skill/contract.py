@@ -144,7 +144,8 @@ def call(tool_name: str, request: dict, ctx: Context | None = None) -> dict:
 
 def exit_code(envelope: dict) -> int:
     if envelope.get("ok"):
-        return 0
+        # validate answers ok with valid: false when it finds errors: exit 7 lets a shell branch on it.
+        return 7 if envelope.get("result", {}).get("valid") is False else 0
     from .errors import EXIT_CODES
     return EXIT_CODES.get(envelope["error"]["code"], 1)
 
@@ -219,13 +220,13 @@ def _read_request(source: str) -> Any:
 
 
 def main_for(tool: Tool, argv: list[str]) -> int:
-    parser = build_parser(tool)
     # argparse prints usage and exits 2 on bad flags; turn that into the JSON error too.
     def fail(message: str) -> None:
         raise ToolError("bad_request", message, where="argv", fix=f"see: launch.py {tool.name} --help")
-    parser.error = fail  # type: ignore[method-assign]
     pretty = "--pretty" in argv
     try:
+        parser = build_parser(tool)
+        parser.error = fail  # type: ignore[method-assign]
         args = parser.parse_args(argv)
         request: dict = {}
         if args.request:

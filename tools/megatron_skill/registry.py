@@ -4,3 +4,4 @@ from . import render  # noqa: F401
 from . import train  # noqa: F401
 from . import bench  # noqa: F401
 from . import doctor  # noqa: F401
+from . import validate  # noqa: F401

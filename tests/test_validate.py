@@ -1,0 +1,159 @@
+"""validate: a suite of broken launch scripts (each error kind at least once) and correct ones."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+from megatron_skill.contract import call
+
+HEAD = """#!/bin/bash
+set -euo pipefail
+export CUDA_DEVICE_MAX_CONNECTIONS=1
+GPUS_PER_NODE=8
+MODEL=(
+  --num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336
+  --num-attention-heads 32 --group-query-attention --num-query-groups 8
+  --seq-length 4096 --max-position-embeddings 8192 --swiglu --normalization RMSNorm
+  --position-embedding-type rope --disable-bias-linear --untie-embeddings-and-output-weights
+  --vocab-size 128256 --tokenizer-type NullTokenizer --mock-data
+)
+TRAIN="--train-iters 100 --lr 3e-4 --bf16"
+"""
+
+
+def script(parallel: str, extra: str = "", head: str = HEAD, nproc: str = "$GPUS_PER_NODE") -> str:
+    return head + f"""PAR=(
+  {parallel}
+)
+torchrun --nproc-per-node {nproc} \\
+  pretrain_gpt.py "${{MODEL[@]}}" "${{PAR[@]}}" $TRAIN \\
+  {extra}
+"""
+
+
+GOOD = script("--tensor-model-parallel-size 2 --sequence-parallel --micro-batch-size 1 --global-batch-size 64 "
+              "--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather")
+
+BROKEN = {
+    "obsolete_flag": script("--tensor-model-parallel-size 2 --sequence-parallel --micro-batch-size 1 "
+                            "--global-batch-size 64", "--fp8-hybrid --use-mcore-models"),
+    "unknown_flag": script("--tensor-model-parallel-size 2 --sequence-parallel --micro-batch-size 1 "
+                           "--global-batch-size 64 --pipline-model-parallel-size 2"),
+    "bad_value": script("--tensor-model-parallel-size two --micro-batch-size 1 --global-batch-size 64"),
+    "world_size": script("--tensor-model-parallel-size 4 --pipeline-model-parallel-size 4 --micro-batch-size 1 "
+                         "--global-batch-size 64", nproc="8"),
+    "tp_heads": script("--tensor-model-parallel-size 3 --micro-batch-size 1 --global-batch-size 64", nproc="6"),
+    "tp_query_groups": script("--tensor-model-parallel-size 16 --micro-batch-size 1 --global-batch-size 64",
+                              nproc="16"),
+    "pp_layers": script("--pipeline-model-parallel-size 3 --micro-batch-size 1 --global-batch-size 64", nproc="6"),
+    "cp_sequence": script("--context-parallel-size 8 --micro-batch-size 1 --global-batch-size 64",
+                          head=HEAD.replace("--seq-length 4096", "--seq-length 4100")),
+    "gbs_divisible": script("--micro-batch-size 3 --global-batch-size 64"),
+    "tp_comm_overlap_needs_sp": script("--tensor-model-parallel-size 2 --micro-batch-size 1 --global-batch-size 64",
+                                       "--tp-comm-overlap"),
+    "fp8_param_gather_needs_distopt": script("--micro-batch-size 1 --global-batch-size 64",
+                                             "--fp8-format hybrid --fp8-param-gather"),
+    "overlap_param_gather_needs_distopt": script("--micro-batch-size 1 --global-batch-size 64",
+                                                 "--overlap-grad-reduce --overlap-param-gather"),
+    "cuda_device_max_connections": script("--tensor-model-parallel-size 2 --sequence-parallel --micro-batch-size 1 "
+                                          "--global-batch-size 64",
+                                          head=HEAD.replace("export CUDA_DEVICE_MAX_CONNECTIONS=1\n", "")),
+    "out_of_memory": script("--micro-batch-size 16 --global-batch-size 128"),
+    "ep_experts": script("--expert-model-parallel-size 3 --micro-batch-size 1 --global-batch-size 48",
+                         head=HEAD.replace("--mock-data", "--mock-data --num-experts 8 --moe-router-topk 2"), nproc="6"),
+    "moe_needs_sp": script("--tensor-model-parallel-size 2 --micro-batch-size 1 --global-batch-size 64",
+                           head=HEAD.replace("--mock-data", "--mock-data --num-experts 8 --moe-router-topk 2")),
+    "megatron_validate_args": script("--micro-batch-size 1 --global-batch-size 64 --use-distributed-optimizer "
+                                     "--overlap-param-gather"),
+}
+FP8_ON_AMPERE = script("--tensor-model-parallel-size 2 --sequence-parallel --micro-batch-size 1 --global-batch-size 64 --use-distributed-optimizer",
+                       "--fp8-format hybrid --fp8-recipe tensorwise")
+
+
+def _validate(text: str, gpu: str = "h100-sxm", **extra):
+    env = call("validate", {"script_text": text, "gpu": gpu, **extra})
+    assert env["ok"], env
+    return env["result"]
+
+
+def test_correct_handwritten_script_passes():
+    res = _validate(GOOD)
+    assert res["valid"], res["errors"]
+    assert res["world_size"] == 8 and res["layout"]["tp"] == 2 and res["layout"]["dp"] == 4
+
+
+@pytest.mark.parametrize("kind", sorted(BROKEN))
+def test_each_error_kind_is_found_with_its_fix(kind):
+    res = _validate(BROKEN[kind])
+    assert not res["valid"]
+    codes = [e["code"] for e in res["errors"]]
+    assert kind in codes, (kind, res["errors"])
+    for e in res["errors"]:
+        assert e["fix"] and e["message"]
+
+
+def test_obsolete_flags_name_their_replacements():
+    res = _validate(BROKEN["obsolete_flag"])
+    fixes = {e["message"].split()[0]: e["fix"] for e in res["errors"] if e["code"] == "obsolete_flag"}
+    assert "--fp8-format hybrid" in fixes["--fp8-hybrid"]
+    assert "drop" in fixes["--use-mcore-models"]
+    for flag, fix in [("--cpu-optimizer-type", "--optimizer-cpu-offload"),
+                      ("--virtual-pipeline-model-parallel-size", "--num-layers-per-virtual-pipeline-stage"),
+                      ("--use-flash-attn", "--attention-backend")]:
+        res = _validate(GOOD.replace("pretrain_gpt.py", f"pretrain_gpt.py {flag} 4" if "size" in flag or "type" in flag
+                                     else f"pretrain_gpt.py {flag}"))
+        assert any(fix in e["fix"] for e in res["errors"]), res["errors"]
+    res = _validate(BROKEN["unknown_flag"])
+    assert any("--pipeline-model-parallel-size" in e["fix"] for e in res["errors"])
+    assert any(e.get("where", "").startswith("line ") for e in res["errors"])
+
+
+def test_fp8_before_hopper():
+    assert _validate(FP8_ON_AMPERE, gpu="h100-sxm")["valid"]
+    res = _validate(FP8_ON_AMPERE, gpu="a100-80gb")
+    assert "fp8_arch" in [e["code"] for e in res["errors"]]
+
+
+def test_slurm_script_world_size_from_sbatch_lines():
+    text = GOOD.replace("#!/bin/bash\n", "#!/bin/bash\n#SBATCH --nodes=2\n#SBATCH --gpus-per-node=8\n")
+    text = text.replace("--nproc-per-node $GPUS_PER_NODE", "--nnodes $SLURM_NNODES --nproc-per-node $GPUS_PER_NODE")
+    res = _validate(text)
+    assert res["world_size"] == 16 and res["layout"]["dp"] == 8
+
+
+@pytest.mark.parametrize("model,n", [("llama3-8b", 8), ("llama3-70b", 64), ("mixtral-8x7b", 64),
+                                     ("deepseek-v3", 1024), ("qwen3-30b-a3b", 16)])
+@pytest.mark.parametrize("launcher", ["torchrun-multinode", "slurm"])
+def test_rendered_scripts_validate_clean(tmp_path, model, n, launcher):
+    env = call("render", {"model": model, "num_gpus": n, "seq_length": 4096, "launcher": launcher,
+                          "output_dir": str(tmp_path)})
+    assert env["ok"], env
+    res = _validate(Path(env["result"]["files"][0]["path"]).read_text())
+    assert res["valid"], res["errors"]
+    assert res["world_size"] == n
+    assert res["layout"]["tp"] == env["result"]["layout"]["tp"]
+    assert res["layout"]["pp"] == env["result"]["layout"]["pp"]
+
+
+def test_render_request_and_args_forms():
+    bad = call("validate", {"render_request": {"model": "llama3-70b", "num_gpus": 8, "layout": {"tp": 1, "mbs": 4}}})
+    assert bad["ok"] and not bad["result"]["valid"] and "GiB" in bad["result"]["errors"][0]["message"]
+    good = call("validate", {"render_request": {"model": "llama3-8b", "num_gpus": 8}})
+    assert good["result"]["valid"]
+    args = call("validate", {"args": ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+                                      "--fp8-hybrid"], "num_gpus": 1})
+    assert not args["result"]["valid"]
+
+
+def test_cli_exit_codes(tmp_path):
+    good, bad = tmp_path / "good.sh", tmp_path / "bad.sh"
+    good.write_text(GOOD)
+    bad.write_text(BROKEN["obsolete_flag"])
+    run = lambda p: subprocess.run([sys.executable, str(ROOT / "tools/launch.py"), "validate", "--script", str(p)],  # noqa: E731
+                                   capture_output=True, text=True)
+    assert run(good).returncode == 0
+    assert run(bad).returncode == 7
+    missing = run(tmp_path / "nope.sh")
+    assert missing.returncode == 3 and '"not_found"' in missing.stdout
