@@ -45,7 +45,7 @@ CONFIGS = list(_configs())
 
 
 def _megatron_args(m, lay):
-    argv = (megatron_args.model_args(m) + megatron_args.layout_args(lay, m)
+    argv = (megatron_args.model_args(m, lay.seq_length) + megatron_args.layout_args(lay, m)
             + ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(m.vocab_size),
                "--train-iters", "10", "--lr", "1e-4"])
     args = megatron_parser.parse(argv, world_size=lay.world_size)

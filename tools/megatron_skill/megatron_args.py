@@ -17,10 +17,15 @@ NO_TE_FLAGS = ["--no-masked-softmax-fusion", "--no-gradient-accumulation-fusion"
                "--no-persist-layer-norm", "--no-rope-fusion"]
 
 
-def model_args(m: ModelSpec) -> list[str]:
+def model_args(m: ModelSpec, seq_length: int | None = None) -> list[str]:
+    # Megatron requires --max-position-embeddings >= --seq-length even with RoPE, which has no
+    # position table: raise it for a longer sequence (learned positions are a hard limit instead).
+    positions = m.max_position_embeddings
+    if m.position_embedding_type == "rope" and seq_length:
+        positions = max(positions, seq_length)
     a = ["--num-layers", m.num_layers, "--hidden-size", m.hidden_size,
          "--ffn-hidden-size", m.ffn_hidden_size, "--num-attention-heads", m.num_attention_heads,
-         "--max-position-embeddings", m.max_position_embeddings,
+         "--max-position-embeddings", positions,
          "--normalization", m.normalization, "--position-embedding-type", m.position_embedding_type]
     if m.kv_channels and not m.multi_latent_attention:
         a += ["--kv-channels", m.kv_channels]
@@ -127,7 +132,7 @@ def training_args(settings: dict[str, Any]) -> list[str]:
 
 
 def full_args(model: ModelSpec, lay: Layout, settings: dict[str, Any], have_te: bool) -> list[str]:
-    a = model_args(model) + layout_args(lay, model) + training_args(settings)
+    a = model_args(model, lay.seq_length) + layout_args(lay, model) + training_args(settings)
     if have_te:
         a += ["--transformer-impl", "transformer_engine", "--attention-backend", "auto"]
     else:

@@ -5,3 +5,4 @@ from . import train  # noqa: F401
 from . import bench  # noqa: F401
 from . import doctor  # noqa: F401
 from . import validate  # noqa: F401
+from . import logs  # noqa: F401

@@ -146,7 +146,7 @@ def build(req: dict, ctx: Context) -> dict[str, Any]:
     if training.get("tokenizer_model"):
         training["tokenizer_model"] = _path(training["tokenizer_model"])
     training["tensorboard_dir"] = f"{run_dir}/tensorboard"
-    argv = (megatron_args.model_args(model) + megatron_args.layout_args(lay, model)
+    argv = (megatron_args.model_args(model, lay.seq_length) + megatron_args.layout_args(lay, model)
             + megatron_args.training_args(training))
     # Both variants the script may run, with and without Transformer Engine, must parse.
     parser_check = megatron_flags.check(argv + ["--transformer-impl", "local"] + megatron_args.NO_TE_FLAGS,

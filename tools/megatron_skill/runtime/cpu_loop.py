@@ -22,7 +22,7 @@ def build_model(cfg: dict):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from .cpu_rope import keep_rope_on_cpu
-    from .specs import local_sdpa_spec
+    from .specs import block_spec
 
     m = cfg["model"]
     act = {"swiglu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu,
@@ -33,16 +33,18 @@ def build_model(cfg: dict):
         kv_channels=m.get("kv_channels"), normalization=m.get("normalization", "RMSNorm"),
         gated_linear_unit=m.get("activation", "swiglu") == "swiglu", activation_func=act,
         add_bias_linear=m.get("add_bias_linear", False), tensor_model_parallel_size=cfg["tp"],
-        sequence_parallel=cfg["tp"] > 1, use_cpu_initialization=True, params_dtype=torch.float32,
+        # Sequence parallelism's reduce-scatter allocates on the CUDA device: TP on CPU runs without it.
+        sequence_parallel=False, use_cpu_initialization=True, params_dtype=torch.float32,
         attention_dropout=0.0, hidden_dropout=0.0, init_method_std=cfg.get("init_method_std", 0.02),
         masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
         num_moe_experts=m.get("num_experts"), moe_router_topk=m.get("moe_router_topk", 2),
         moe_ffn_hidden_size=m.get("moe_ffn_hidden_size"), moe_token_dispatcher_type="alltoall",
     )
-    spec = local_sdpa_spec(m.get("num_experts"), False, m.get("qk_layernorm", False), False,
-                           normalization=m.get("normalization", "RMSNorm"))
-    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=cfg["padded_vocab_size"],
+    if m.get("moe_layer_freq") not in (None, 1):
+        config.moe_layer_freq = m["moe_layer_freq"]
+    config.qk_layernorm = bool(m.get("qk_layernorm", False))
+    model = GPTModel(config=config, transformer_layer_spec=block_spec(config), vocab_size=cfg["padded_vocab_size"],
                      max_sequence_length=cfg["seq_length"], position_embedding_type="rope",
                      rotary_base=m.get("rotary_base", 10000),
                      share_embeddings_and_output_weights=not m.get("untie_embeddings_and_output_weights", True))
@@ -59,14 +61,14 @@ def build_data(cfg: dict, dp_rank: int, dp_size: int):
     data_path = cfg.get("data_path")
     ds_cfg = GPTDatasetConfig(
         random_seed=cfg["seed"], sequence_length=cfg["seq_length"],
-        blend=(data_path, None) if data_path else None, split="99,1,0" if data_path else None,
+        blend=(data_path, None) if data_path else None, split="100,0,0" if data_path else None,
         tokenizer=NullTokenizer(vocab_size=cfg["vocab_size"]), reset_position_ids=False,
         reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False,
         path_to_cache=cfg.get("data_cache"), mid_level_dataset_surplus=0.005,
     )
     n = cfg["train_iters"] * cfg["global_batch_size"]
     kind = GPTDataset if data_path else MockGPTDataset
-    train, _, _ = BlendedMegatronDatasetBuilder(kind, [n, 0, 0], lambda: True, ds_cfg).build()
+    train, _, _ = BlendedMegatronDatasetBuilder(kind, [n, None, None], lambda: True, ds_cfg).build()
     mbs, per_dp = cfg["micro_batch_size"], cfg["global_batch_size"] // dp_size
     return train, mbs, per_dp
 

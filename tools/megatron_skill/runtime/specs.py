@@ -1,15 +1,18 @@
 """The layer spec the skill trains with: Megatron-Core's own, with one swappable part.
 
 With Transformer Engine: Megatron's TE spec, untouched.  Without it: Megatron's local spec
-with core attention swapped for SDPAttention (configuration as data: ModuleSpec), so
-everything else (MoE, MLA, MTP, norms, linear layers) stays Megatron's.
+with two parts swapped (configuration as data: ModuleSpec): core attention for
+SDPAttention, and the torch norms for SequenceParallelNorm so that TP can use sequence
+parallelism.  Everything else (MoE, MLA, MTP, linear layers) stays Megatron's.
 """
 from __future__ import annotations
 
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from .attention import SDPAttention
+from .norm import SequenceParallelNorm
 
 
 def have_transformer_engine() -> bool:
@@ -24,12 +27,30 @@ def local_sdpa_spec(num_experts=None, moe_grouped_gemm=False, qk_layernorm=False
                     multi_latent_attention=False, normalization="RMSNorm") -> ModuleSpec:
     spec = get_gpt_layer_local_spec(num_experts, moe_grouped_gemm, qk_layernorm, multi_latent_attention,
                                     normalization=normalization)
-    spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    return _swap_parts(spec)
+
+
+def _swap_parts(spec: ModuleSpec) -> ModuleSpec:
+    sub = spec.submodules
+    sub.self_attention.submodules.core_attention = SDPAttention
+    for name in ("input_layernorm", "pre_mlp_layernorm"):
+        if getattr(sub, name, None) is WrappedTorchNorm:
+            setattr(sub, name, SequenceParallelNorm)
     return spec
 
 
-def layer_spec_for(config, vp_stage=None) -> ModuleSpec:
+def block_spec(transformer_config, vp_stage=None, pp_rank=None):
+    """Megatron's decoder block spec (dense and MoE layers as --moe-layer-freq says), local
+    layers with the swapped parts, and the same norm for the final layer norm."""
+    block = get_gpt_decoder_block_spec(transformer_config, use_transformer_engine=False,
+                                       normalization=transformer_config.normalization, vp_stage=vp_stage,
+                                       pp_rank=pp_rank)
+    block.layer_specs = [_swap_parts(s) for s in block.layer_specs]
+    if block.layer_norm is WrappedTorchNorm:
+        block.layer_norm = SequenceParallelNorm
+    return block
+
+
+def layer_spec_for(config, vp_stage=None):
     """A transformer_layer_spec callable for megatron.training.models.gpt.GPTModelConfig."""
-    t = config.transformer
-    return local_sdpa_spec(t.num_moe_experts, t.moe_grouped_gemm, t.qk_layernorm, t.multi_latent_attention,
-                           normalization=t.normalization)
+    return block_spec(config.transformer, vp_stage=vp_stage)

@@ -1,0 +1,63 @@
+"""The log reader and the logs tool, on a real H200 log and on broken ones."""
+import json
+from pathlib import Path
+
+from megatron_skill import megatron_log
+from megatron_skill.contract import call
+
+FIXTURE = Path(__file__).parent / "fixtures" / "logs" / "h200-kill-resume.log"
+LINE = (" [2026-12-02 13:20:32.559828] iteration {it:8d}/      40 | consumed samples:          304 | elapsed time per "
+        "iteration (ms): 238.3 | throughput per GPU (TFLOP/s/GPU): 49.1 | learning rate: 1.999406E-04 | global batch "
+        "size:    16 | lm loss: {loss} | loss scale: 1.0 | grad norm: 15.736 | number of skipped iterations:   0 | "
+        "number of nan iterations:   {nan} |")
+
+
+def _line(it, loss=3.0, nan=0):
+    return LINE.format(it=it, loss=f"{loss:E}" if isinstance(loss, float) else loss, nan=nan)
+
+
+def test_real_h200_log_with_a_kill_and_a_resume():
+    parsed = megatron_log.parse(FIXTURE.read_text().splitlines())
+    s = megatron_log.summarize(parsed, seq_length=1024, peak_tflops=989)
+    assert s["logged_iterations"] == 40 and s["last_iteration"] == 40
+    # Iterations 21-26 ran twice (before the kill and after the resume): the later values win.
+    assert dict(map(tuple, s["loss_curve"]))[21] == 2.289625
+    assert s["first_loss"] > 10 > s["final_loss"]
+    assert s["max_allocated_gib"] > 1 and 0 < s["mfu"] < 0.2 and s["tokens_per_s"] > 10000
+    assert s["failures"] == [] and s["nan_iterations"] == 0
+
+
+def test_truncated_interleaved_and_garbled_lines():
+    good = [_line(i, 5.0 - i * 0.1) for i in range(1, 11)]
+    cut = good[4][: len(good[4]) // 2]                     # a rank killed mid-line
+    mixed = good[6][:80] + "[rank3]: W1202 some warning\n"   # another rank wrote into the line
+    garbage = "\x00\x1b[31m iteration ||| lm loss: x |"
+    lines = good[:4] + [cut] + [good[5], mixed, garbage] + good[7:]
+    s = megatron_log.summarize(megatron_log.parse(lines), seq_length=4096)
+    assert s["last_iteration"] == 10
+    assert s["logged_iterations"] >= 8 and s["unreadable_lines"] >= 1
+
+
+def test_failures_and_anomalies_get_hints(tmp_path):
+    lines = [_line(i, 3.0) for i in range(1, 8)] + [_line(8, 9.5), _line(9, "nan", nan=1)]
+    lines += ["torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB",
+              "[rank3]:[E1202] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=5, OpType=ALLREDUCE)"]
+    log = tmp_path / "train.log"
+    log.write_text("\n".join(lines))
+    env = call("logs", {"log": str(log), "gpu": "h200", "seq_length": 4096})
+    assert env["ok"], env
+    r = env["result"]
+    codes = {f["code"] for f in r["failures"]}
+    assert {"out_of_memory", "nccl_timeout"} <= codes
+    kinds = {a["kind"] for a in r["anomalies"]}
+    assert {"loss_spike", "nan"} <= kinds
+    assert any("plan" in h for h in r["hints"]) and len(r["hints"]) >= 4
+
+
+def test_not_a_log(tmp_path, cli):
+    p = tmp_path / "x.log"
+    p.write_text("hello\n")
+    rc, out, _ = cli("logs", "--log", str(p))
+    assert rc == 7 and out["error"]["code"] == "invalid_script"
+    rc, out, _ = cli("logs", "--log", str(tmp_path / "missing.log"))
+    assert rc == 3

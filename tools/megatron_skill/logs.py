@@ -1,0 +1,69 @@
+"""The logs tool: a Megatron training log summarised, with the known failures explained."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from . import megatron_log
+from .catalog import get_gpu
+from .contract import Context, Tool, register
+from .errors import ToolError
+
+
+def run(req: dict, ctx: Context) -> dict[str, Any]:
+    path = Path(req["log"])
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError as e:
+        raise ToolError("not_found", f"cannot read {path}: {e.strerror}", where="/log",
+                        fix="give the path of a Megatron training log (train writes RUN_DIR/logs/train.log)")
+    peak = get_gpu(req["gpu"], where="/gpu").bf16_dense_tflops if req.get("gpu") else None
+    parsed = megatron_log.parse(lines)
+    summary = megatron_log.summarize(parsed, req.get("seq_length"), peak)
+    if not summary.get("logged_iterations") and not summary.get("failures"):
+        raise ToolError("invalid_script", f"no Megatron iteration lines in {path}", where="/log",
+                        fix="give the log of a Megatron run with --log-interval set (and --log-throughput for TFLOP/s)")
+    curve = summary.get("loss_curve", [])
+    if len(curve) > req["max_points"]:
+        step = len(curve) / req["max_points"]
+        summary["loss_curve"] = [curve[int(i * step)] for i in range(req["max_points"])] + [curve[-1]]
+        summary["lr_curve"] = summary.get("lr_curve", [])[:: max(1, int(step))]
+    hints = [f"{f['code']}: {f['meaning']} -> {f['fix']}" for f in summary.get("failures", [])]
+    for a in summary.get("anomalies", []):
+        if a["kind"] == "loss_spike":
+            hints.append(f"loss spike at iteration {a['iteration']} ({a['before']:.3g} -> {a['loss']:.3g}): "
+                         "lower the learning rate or raise warm-up; check the data around that step")
+        elif a["kind"] == "nan":
+            hints.append("NaN loss: lower the learning rate, check --clip-grad, and the data; with FP8 try BF16")
+        elif a["kind"] == "divergence":
+            hints.append(f"loss rising at the end (best {a['best']:.3g}, now {a['loss']:.3g}): lower the learning "
+                         "rate or resume from an earlier checkpoint")
+    summary["hints"] = hints
+    if req.get("plot"):
+        summary["plot"] = _plot(parsed, Path(req["plot"]))
+    ctx.progress(f"logs: {summary.get('logged_iterations', 0)} iterations, final loss {summary.get('final_loss')}, "
+                 f"{len(hints)} hint(s)")
+    return summary
+
+
+def _plot(parsed: dict, out: Path) -> str | None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    its = parsed["iterations"]
+    fig, ax = plt.subplots(1, 2, figsize=(10, 3.5))
+    ax[0].plot([r["iteration"] for r in its if "loss" in r], [r["loss"] for r in its if "loss" in r])
+    ax[0].set_xlabel("iteration"); ax[0].set_ylabel("lm loss")
+    ax[1].plot([r["iteration"] for r in its if "tflops_per_gpu" in r], [r["tflops_per_gpu"] for r in its if "tflops_per_gpu" in r])
+    ax[1].set_xlabel("iteration"); ax[1].set_ylabel("TFLOP/s/GPU")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    return str(out)
+
+
+TOOL = register(Tool(name="logs", summary="Summarise a Megatron training log: loss curve, speed, MFU, memory, "
+                     "NaN / skipped iterations, and OOM, NCCL and divergence with hints.", run=run))
