@@ -175,6 +175,29 @@ def test_rendered_sbatch_runs_under_slurm_with_the_right_rendezvous(tmp_path, sl
     assert "--transformer-impl" in probe["argv"]
 
 
+@pytest.mark.parametrize("model", sorted(CLUSTERS))
+def test_top_plan_scripts_of_catalog_models_run_under_slurm(tmp_path, slurm, model):
+    # Each catalog model's script for its real cluster, submitted to the one-node test cluster:
+    # --nodes=1 on the sbatch command line overrides the script's node count, so the same
+    # script starts one torchrun with its 8 ranks (gloo, CPU), which must meet and receive
+    # exactly the rendered Megatron arguments.
+    seq = 2048 if model == "gpt3-175b" else 4096
+    run_dir = tmp_path / "run"
+    res, _ = _render(tmp_path, model=model, num_gpus=CLUSTERS[model], seq_length=seq, launcher="slurm",
+                     run_dir=str(run_dir), python=sys.executable,
+                     slurm={"gpus": False, "exclusive": False, "time": "00:10:00"})
+    env = {**os.environ, "MEGATRON_SKILL_ENTRY": str(ROOT / "tests" / "rendezvous_probe.py"),
+           "MASTER_PORT": "29741", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(["sbatch", "--wait", "--nodes=1", f"--chdir={tmp_path}", res["files"][0]["path"]],
+                          env=env, capture_output=True, text=True, timeout=600)
+    logs = "".join(p.read_text() for p in tmp_path.glob("slurm-*.out"))
+    assert proc.returncode == 0, proc.stderr + logs[-3000:]
+    probe = json.loads((run_dir / "probe.json").read_text())
+    assert probe["world_size"] == 8 and probe["rank_sum"] == sum(range(8))
+    assert probe["rdzv_run_id"] == probe["slurm_job_id"]
+    assert probe["argv"][:len(res["megatron_args"])] == res["megatron_args"]
+
+
 def test_multinode_script_rendezvous_on_localhost(tmp_path):
     # Two "nodes" on one machine: the same script started twice, meeting at MASTER_ADDR.
     run_dir = tmp_path / "run"
@@ -190,3 +213,10 @@ def test_multinode_script_rendezvous_on_localhost(tmp_path):
     assert all(p.returncode == 0 for p in procs), outs
     probe = json.loads((run_dir / "probe.json").read_text())
     assert probe["world_size"] == 2 and probe["rank_sum"] == 1
+
+
+def test_flag_manifest_matches_the_installed_megatron():
+    # catalog/megatron_flags.json serves where megatron-core is absent; it must be the installed
+    # parser's flag set (regenerate with: python tools/gen_megatron_manifest.py).
+    from megatron_skill.megatron_flags import build_manifest, load_manifest
+    assert load_manifest() == build_manifest()

@@ -251,5 +251,8 @@ def main_for(tool: Tool, argv: list[str]) -> int:
         envelope = {"ok": False, "tool": tool.name,
                     "error": {"code": "runtime", "message": f"internal error: {type(e).__name__}: {e}",
                               "fix": "set MEGATRON_SKILL_DEBUG=1 for the traceback and report it"}}
-    print(json.dumps(envelope, indent=2 if pretty else None, sort_keys=False))
+    try:
+        print(json.dumps(envelope, indent=2 if pretty else None, sort_keys=False), flush=True)
+    except BrokenPipeError:  # the reader stopped early (| head): not our error
+        sys.stdout = open(os.devnull, "w")
     return exit_code(envelope)
