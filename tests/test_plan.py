@@ -169,3 +169,9 @@ def test_help_lists_flags(cli):
     out = subprocess.run([sys.executable, str(ROOT / "tools/launch.py"), "plan", "--help"],
                          capture_output=True, text=True).stdout
     assert "--num-gpus" in out and "--constraints" in out and "Exit codes" in out
+
+
+def test_without_transformer_engine_no_context_parallel():
+    result = _plan(model="llama3-8b", num_gpus=8, seq_length=8192, global_batch_size=128, transformer_engine=False)
+    assert all(p["layout"]["cp"] == 1 for p in result["plans"])
+    assert "cp_needs_te" in result["rejected"]

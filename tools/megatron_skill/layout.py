@@ -111,6 +111,7 @@ RULES = {
     "recompute_layers": "full recompute of N layers needs 1 <= N <= layers per (virtual) stage",
     "seq_positions": "seq_length exceeds the learned position embeddings",
     "out_of_memory": "predicted peak memory exceeds the GPU",
+    "cp_needs_te": "context parallelism needs Transformer Engine's attention (the local SDPA path has none)",
 }
 
 

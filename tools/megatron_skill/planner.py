@@ -110,6 +110,9 @@ def search(model: ModelSpec, gpu: GPUSpec, n_gpus: int, seq_length: int, gbs: in
                     if cp > 1 and seq_length % (2 * cp):
                         rej.add("cp_sequence", f"CP{cp} seq{seq_length}")
                         continue
+                    if cp > 1 and not te:
+                        rej.add("cp_needs_te", f"CP{cp} without Transformer Engine")
+                        continue
                     rest = n_gpus // (tp * cp)
                     for pp in _allowed(c, "pp", _divisors(rest)):
                         if rest % pp or pp > model.num_layers:
