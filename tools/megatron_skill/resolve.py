@@ -42,8 +42,6 @@ def resolve_cluster(req: dict[str, Any]) -> tuple[GPUSpec, int, int]:
     else:
         raise ToolError("bad_request", "no GPU count given", where="/num_gpus",
                         fix="give num_gpus, or nodes (with gpus_per_node if not the GPU's usual)")
-    if per_node > gpu.nvlink_domain and gpu.nvlink_domain < 72:
-        per_node = per_node  # a wider node than the catalog's: NVLink still spans nvlink_domain
     return gpu, n, per_node
 
 
