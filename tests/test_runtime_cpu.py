@@ -196,3 +196,15 @@ def test_train_tool_cpu_run_is_never_started_twice(tmp_path, cli):
 def test_cpu_train_refuses_large_models(cli, tmp_path):
     rc, out, _ = cli("train", "--model", "llama3-8b", "--backend", "cpu", "--runs-root", str(tmp_path))
     assert rc == 5 and out["error"]["code"] == "environment" and "tiny-gpt" in out["error"]["fix"]
+
+
+def test_fused_linear_cross_entropy_trains_like_megatrons_output_layer(tmp_path):
+    """Through GPTModel's output_processor hook, with the vocabulary split over two TP ranks:
+    the same losses over optimizer steps as Megatron's own output layer and loss on one rank."""
+    one, two = tmp_path / "plain", tmp_path / "fused"
+    one.mkdir(), two.mkdir()
+    kw = dict(train_iters=3, save_interval=None, global_batch_size=2, micro_batch_size=2)
+    plain = _run_loop(_config(one, **kw))
+    fused = _run_loop(_config(two, tp=2, fused_head=True, **kw), nproc=2)
+    for it in (1, 2, 3):
+        assert fused[it] == pytest.approx(plain[it], rel=2e-4)

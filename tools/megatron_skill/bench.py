@@ -74,6 +74,10 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
     treq = {k: v for k, v in req.items() if k in train_keys()}
     treq.update(training=training, backend="gpu", gpu=gpu.key, runs_root=req["runs_root"], resume=False,
                 launcher="torchrun")
+    profile_path = out_dir / "profile.json"
+    if req["profile"]:
+        treq["env"] = {**treq.get("env", {}), "MEGATRON_SKILL_PROFILE": str(profile_path),
+                       "MEGATRON_SKILL_PROFILE_ITER": str(req["warmup_iters"] + 1)}
     treq = train_defaults(treq)
     result = train.run(treq, ctx)
     if ctx.dry_run:
@@ -113,6 +117,11 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
     out["error_pct"] = {"tokens_per_s": _pct(tokens, pred.tokens_per_s),
                         "memory": _pct(max_alloc, pred_alloc) if max_alloc else None}
     out["files"] = _write_reports(out, Path(result["run_dir"]), parsed)
+    if req["profile"] and profile_path.exists():
+        prof = json.loads(profile_path.read_text())
+        out["profile"] = {"gpu_ms": prof["gpu_ms"], "by_family": prof["by_family"],
+                          "top_kernels": prof["top_kernels"][:5]}
+        out["files"].append(str(profile_path))
     return out
 
 

@@ -17,6 +17,23 @@ NO_TE_FLAGS = ["--no-masked-softmax-fusion", "--no-gradient-accumulation-fusion"
                "--no-persist-layer-norm", "--no-rope-fusion"]
 
 
+def skill_flags(runtime: dict[str, Any]) -> list[str]:
+    """The skill entry script's fused paths (skill_flags.py) from a request's runtime options;
+    defaults (schemas/common.json) are what measured fastest (references/benchmarks.md)."""
+    a = []
+    if runtime.get("linear_cross_entropy", True):
+        a.append("--skill-linear-cross-entropy")
+    if runtime.get("sdpa_backend", "auto") != "auto":
+        a += ["--skill-sdpa-backend", runtime["sdpa_backend"]]
+    return a
+
+
+def local_impl_flags(runtime: dict[str, Any] | None = None, skill_entry: bool = True) -> list[str]:
+    """What the local (no-TE) path adds to the argument vector: Megatron's TE/apex fusions off,
+    and (for the skill's entry script; a Megatron-LM checkout's does not know them) its own on."""
+    return NO_TE_FLAGS + (skill_flags(runtime or {}) if skill_entry else [])
+
+
 def model_args(m: ModelSpec, seq_length: int | None = None) -> list[str]:
     # Megatron requires --max-position-embeddings >= --seq-length even with RoPE, which has no
     # position table: raise it for a longer sequence (learned positions are a hard limit instead).
@@ -136,5 +153,5 @@ def full_args(model: ModelSpec, lay: Layout, settings: dict[str, Any], have_te: 
     if have_te:
         a += ["--transformer-impl", "transformer_engine", "--attention-backend", "auto"]
     else:
-        a += ["--transformer-impl", "local"] + NO_TE_FLAGS
+        a += ["--transformer-impl", "local"] + local_impl_flags(settings.get("runtime"))
     return a

@@ -48,7 +48,9 @@ def build_manifest() -> dict[str, Any]:
 
     from megatron.training.arguments import add_megatron_arguments
 
-    parser = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    from .skill_flags import add_skill_arguments
+
+    parser = add_skill_arguments(add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
     flags = {}
     for action in parser._actions:
         if not action.option_strings or isinstance(action, argparse._HelpAction):

@@ -15,6 +15,7 @@ import sys
 from typing import Any
 
 from .errors import ToolError
+from .skill_flags import add_skill_arguments
 
 
 def available() -> bool:
@@ -46,7 +47,7 @@ def parse(argv: list[str], world_size: int | None = None, device_major: int = 9,
     err, out = io.StringIO(), io.StringIO()
     try:
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
-            args = arguments.parse_args()
+            args = arguments.parse_args(extra_args_provider=add_skill_arguments)
     except SystemExit:
         msg = err.getvalue().strip().splitlines()
         raise ToolError("invalid_script", f"Megatron's parser refused the arguments: {msg[-1] if msg else ''}",

@@ -32,7 +32,7 @@ ENTRY_SCRIPT = ROOT / "tools" / "pretrain_gpt.py"
 SLURM_SAFE = re.compile(r"^[A-Za-z0-9._:+@-]+$")
 RENDER_KEYS = ("model", "hf_config", "gpu", "num_gpus", "nodes", "gpus_per_node", "seq_length", "global_batch_size",
                "transformer_engine", "precision", "layout", "launcher", "megatron_lm", "python", "master_port",
-               "env", "training", "slurm")
+               "env", "training", "slurm", "runtime")
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -149,7 +149,8 @@ def build(req: dict, ctx: Context) -> dict[str, Any]:
     argv = (megatron_args.model_args(model, lay.seq_length) + megatron_args.layout_args(lay, model)
             + megatron_args.training_args(training))
     # Both variants the script may run, with and without Transformer Engine, must parse.
-    parser_check = megatron_flags.check(argv + ["--transformer-impl", "local"] + megatron_args.NO_TE_FLAGS,
+    local_flags = megatron_args.local_impl_flags(req.get("runtime") or {}, skill_entry=not req.get("megatron_lm"))
+    parser_check = megatron_flags.check(argv + ["--transformer-impl", "local"] + local_flags,
                                         world_size=lay.world_size)
     env = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if (lay.tp > 1 or lay.cp > 1) else {}
     env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
@@ -160,7 +161,7 @@ def build(req: dict, ctx: Context) -> dict[str, Any]:
     context = {
         "run_id": run_id, "label": lay.label(), "model_name": model.name, "gpu": gpu.key, "num_gpus": n_gpus,
         "nodes": nodes, "gpus_per_node": gpus_here, "run_dir": run_dir, "python": req["python"],
-        "entry": entry, "env": env, "arg_lines": _group_args(argv), "no_te_flags": megatron_args.NO_TE_FLAGS,
+        "entry": entry, "env": env, "arg_lines": _group_args(argv), "no_te_flags": local_flags,
         "fp8": lay.precision == "fp8", "parser_check": parser_check, "master_port": req["master_port"],
         "peak_gib": f"{cand.peak_gib:.1f}", "tokens_per_s": f"{cand.tokens_per_s:,.0f}",
         "mfu": f"{cand.mfu:.3f}", "slurm": slurm, "script_name": SCRIPT_NAMES[launcher],

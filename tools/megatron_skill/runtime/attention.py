@@ -17,6 +17,20 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
+_BACKENDS: list | None = None  # None: torch's own choice among the kernels that take the shape
+
+
+def set_backend(name: str) -> None:
+    """Pin SDPA to one kernel family (skill flag --skill-sdpa-backend); "auto" lets torch choose."""
+    global _BACKENDS
+    if name == "auto":
+        _BACKENDS = None
+        return
+    from torch.nn.attention import SDPBackend
+    _BACKENDS = [{"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+                  "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[name]]
+
+
 class SDPAttention(MegatronModule):
     """Causal (or masked) attention over [s, b, heads, dim] tensors, GQA and MLA included."""
 
@@ -51,6 +65,13 @@ class SDPAttention(MegatronModule):
             # GQA: expand keys and values to the query heads (enable_gqa is not taken by every kernel).
             k = k.repeat_interleave(heads // k.shape[1], dim=1)
             v = v.repeat_interleave(heads // v.shape[1], dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
-                                             is_causal=causal, scale=self.softmax_scale)
+        dropout = self.dropout if self.training else 0.0
+        if _BACKENDS is None:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal,
+                                                 scale=self.softmax_scale)
+        else:
+            from torch.nn.attention import sdpa_kernel
+            with sdpa_kernel(_BACKENDS):
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal,
+                                                     scale=self.softmax_scale)
         return out.permute(2, 0, 1, 3).reshape(sq, b, heads * v.shape[-1])

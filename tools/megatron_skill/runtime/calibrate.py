@@ -44,19 +44,41 @@ def gemm(m: int, n: int, k: int, dtype: str) -> float:
     return 2 * m * n * k / _time(fn) / 1e12
 
 
-def attention(batch: int, heads: int, groups: int, seq: int, dim: int) -> float:
-    """TFLOP/s of causal SDPA forward + backward, counted as Megatron counts it (3 x 2 s^2 h d / 2 x 2)."""
+def attention(batch: int, heads: int, groups: int, seq: int, dim: int, backend: str | None = None,
+              gqa: str = "expand") -> float:
+    """TFLOP/s of causal SDPA forward + backward, counted as Megatron counts it (3 x 2 s^2 h d / 2 x 2).
+
+    backend: an SDPBackend name (FLASH_ATTENTION, CUDNN_ATTENTION, EFFICIENT_ATTENTION) or None for
+    torch's choice; gqa: "expand" repeats keys and values to the query heads, "native" passes
+    enable_gqa.  Returns 0.0 when the backend refuses the shape."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    kv = heads if gqa == "expand" else groups
     q = torch.randn(batch, heads, seq, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k = torch.randn(batch, heads, seq, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    v = torch.randn(batch, heads, seq, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(batch, kv, seq, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(batch, kv, seq, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn(batch, heads, seq, dim, device="cuda", dtype=torch.bfloat16)
+    backends = [getattr(SDPBackend, backend)] if backend else list(SDPBackend)
 
     def step():
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        with sdpa_kernel(backends):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv != heads)
         out.backward(g)
 
     flops = 3 * 2 * batch * seq * seq * heads * dim  # fwd: 2 GEMMs x 2 FMA x s^2/2 causal; x3 fwd+bwd
-    return flops / _time(step, iters=10) / 1e12
+    try:
+        return flops / _time(step, iters=10) / 1e12
+    except RuntimeError:
+        return 0.0
+
+
+def attention_backends() -> dict[str, float]:
+    """Each SDPA backend on the 3B shape's attention (24 heads, 8 KV groups, d 128, s 4096, b 2)."""
+    out = {}
+    for backend in ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION"):
+        for gqa in ("expand", "native"):
+            out[f"{backend.lower()}_{gqa}"] = round(attention(2, 24, 8, 4096, 128, backend, gqa), 1)
+    return out
 
 
 def hbm() -> float:
@@ -75,6 +97,7 @@ def measure(peak_bf16: float, peak_fp8: float | None, hbm_gbps: float) -> dict[s
         out["gemm_fp8_tflops"] = {k: round(gemm(*s, "fp8"), 1) for k, s in shapes.items()}
     out["attention_tflops"] = {f"s{s}_d{d}": round(attention(2, h, h, s, d), 1)
                                for s, h, d in ((4096, 24, 128), (4096, 32, 64), (8192, 32, 128))}
+    out["attention_backends_tflops"] = attention_backends()
     out["hbm_gbps"] = round(hbm(), 1)
     big = [v for k, v in out["gemm_bf16_tflops"].items() if k != "square_8192"]
     cal = {"gemm_bf16": round(statistics.median(big) / peak_bf16, 3),

@@ -145,6 +145,8 @@ def main(config_path: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     from megatron.core import parallel_state as ps
 
+    from . import fused_head
+
     ps.initialize_model_parallel(tensor_model_parallel_size=cfg["tp"])
     torch.manual_seed(cfg["seed"])
     model = build_model(cfg)
@@ -167,7 +169,9 @@ def main(config_path: str) -> None:
         loss_sum = torch.zeros(()); tokens = torch.zeros(())
         for _ in range(per_dp // mbs):
             b = next(batches)
-            losses = model(b["tokens"], b["position_ids"], None, labels=b["labels"])
+            extra = {"loss_mask": b["loss_mask"], "output_processor": fused_head.output_processor} \
+                if cfg.get("fused_head") else {}
+            losses = model(b["tokens"], b["position_ids"], None, labels=b["labels"], **extra)
             mask = b["loss_mask"].float()
             (torch.sum(losses.float() * mask) / (mask.sum() * (per_dp // mbs))).backward()
             loss_sum += torch.sum(losses.detach().float() * mask); tokens += mask.sum()

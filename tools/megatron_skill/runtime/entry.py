@@ -19,7 +19,7 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset  # noqa: E402
 from megatron.core.enums import ModelType  # noqa: E402
 
-from . import compat, specs  # noqa: E402
+from . import attention, compat, fused_head, gpu_profile, specs  # noqa: E402
 
 
 def _tokenizer(args):
@@ -90,8 +90,15 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
     vp_stage = get_attr_wrapped_model(model, "vp_stage")
     tokens, labels, loss_mask, attention_mask, position_ids = _get_batch(data_iterator, vp_stage)
     timers("batch-generator").stop()
-    output = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
+    extra = {}
+    if _FUSED_HEAD:
+        # the logits never exist whole: loss_func's masked sum is what fused_head's gradients assume
+        extra["output_processor"] = fused_head.output_processor
+    output = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask, **extra)
     return output, partial(loss_func, loss_mask)
+
+
+_FUSED_HEAD = False
 
 
 def main() -> None:
@@ -100,8 +107,21 @@ def main() -> None:
     from megatron.training.arguments import parse_and_validate_args
 
     fixes = compat.apply()
-    args = parse_and_validate_args(args_defaults={"tokenizer_type": "NullTokenizer"})
+    profiling = gpu_profile.install()
+    if profiling:
+        fixes.append(profiling)
+    from megatron_skill.skill_flags import add_skill_arguments
+
+    args = parse_and_validate_args(extra_args_provider=add_skill_arguments,
+                                   args_defaults={"tokenizer_type": "NullTokenizer"})
     model_cfg = gpt_config_from_args(args)
+    global _FUSED_HEAD
+    _FUSED_HEAD = args.skill_linear_cross_entropy and fused_head.usable(args)
+    if _FUSED_HEAD:
+        fixes.append("output layer + cross-entropy fused chunk by chunk (no full logits)")
+    if args.skill_sdpa_backend != "auto":
+        attention.set_backend(args.skill_sdpa_backend)
+        fixes.append(f"SDPA backend: {args.skill_sdpa_backend}")
     if args.transformer_impl == "local":
         model_cfg.transformer_layer_spec = specs.layer_spec_for
         fixes.append("layer spec: Megatron-Core local layers with SDPA core attention")

@@ -1,0 +1,123 @@
+"""Output layer and cross-entropy in one pass over token chunks: no full logits tensor.
+
+With a 128k vocabulary the logits of one micro-batch are large: 4 x 4096 tokens x 128,256
+entries are 4.2 GB in bf16 and 8.4 GB once cast to fp32 for the loss, and Megatron's
+unfused cross-entropy keeps several such tensors alive at once.  Here the logits exist
+one chunk of tokens at a time: for each chunk the forward computes the logits, the fp32
+log-sum-exp, the loss, and at once the gradients of the hidden states and of the output
+weight (what the backward would need the logits for).  Peak extra memory is one chunk's
+logits; the GEMM work is the same three products as the unfused path.
+
+Because the gradients are formed in the forward, they assume the loss is what the skill's
+``loss_func`` makes of it: the sum of masked token losses times one factor per micro-batch
+(Megatron's division by the token count).  The backward recovers that factor from the
+incoming gradient and the loss mask.  With tensor parallelism the vocabulary is split as
+in Megatron's VocabParallelEmbedding: max, sum of exponentials and target logit are
+all-reduced over the TP group, and the hidden-state gradient is summed by Megatron's own
+region functions (all-reduce, or reduce-scatter with sequence parallelism).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_CHUNK_TOKENS = 4096
+
+
+def _all_reduce(t: torch.Tensor, op, group) -> None:
+    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, op=op, group=group)
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """loss[n] = logsumexp(h[n] @ W.T) - (h[n] @ W.T)[target[n]], W split over the TP group."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, target, loss_mask, group, chunk_tokens):
+        n_tok, h = hidden.shape[0] * hidden.shape[1], hidden.shape[-1]
+        x = hidden.reshape(n_tok, h)
+        t = target.reshape(n_tok)
+        mask = loss_mask.reshape(n_tok).to(torch.float32)
+        v_local = weight.shape[0]
+        rank = dist.get_rank(group) if group is not None and dist.is_initialized() else 0
+        v_start = rank * v_local
+        need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+
+        loss = torch.empty(n_tok, dtype=torch.float32, device=x.device)
+        grad_x = torch.empty_like(x) if need_grad else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if need_grad else None
+        for s in range(0, n_tok, chunk_tokens):
+            e = min(s + chunk_tokens, n_tok)
+            logits = (x[s:e] @ weight.t()).float()                 # [c, V/tp], fp32 for the softmax
+            row_max = logits.max(dim=-1).values
+            _all_reduce(row_max, dist.ReduceOp.MAX, group)
+            logits.sub_(row_max.unsqueeze(1))
+            local_t = t[s:e] - v_start
+            here = ((local_t >= 0) & (local_t < v_local)).unsqueeze(1)
+            idx = local_t.clamp(0, v_local - 1).unsqueeze(1)
+            # gather / scatter, not boolean indexing: no host synchronisation per chunk
+            target_logit = (logits.gather(1, idx) * here).squeeze(1)
+            probs = logits.exp_()                                   # in place: logits are not needed again
+            sum_exp = probs.sum(dim=-1)
+            both = torch.stack([sum_exp, target_logit])
+            _all_reduce(both, dist.ReduceOp.SUM, group)
+            sum_exp, target_logit = both[0], both[1]
+            loss[s:e] = sum_exp.log() - target_logit
+            if need_grad:
+                # d loss_n / d logits = softmax - onehot(target), weighted by the mask now and by
+                # the micro-batch factor in backward.
+                probs.div_(sum_exp.unsqueeze(1))
+                probs.scatter_add_(1, idx, -here.to(probs.dtype))
+                probs.mul_(mask[s:e].unsqueeze(1))
+                g = probs.to(x.dtype)
+                grad_x[s:e] = g @ weight
+                grad_w.add_(_matmul_fp32(g.t(), x[s:e]))
+        if need_grad:
+            ctx.save_for_backward(grad_x, grad_w, mask)
+            ctx.hidden_shape, ctx.weight_dtype = hidden.shape, weight.dtype
+        return loss.view(hidden.shape[0], hidden.shape[1])
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_x, grad_w, mask = ctx.saved_tensors
+        # grad_loss = factor * mask (the skill's loss_func); recover the factor without a sync.
+        factor = (grad_loss.reshape(-1).float() * mask).sum() / (mask * mask).sum().clamp(min=1e-12)
+        gx = (grad_x * factor.to(grad_x.dtype)).view(ctx.hidden_shape)
+        gw = (grad_w * factor).to(ctx.weight_dtype)
+        return gx, gw, None, None, None, None
+
+
+def _matmul_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b with an fp32 result straight from the GEMM's accumulator where torch offers it (CUDA)."""
+    if a.is_cuda and a.dtype != torch.float32:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return (a @ b).float()
+
+
+def usable(config) -> bool:
+    """Whether the fused head can replace Megatron's output layer + loss for this model."""
+    return not (getattr(config, "mtp_num_layers", None) or getattr(config, "use_mup", False)
+                or getattr(config, "fp16_lm_cross_entropy", False))
+
+
+def output_processor(*, hidden_states, output_layer, output_weight, labels, loss_mask, config,
+                     compute_language_model_loss, scale_logits, runtime_gather_output=None, **_):
+    """GPTModel.forward's ``output_processor`` hook (megatron-core >= 0.19): per-token losses
+    [b, s] as Megatron's own path returns them, without materialising the logits."""
+    from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
+                                                        gather_from_sequence_parallel_region)
+
+    if labels is None or loss_mask is None:  # inference: Megatron's path
+        logits, _ = output_layer(hidden_states, weight=output_weight, runtime_gather_output=runtime_gather_output)
+        return scale_logits(logits).transpose(0, 1).contiguous()
+    group = output_layer.tp_group if hasattr(output_layer, "tp_group") else None
+    tp = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
+    x = hidden_states
+    if config.sequence_parallel and tp > 1:
+        x = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True, group=group)
+    elif tp > 1:
+        x = copy_to_tensor_model_parallel_region(x, group=group)
+    weight = output_weight if output_weight is not None else output_layer.weight
+    loss = LinearCrossEntropy.apply(x, weight, labels.transpose(0, 1).contiguous(),
+                                    loss_mask.transpose(0, 1).contiguous(), group, DEFAULT_CHUNK_TOKENS)
+    return loss.transpose(0, 1).contiguous()

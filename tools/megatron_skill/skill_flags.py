@@ -1,0 +1,22 @@
+"""The entry script's own flags, beside Megatron's: the skill's fused paths.
+
+They are added to Megatron's parser the way Megatron-LM's own entry scripts add theirs
+(``extra_args_provider``), so a launch script is still checked flag by flag against one
+parser: Megatron's plus these.  Pure argparse: importable without torch.
+"""
+from __future__ import annotations
+
+import argparse
+
+SDPA_BACKENDS = ["auto", "cudnn", "flash", "efficient", "math"]
+
+
+def add_skill_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = parser.add_argument_group("megatron-core-training skill",
+                                  "fused paths of the skill's entry script (tools/pretrain_gpt.py)")
+    g.add_argument("--skill-linear-cross-entropy", action="store_true",
+                   help="output layer and cross-entropy chunk by chunk, never materialising the "
+                        "[tokens x vocab] logits (runtime/fused_head.py)")
+    g.add_argument("--skill-sdpa-backend", choices=SDPA_BACKENDS, default="auto",
+                   help="the torch SDPA kernel for core attention without Transformer Engine")
+    return parser
