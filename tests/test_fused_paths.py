@@ -43,3 +43,24 @@ def test_linear_cross_entropy_without_gradients_only_computes_the_loss():
     with torch.no_grad():
         losses = LinearCrossEntropy.apply(x, w, target, mask, None, 3)
     torch.testing.assert_close(losses, _reference(x, w, target, mask, 1.0)[0])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the fp32-output GEMM path)")
+def test_linear_cross_entropy_on_cuda_at_a_real_vocabulary():
+    torch.manual_seed(0)
+    s, b, h, v = 1024, 2, 512, 32000
+    x0 = torch.randn(s, b, h, device="cuda", dtype=torch.bfloat16)
+    w0 = (torch.randn(v, h, device="cuda") * 0.02).to(torch.bfloat16)
+    target = torch.randint(0, v, (s, b), device="cuda")
+    mask = torch.ones(s, b, device="cuda")
+    factor = 1.0 / mask.sum()
+    x1, w1 = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+    ref_losses, ref = _reference(x1, w1, target, mask, factor)
+    ref.backward()
+    x2, w2 = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+    losses = LinearCrossEntropy.apply(x2, w2, target, mask, None, 700)
+    ((losses * mask).sum() * factor).backward()
+    torch.testing.assert_close(losses, ref_losses, rtol=2e-2, atol=2e-2)
+    for got, want in ((x2.grad, x1.grad), (w2.grad, w1.grad)):
+        rel = (got.float() - want.float()).norm() / want.float().norm()
+        assert rel < 2e-2, rel

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
+import contextlib
 import json
 import os
 import sys
@@ -219,6 +220,25 @@ def _read_request(source: str) -> Any:
 
 
 
+@contextlib.contextmanager
+def _stdout_to_stderr():
+    """While a tool runs, whatever writes to stdout (a library's print or logging handler, a
+    child process) goes to stderr: stdout carries the one JSON envelope and nothing else."""
+    sys.stdout.flush()
+    try:
+        saved = os.dup(1)
+    except OSError:  # no file descriptor 1 (embedded use): nothing to protect
+        yield
+        return
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def main_for(tool: Tool, argv: list[str]) -> int:
     # argparse prints usage and exits 2 on bad flags; turn that into the JSON error too.
     def fail(message: str) -> None:
@@ -238,7 +258,8 @@ def main_for(tool: Tool, argv: list[str]) -> int:
             if key in ("request", "pretty") or value is None:
                 continue
             request[key] = value
-        envelope = call(tool.name, request)
+        with _stdout_to_stderr():
+            envelope = call(tool.name, request)
     except ToolError as e:
         envelope = {"ok": False, "tool": tool.name, "error": e.to_json()}
     except KeyboardInterrupt:

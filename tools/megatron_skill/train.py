@@ -140,7 +140,8 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
             raise ToolError("runtime", f"training exited with status {rc}"
                             + (f": {failure['meaning']}" if failure else ""), where=str(log_path),
                             fix=(failure["fix"] if failure else "read the end of the log; rerun with --resume "
-                                 "to continue from the last checkpoint"), details={"result": result})
+                                 "to continue from the last checkpoint"),
+                            details={"result": result, "log_tail": _log_tail(log_path)})
         write_state(run_dir, status="finished", result=result)
         return result
     except KeyboardInterrupt:
@@ -148,6 +149,16 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
         raise
     finally:
         lock.release()
+
+
+def _log_tail(path: Path, lines: int = 12) -> list[str]:
+    """The last lines of a failed run's log that are not warnings: usually the error itself."""
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    keep = [ln[:300] for ln in text if ln.strip() and "Warning" not in ln and "warnings.warn" not in ln]
+    return keep[-lines:]
 
 
 def _plan_gpu_run(req: dict, ctx: Context, run_dir: Path) -> dict[str, Any]:

@@ -58,10 +58,11 @@ def attention(batch: int, heads: int, groups: int, seq: int, dim: int, backend: 
     k = torch.randn(batch, kv, seq, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     v = torch.randn(batch, kv, seq, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn(batch, heads, seq, dim, device="cuda", dtype=torch.bfloat16)
-    backends = [getattr(SDPBackend, backend)] if backend else list(SDPBackend)
-
     def step():
-        with sdpa_kernel(backends):
+        if backend:
+            with sdpa_kernel([getattr(SDPBackend, backend)]):
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv != heads)
+        else:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv != heads)
         out.backward(g)
 
