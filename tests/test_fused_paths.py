@@ -64,3 +64,25 @@ def test_linear_cross_entropy_on_cuda_at_a_real_vocabulary():
     for got, want in ((x2.grad, x1.grad), (w2.grad, w1.grad)):
         rel = (got.float() - want.float()).norm() / want.float().norm()
         assert rel < 2e-2, rel
+
+
+def test_output_processor_runs_the_output_layers_forward_pre_hooks():
+    """Megatron's DDP finishes the weight's all-gather in a forward pre-hook of the output
+    layer (--overlap-param-gather); the fused head uses the weight without calling the
+    layer, so it must run those hooks itself."""
+    from types import SimpleNamespace
+
+    from megatron_skill.runtime.fused_head import output_processor
+
+    layer = torch.nn.Linear(8, 11, bias=False)
+    seen = []
+    layer.register_forward_pre_hook(lambda module, args: seen.append(module))
+    hidden = torch.randn(5, 2, 8, requires_grad=True)
+    labels, mask = torch.randint(0, 11, (2, 5)), torch.ones(2, 5)
+    losses = output_processor(hidden_states=hidden, output_layer=layer, output_weight=None, labels=labels,
+                              loss_mask=mask, config=SimpleNamespace(sequence_parallel=False),
+                              compute_language_model_loss=None, scale_logits=None)
+    assert seen == [layer] and losses.shape == (2, 5)
+    ref = F.cross_entropy((hidden @ layer.weight.t()).transpose(0, 1).reshape(-1, 11), labels.reshape(-1),
+                          reduction="none").view(2, 5)
+    torch.testing.assert_close(losses, ref)

@@ -12,6 +12,7 @@ when the request says resume, and refused otherwise.
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import subprocess
 import sys
@@ -151,13 +152,21 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
         lock.release()
 
 
-def _log_tail(path: Path, lines: int = 12) -> list[str]:
-    """The last lines of a failed run's log that are not warnings: usually the error itself."""
+def _log_tail(path: Path, lines: int = 14) -> list[str]:
+    """What a failed run's log says last: from its last Python traceback when there is one
+    (torchrun's own failure summary after it says nothing about the cause), else the last
+    lines that are not warnings."""
     try:
-        text = path.read_text(errors="replace").splitlines()
+        text = [ln[:300] for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
     except OSError:
         return []
-    keep = [ln[:300] for ln in text if ln.strip() and "Warning" not in ln and "warnings.warn" not in ln]
+    starts = [i for i, ln in enumerate(text) if "Traceback (most recent call last)" in ln]
+    if starts:
+        block = [re.sub(r"^\[(default)?rank\d+\]:\s?", "", ln) for ln in text[starts[-1]:]]
+        end = next((i for i, ln in enumerate(block) if re.match(r"^[\w.]*(Error|Exception)\b", ln)), len(block) - 1)
+        frames = block[:end + 1]
+        return frames if len(frames) <= lines else frames[:2] + ["..."] + frames[-(lines - 3):]
+    keep = [ln for ln in text if "Warning" not in ln and "warnings.warn" not in ln]
     return keep[-lines:]
 
 

@@ -94,6 +94,19 @@ def _matmul_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a @ b).float()
 
 
+def _run_forward_pre_hooks(module: torch.nn.Module, args: tuple) -> None:
+    """The output layer's weight is used without calling the layer, so run its forward
+    pre-hooks by hand: Megatron's DDP waits there for the weight's all-gather when it
+    overlaps the parameter gather with the forward (--overlap-param-gather); skipping it
+    leaves the bucket's gather unfinished and the next iteration fails."""
+    with_kwargs = getattr(module, "_forward_pre_hooks_with_kwargs", {})
+    for hook_id, hook in list(module._forward_pre_hooks.items()):
+        if with_kwargs.get(hook_id):
+            hook(module, args, {})
+        else:
+            hook(module, args)
+
+
 def usable(config) -> bool:
     """Whether the fused head can replace Megatron's output layer + loss for this model."""
     return not (getattr(config, "mtp_num_layers", None) or getattr(config, "use_mup", False)
@@ -110,7 +123,8 @@ def output_processor(*, hidden_states, output_layer, output_weight, labels, loss
     if labels is None or loss_mask is None:  # inference: Megatron's path
         logits, _ = output_layer(hidden_states, weight=output_weight, runtime_gather_output=runtime_gather_output)
         return scale_logits(logits).transpose(0, 1).contiguous()
-    group = output_layer.tp_group if hasattr(output_layer, "tp_group") else None
+    _run_forward_pre_hooks(output_layer, (hidden_states,))
+    group = getattr(output_layer, "tp_group", None)
     tp = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
     x = hidden_states
     if config.sequence_parallel and tp > 1:
