@@ -74,11 +74,13 @@ def attention(batch: int, heads: int, groups: int, seq: int, dim: int, backend: 
 
 
 def attention_backends() -> dict[str, float]:
-    """Each SDPA backend on the 3B shape's attention (24 heads, 8 KV groups, d 128, s 4096, b 2)."""
+    """Each SDPA backend, K/V expanded or native GQA, on the attention of the 3B shape (b 2,
+    24 heads, 8 KV groups, d 128) and the 1B shape (b 4, 32 heads, 8 groups, d 64), s 4096."""
     out = {}
-    for backend in ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION"):
-        for gqa in ("expand", "native"):
-            out[f"{backend.lower()}_{gqa}"] = round(attention(2, 24, 8, 4096, 128, backend, gqa), 1)
+    for tag, (b, heads, groups, d) in (("3b", (2, 24, 8, 128)), ("1b", (4, 32, 8, 64))):
+        for backend in ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION"):
+            for gqa in ("expand", "native"):
+                out[f"{tag}_{backend.lower()}_{gqa}"] = round(attention(b, heads, groups, 4096, d, backend, gqa), 1)
     return out
 
 
