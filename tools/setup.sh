@@ -19,7 +19,7 @@ if [ ! -x .venv/bin/python ]; then
   echo "setup: creating .venv with $py" >&2
   "$py" -m venv .venv
 fi
-if ! .venv/bin/python -c 'import megatron.core, torch, jinja2, jsonschema, pytest, hypothesis' 2>/dev/null; then
+if ! .venv/bin/python -c 'import megatron.core, torch, jinja2, jsonschema, pytest, hypothesis, tokenizers' 2>/dev/null; then
   echo "setup: installing torch, megatron-core and test tools (several GB the first time)" >&2
   .venv/bin/python -m pip install -q --upgrade pip >&2
   .venv/bin/python -m pip install -q -e ".[train,test]" >&2

@@ -24,7 +24,7 @@ from .errors import ToolError
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMA_DIR = ROOT / "schemas"
 # Keys that change how a request is carried out or shown, not what it asks for.
-NON_SEMANTIC = {"dry_run", "resume"}
+NON_SEMANTIC = {"dry_run", "resume", "workers"}  # workers: how fast, not what
 
 
 @dataclasses.dataclass

@@ -6,3 +6,4 @@ from . import bench  # noqa: F401
 from . import doctor  # noqa: F401
 from . import validate  # noqa: F401
 from . import logs  # noqa: F401
+from . import prepare_data  # noqa: F401

@@ -21,6 +21,7 @@ from .flops import padded_vocab_size
 from .layout import RULES, Layout, check_layout
 from .memory import GIB
 from .planner import cost, search
+from .prepare_data import match_tokenizer
 from .resolve import default_global_batch, default_seq_length, resolve_cluster, resolve_model
 
 TEMPLATES = ROOT / "templates"
@@ -138,7 +139,7 @@ def build(req: dict, ctx: Context) -> dict[str, Any]:
     run_id = ctx.request_id  # type: ignore[attr-defined]
     out_dir = Path(req.get("output_dir") or Path("runs") / run_id)
     run_dir = req.get("run_dir") or str(out_dir.resolve())
-    training = dict(req["training"])
+    training = match_tokenizer(dict(req["training"]), model.vocab_size)
     training.setdefault("vocab_size", model.vocab_size)
     training["save"] = _path(training.get("save") or f"{run_dir}/checkpoints")
     if training.get("data_path"):

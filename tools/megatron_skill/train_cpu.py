@@ -36,12 +36,13 @@ def plan_cpu_run(req: dict, run_dir: Path, run_id: str) -> dict[str, Any]:
     if gbs % (mbs * dp):
         raise ToolError("bad_request", f"global batch {gbs} is not divisible by micro-batch {mbs} x DP {dp}",
                         where="/global_batch_size", fix="make it a multiple of micro-batch x DP")
-    t = req["training"]
+    from .prepare_data import match_tokenizer
+    t = match_tokenizer(req["training"], model.vocab_size)
     iters = t["train_iters"]
     warm = t.get("lr_warmup_iters")
     config = {
         "model": {k: v for k, v in model.to_fields().items() if v is not None and k not in ("source",)},
-        "tp": tp, "seq_length": seq, "vocab_size": model.vocab_size,
+        "tp": tp, "seq_length": seq, "vocab_size": t.get("vocab_size") or model.vocab_size,
         "padded_vocab_size": padded_vocab_size(model.vocab_size, tp),
         "seed": t["seed"], "lr": t["lr"], "min_lr": t["min_lr"],
         "lr_warmup_iters": min(100, iters // 10) if warm is None else warm,

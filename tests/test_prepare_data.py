@@ -1,0 +1,174 @@
+"""prepare-data: JSONL in, a Megatron indexed dataset out, every line accounted for."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from conftest import ROOT
+
+CORPUS = ROOT / "data" / "sample" / "corpus.jsonl"
+
+
+def _dataset_files(prefix):
+    return sorted(p.name for p in prefix.parent.glob(prefix.name + ".*"))
+
+
+def test_sample_corpus_becomes_a_dataset_that_gpt_dataset_reads(tmp_path, cli):
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
+    from megatron_skill.runtime import compat
+
+    prefix = tmp_path / "corpus"
+    rc, out, err = cli("prepare-data", "--input", str(CORPUS), "--output-prefix", str(prefix), "--workers", "2")
+    assert rc == 0, err
+    res = out["result"]
+    lines = [json.loads(ln) for ln in CORPUS.read_text().splitlines() if ln.strip()]
+    assert res["documents_in"] == res["documents_out"] == len(lines) and res["bad_line_count"] == 0
+    assert res["training"] == {"data_path": [str(prefix)]} and res["tokenizer"]["eod_id"] == 256
+    # Documents in order, byte for byte, each ended by the end-of-document token.
+    ds = IndexedDataset(str(prefix))
+    assert len(ds) == len(lines)
+    for i in (0, len(lines) // 2, len(lines) - 1):
+        ids = ds[i]
+        assert ids[-1] == 256 and bytes(ids[:-1].astype(np.uint8)).decode() == lines[i]["text"]
+    assert sum(len(ds[i]) for i in range(len(ds))) == res["tokens"]
+    # Megatron's GPTDataset over it, as train builds it (NullTokenizer, vocabulary 257).
+    compat.apply()
+    cfg = GPTDatasetConfig(random_seed=1, sequence_length=128, blend=([str(prefix)], None), split="100,0,0",
+                           tokenizer=NullTokenizer(vocab_size=257), reset_position_ids=False,
+                           reset_attention_mask=False, eod_mask_loss=False, path_to_cache=str(tmp_path / "cache"),
+                           mid_level_dataset_surplus=0.005)
+    train, _, _ = BlendedMegatronDatasetBuilder(GPTDataset, [64, None, None], lambda: True, cfg).build()
+    sample = train[0]
+    assert sample["tokens"].shape == (128,) and int(sample["tokens"].max()) <= 256
+    assert (sample["labels"][:-1] == sample["tokens"][1:]).all()
+
+
+def _bad_file(tmp_path):
+    rows = ['{"text": "good one"}', "not json at all", '{"body": "no text field"}', "",
+            '{"text": 42}', '["a", "list"]', '{"text": ""}', '{"text": "good two"}']
+    path = tmp_path / "bad.jsonl"
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+def test_bad_lines_are_reported_by_line_then_skipped(tmp_path, cli):
+    prefix = tmp_path / "out"
+    rc, out, err = cli("prepare-data", "--input", str(_bad_file(tmp_path)), "--output-prefix", str(prefix),
+                       "--bad-lines", "skip")
+    assert rc == 0, err
+    res = out["result"]
+    assert [b["line"] for b in res["bad_lines"]] == [2, 3, 5, 6, 7]
+    assert "not JSON" in res["bad_lines"][0]["reason"] and "'text'" in res["bad_lines"][1]["reason"]
+    assert res["documents_in"] == 7 and res["documents_out"] == 2 and res["blank_lines"] == 1
+
+
+def test_bad_lines_refused_leave_no_dataset(tmp_path, cli):
+    prefix = tmp_path / "out"
+    rc, out, _ = cli("prepare-data", "--input", str(_bad_file(tmp_path)), "--output-prefix", str(prefix))
+    assert rc == 2 and out["error"]["details"]["line"] == 2 and "bad_lines" in out["error"]["fix"]
+    assert _dataset_files(prefix) == []
+
+
+def test_same_request_twice_does_the_work_once_and_other_requests_do_not_overwrite(tmp_path, cli):
+    prefix = tmp_path / "corpus"
+    args = ["prepare-data", "--input", str(CORPUS), "--output-prefix", str(prefix)]
+    rc, first, _ = cli(*args)
+    stamp = (prefix.with_suffix(".bin")).stat().st_mtime_ns
+    rc2, second, err = cli(*args, "--workers", "1")  # workers change speed, not the request
+    assert rc == rc2 == 0 and second["result"]["already_done"] and "nothing to do" in err
+    assert second["request_id"] == first["request_id"] and prefix.with_suffix(".bin").stat().st_mtime_ns == stamp
+    rc3, third, _ = cli(*args, "--text-key", "source")
+    assert rc3 == 6 and third["error"]["code"] == "conflict" and "overwrite" in third["error"]["fix"]
+
+
+def test_a_killed_run_leaves_no_half_written_dataset(tmp_path):
+    big = tmp_path / "input.jsonl"
+    with open(big, "w") as f:
+        for i in range(300_000):
+            f.write(json.dumps({"text": f"document {i} " + "words " * 40}) + "\n")
+    prefix = tmp_path / "big"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "tools" / "launch.py"), "prepare-data", "--input", str(big),
+                             "--output-prefix", str(prefix), "--workers", "2"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not list(tmp_path.glob("big.bin.tmp*")):
+        time.sleep(0.2)
+    time.sleep(1.0)
+    assert proc.poll() is None, "finished before it could be interrupted"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (tmp_path / "big.bin").exists() and not (tmp_path / "big.idx").exists()
+    # The next run clears the temporaries and finishes.
+    small = tmp_path / "small.jsonl"
+    small.write_text('{"text": "after the crash"}\n')
+    rc = subprocess.run([sys.executable, str(ROOT / "tools" / "launch.py"), "prepare-data", "--input", str(small),
+                         "--output-prefix", str(prefix)], capture_output=True, text=True).returncode
+    assert rc == 0 and _dataset_files(prefix) == ["big.bin", "big.idx", "big.json"]
+
+
+TRAIN_BPE = """
+import sys
+from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
+tok = Tokenizer(models.BPE(unk_token="<unk>"))
+tok.pre_tokenizer = pre_tokenizers.ByteLevel()
+tok.decoder = decoders.ByteLevel()
+tok.train([sys.argv[1]], trainers.BpeTrainer(vocab_size=500, special_tokens=["<unk>", "</s>"]))
+tok.save(sys.argv[2])
+"""
+
+
+def test_local_hugging_face_tokenizer(tmp_path, cli):
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    # trained in its own process: the tokenizers trainer's thread pool and torch's do not share one well
+    subprocess.run([sys.executable, "-c", TRAIN_BPE, str(CORPUS), str(folder / "tokenizer.json")], check=True,
+                   timeout=300)
+    encode = ("import json, sys; from tokenizers import Tokenizer; t = Tokenizer.from_file(sys.argv[1]); "
+              "print(json.dumps([t.token_to_id('</s>'), t.encode(sys.argv[2], add_special_tokens=False).ids]))")
+    prefix = tmp_path / "bpe"
+    rc, out, err = cli("prepare-data", "--input", str(CORPUS), "--output-prefix", str(prefix),
+                       "--tokenizer", str(folder))
+    assert rc == 0, err
+    res = out["result"]
+    assert res["training"]["tokenizer_model"] == str(folder)
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    first = json.loads(CORPUS.read_text().splitlines()[0])["text"]
+    eos, want = json.loads(subprocess.run([sys.executable, "-c", encode, str(folder / "tokenizer.json"), first],
+                                          capture_output=True, text=True, check=True).stdout)
+    assert res["tokenizer"]["type"] == "huggingface" and res["tokenizer"]["eod_id"] == eos
+    ds = IndexedDataset(str(prefix))  # kept alive: its items are views of its memory map
+    assert ds[0].tolist() == want + [eos]
+
+
+def test_errors_before_any_work(tmp_path, cli):
+    rc, out, _ = cli("prepare-data", "--input", str(tmp_path / "missing.jsonl"), "--output-prefix", str(tmp_path / "x"))
+    assert rc == 3 and out["error"]["where"] == "/input/0"
+    rc, out, _ = cli("prepare-data", "--input", str(CORPUS), "--output-prefix", str(tmp_path / "x"),
+                     "--tokenizer", str(tmp_path))
+    assert rc == 3 and "tokenizer.json" in out["error"]["message"]
+    rc, out, _ = cli("prepare-data", "--input", str(CORPUS), "--output-prefix", str(tmp_path / "x"), "--dry-run")
+    assert rc == 0 and out["result"]["dry_run"] and _dataset_files(tmp_path / "x") == []
+
+
+def test_train_uses_the_dataset_with_matching_tokenizer_flags(tmp_path, cli):
+    prefix = tmp_path / "corpus"
+    assert cli("prepare-data", "--input", str(CORPUS), "--output-prefix", str(prefix))[0] == 0
+    training = json.dumps({"data_path": [str(prefix)], "train_iters": 8, "log_interval": 1, "save_interval": 8})
+    rc, out, err = cli("render", "--model", "tiny-gpt", "--num-gpus", "1", "--gpu", "h100-sxm",
+                       "--training", training, "--output-dir", str(tmp_path / "r"))
+    assert rc == 0, err
+    args = out["result"]["megatron_args"]
+    assert args[args.index("--data-path") + 1] == str(prefix) and args[args.index("--vocab-size") + 1] == "257"
+    rc, out, err = cli("train", "--model", "tiny-gpt", "--backend", "cpu", "--runs-root", str(tmp_path / "runs"),
+                       "--seq-length", "128", "--global-batch-size", "4", "--training", training, timeout=900)
+    assert rc == 0, err
+    curve = [loss for _, loss in out["result"]["loss_curve"]]
+    assert len(curve) == 8 and curve[-1] < curve[0]  # real text, real steps: the loss goes down
