@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The embedded default, end to end: plan Llama-3 8B on 8 x H100 at sequence 8192, render its
-# Slurm script, then train for 20 steps here: Llama-3.2 1B on the GPUs present, or the tiny
-# model on CPU (a real Megatron-Core run with gloo) where there is no GPU.
+# Slurm script, then train for 20 steps here: Llama-3.2 1B on the GPUs present (mock data), or
+# the tiny model on CPU (a real Megatron-Core run with gloo) on the repo's sample corpus,
+# tokenized by prepare-data, where there is no GPU.
 #   bash tools/quickstart.sh [OUTDIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,8 +16,11 @@ if "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'
   "$PY" tools/launch.py train --model llama3.2-1b --seq-length 4096 --global-batch-size 16 --runs-root "$OUT/runs" \
     --training '{"train_iters": 20, "log_interval": 5, "checkpoint": false, "eval_iters": 0}' > "$OUT/train.json"
 else
+  # Real text: the sample corpus made in this repo, tokenized byte-level by prepare-data.
+  "$PY" tools/launch.py prepare-data --input data/sample/corpus.jsonl --output-prefix "$OUT/corpus" > "$OUT/data.json"
   "$PY" tools/launch.py train --model tiny-gpt --runs-root "$OUT/runs" \
-    --training '{"train_iters": 20, "log_interval": 5, "save_interval": 20}' > "$OUT/train.json"
+    --training "{\"train_iters\": 20, \"log_interval\": 5, \"save_interval\": 20, \"data_path\": [\"$OUT/corpus\"]}" \
+    > "$OUT/train.json"
 fi
 "$PY" - "$OUT" <<'PY'
 import json, sys
