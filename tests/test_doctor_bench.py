@@ -31,3 +31,23 @@ def test_bench_without_gpu(cli, tmp_path):
                      "--dry-run")
     assert rc == 0 and out["result"]["dry_run"] and out["result"]["prediction"]["tokens_per_s"] > 0
     assert json.loads(json.dumps(out))["result"]["layout"]["mbs"] == 4
+
+
+def test_kernel_families_of_the_profile():
+    """bench --profile sums GPU time by kernel family; names as the H200 profile reported them."""
+    from megatron_skill.runtime.gpu_profile import family
+
+    assert family("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26") == "attention"
+    assert family("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT") == "gemm"
+    assert family("ncclDevKernel_AllReduce_Sum_bf16_RING_LL") == "communication"
+    assert family("multi_tensor_apply_kernel<TensorListMetadata<4>, AdamFunctor>") == "optimizer"
+    assert family("void at::native::(anonymous namespace)::CatArrayBatchedCopy<...>") == "copy_cast"
+    assert family("void at::native::elementwise_kernel<128, 4, BinaryFunctor<float>>") == "elementwise_other"
+
+
+def test_bench_profile_is_part_of_the_request_and_its_id(cli, tmp_path):
+    base = ["bench", "--request", "tools/benchmarks/llama-1b-shape-bf16.json", "--gpu", "h200", "--runs-root",
+            str(tmp_path), "--dry-run"]
+    rc1, plain, _ = cli(*base)
+    rc2, profiled, _ = cli(*base, "--profile")
+    assert rc1 == rc2 == 0 and plain["request_id"] != profiled["request_id"]

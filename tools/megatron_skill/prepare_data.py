@@ -160,9 +160,9 @@ def _check(req: dict) -> None:
             raise ToolError("not_found", f"input file {p} does not exist", where=f"/input/{i}",
                             fix="give existing JSONL files")
     parent = Path(req["output_prefix"]).parent
-    if not parent.exists():
-        raise ToolError("not_found", f"output folder {parent} does not exist", where="/output_prefix",
-                        fix=f"mkdir -p {parent}")
+    if parent.exists() and not parent.is_dir():
+        raise ToolError("bad_request", f"{parent} is a file, not a folder", where="/output_prefix",
+                        fix="choose an output_prefix inside a folder")
 
 
 def run(req: dict, ctx: Context) -> dict[str, Any]:
@@ -194,6 +194,7 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
         raise ToolError("environment", f"megatron-core is not importable: {e}", where="megatron.core",
                         fix="run tools/setup.sh (Python 3.12, torch, megatron-core)")
     dtype = np.uint16 if tokenizer.vocab_size < 65500 else np.int32
+    prefix.parent.mkdir(parents=True, exist_ok=True)
     tmp = {k: files[k].with_name(f"{files[k].name}.tmp{os.getpid()}") for k in ("bin", "idx")}
     for stale in prefix.parent.glob(prefix.name + ".*.tmp*"):
         stale.unlink(missing_ok=True)  # left by a killed run: never a dataset

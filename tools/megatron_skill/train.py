@@ -181,6 +181,10 @@ def _plan_gpu_run(req: dict, ctx: Context, run_dir: Path) -> dict[str, Any]:
         gpu = gpu_by_device_name(name)
         if gpu:
             sub["gpu"] = gpu.key
+    if "gpu" not in sub:
+        raise ToolError("bad_request", "no GPU is visible here to size the run for" if not name else
+                        f"the GPU here ({name}) is not in the catalog", where="/gpu",
+                        fix="give gpu (e.g. h100-sxm, h200), the GPU type the run is for")
     out = render.build(sub, ctx)
     text = out.pop("_text")
     script = Path(out["files"][0]["path"])

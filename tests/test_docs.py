@@ -1,0 +1,167 @@
+"""The Markdown is half of the skill: its flags parse, its commands run, its figures have sources."""
+import re
+import shlex
+
+import pytest
+
+from conftest import ROOT, run_cli
+
+DOCS = [ROOT / "README.md", ROOT / "SKILL.md", ROOT / "instructions.md", *sorted((ROOT / "references").glob("*.md"))]
+TEMPLATES = sorted((ROOT / "templates").glob("*.j2"))
+FLAG = re.compile(r"(?<![\w-])(--[a-z][a-z0-9]*(?:-[a-z0-9]+)*)")
+# Stand-ins for the placeholders the examples use, so that every example runs here.
+PLACEHOLDERS = {"their_launch.sh": "tests/fixtures/scripts/good_torchrun.sh",
+                "runs/ID/logs/train.log": "tests/fixtures/logs/h200-kill-resume.log"}
+ACTING = {"render", "train", "bench", "prepare-data"}  # these run with --dry-run here
+
+
+def code_blocks(path):
+    return re.findall(r"```[a-z]*\n(.*?)```", path.read_text(), flags=re.S)
+
+
+def commands(block):
+    """Logical lines (continuations joined), without comments."""
+    text = block.replace("\\\n", " ")
+    for line in text.splitlines():
+        line = line.split("  #")[0].strip()
+        if line and not line.startswith("#"):
+            yield line
+
+
+def megatron_option_strings():
+    import argparse
+
+    from megatron.training.arguments import add_megatron_arguments
+    from megatron_skill.skill_flags import add_skill_arguments
+
+    parser = add_skill_arguments(add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
+    return {opt for action in parser._actions for opt in action.option_strings}
+
+
+def launcher_option_strings():
+    from torch.distributed.run import get_args_parser
+
+    torchrun = {opt.replace("_", "-") for a in get_args_parser()._actions for opt in a.option_strings}
+    slurm = {"--nodes", "--ntasks-per-node", "--gpus-per-node", "--time", "--partition", "--account", "--output",
+             "--job-name", "--exclusive", "--cpus-per-task", "--kill-on-bad-exit", "--wait", "--chdir"}
+    return torchrun | slurm
+
+
+def test_every_megatron_flag_in_markdown_code_blocks_and_templates_is_known_to_megatrons_parser():
+    known = megatron_option_strings()
+    launchers = launcher_option_strings()
+    found, unknown = set(), []
+    for doc in DOCS:
+        for block in code_blocks(doc):
+            for line in commands(block):
+                if "launch.py" in line or "run_levers.py" in line or line.startswith(("bash ", "pip ", "git ")):
+                    continue  # the skill's own tools: checked against their schemas below
+                for flag in FLAG.findall(line):
+                    found.add(flag)
+                    if flag not in known and flag not in launchers:
+                        unknown.append(f"{doc.name}: {flag}")
+    for tpl in TEMPLATES:
+        for line in tpl.read_text().splitlines():
+            if line.lstrip().startswith("#"):
+                continue
+            for flag in FLAG.findall(line):
+                if flag == "--skill-":
+                    continue
+                found.add(flag)
+                if flag not in known and flag not in launchers:
+                    unknown.append(f"{tpl.name}: {flag}")
+    assert not unknown, unknown
+    assert "--transformer-impl" in found  # the extraction sees the templates' Megatron flags
+
+
+def test_markdown_megatron_commands_parse_with_megatrons_parser():
+    """A whole pretrain_gpt.py command in a code block parses, values and all."""
+    from megatron_skill import megatron_parser
+
+    checked = 0
+    for doc in DOCS:
+        for block in code_blocks(doc):
+            for line in commands(block):
+                if "pretrain_gpt.py" in line:
+                    argv = shlex.split(line)
+                    megatron_parser.parse(argv[argv.index(next(a for a in argv if a.endswith("pretrain_gpt.py"))) + 1:])
+                    checked += 1
+    assert checked >= 0
+
+
+def launch_examples():
+    out = []
+    for doc in DOCS:
+        for block in code_blocks(doc):
+            for line in commands(block):
+                if line.startswith("python tools/launch.py"):
+                    out.append((doc.name, line))
+    return out
+
+
+@pytest.mark.parametrize("doc,line", launch_examples())
+def test_every_launch_example_in_the_markdown_runs(doc, line, tmp_path):
+    for placeholder, real in PLACEHOLDERS.items():
+        line = line.replace(placeholder, real)
+    argv = shlex.split(line)[2:]
+    tool = argv[0]
+    if tool in ACTING and "--dry-run" not in argv:
+        argv.append("--dry-run")
+    if tool in ("train", "bench") and "tiny-gpt" not in argv:
+        # the example is for a GPU machine: show what it would run on an H200 there
+        argv += [] if "--gpu" in argv else ["--gpu", "h200"]
+        argv += ["--backend", "gpu"] if tool == "train" and "--backend" not in argv else []
+    if tool in ("train", "bench") and "--runs-root" not in argv:
+        argv += ["--runs-root", str(tmp_path / "runs")]
+    if tool == "render" and "--output-dir" not in argv:
+        argv += ["--output-dir", str(tmp_path / "out")]
+    if "--pretty" in argv:
+        argv.remove("--pretty")
+    rc, out, err = run_cli(*argv, timeout=300)
+    assert isinstance(out, dict), f"{doc}: {line}\n{err[-2000:]}"
+    if tool == "validate":
+        assert rc == 0 and out["result"]["valid"], out
+    else:
+        assert rc == 0 and out["ok"], f"{doc}: {line}\n{out}"
+
+
+def test_what_the_text_says_about_plan_outputs_holds():
+    # production-examples.md and benchmarks.md: TP8 PP16 VP8 DP128 first for Llama 3.1 405B on 16,384 H100s.
+    rc, out, _ = run_cli("plan", "--model", "llama3.1-405b", "--gpu", "h100-sxm", "--num-gpus", "16384",
+                         "--seq-length", "8192", "--global-batch-size", "2048", "--top", "3")
+    assert rc == 0 and out["result"]["plans"][0]["label"].startswith("TP8 PP16 VP8 DP128")
+    # instructions.md section 8: CP is refused without Transformer Engine.
+    rc, out, _ = run_cli("plan", "--model", "llama3-8b", "--gpu", "h100-sxm", "--num-gpus", "64", "--seq-length",
+                         "131072", "--global-batch-size", "64", "--no-transformer-engine")
+    assert all(p["layout"]["cp"] == 1 for p in out["result"]["plans"]) if rc == 0 else out["error"]["code"] == "infeasible"
+
+
+def test_every_figure_of_ours_in_benchmarks_names_its_command_and_result_file():
+    text = (ROOT / "references" / "benchmarks.md").read_text()
+    ours = text.split("## Ours", 1)[1].split("## Published", 1)[0]
+    sections = re.split(r"\n### ", ours)[1:]
+    assert sections
+    for sec in sections:
+        has_figures = any(re.search(r"\|\s*[\d,.]+", ln) for ln in sec.splitlines() if ln.startswith("|"))
+        if not has_figures:
+            continue
+        title = sec.splitlines()[0]
+        assert re.search(r"python tools/(launch\.py|run_levers\.py)|run_benchmarks\.sh", sec), title
+        assert re.search(r"results/|levers/", sec), title
+    for ref in set(re.findall(r"`(results/[\w./-]+\.(?:json|log))`", text)):
+        assert (ROOT / "references" / ref).exists(), ref
+    for ref in set(re.findall(r"`levers/([\w.-]+\.json)`", text)):
+        assert (ROOT / "references" / "results" / "h200-2026-12-02" / "levers" / ref).exists(), ref
+
+
+def test_errors_of_the_past_do_not_come_back():
+    """Flags that do not exist or are obsolete appear only as 'replaced by' mentions, never in code."""
+    bad = ["--fp8-hybrid", "--cpu-optimizer-type", "--use-flash-attn", "--use-mcore-models"]
+    for doc in DOCS:
+        for block in code_blocks(doc):
+            for flag in bad:
+                assert flag not in block, f"{doc.name} uses {flag} in a code block"
+        text = doc.read_text()
+        assert "1,979 TFLOP/s" not in text or "sparsity" in text or "fp8" in text.lower()
+    moe = (ROOT / "references" / "production-examples.md").read_text()
+    assert "Nemotron-4 340B (dense, not MoE)" in moe and "not 8 x 7B = 56B" in moe
