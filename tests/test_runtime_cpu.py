@@ -60,6 +60,23 @@ def test_sdpa_attention_matches_reference_math():
     ref = torch.einsum("bhst,tbhd->sbhd", scores.softmax(-1), vv).reshape(s, b, 64)
     assert out.shape == (s, b, 64)
     torch.testing.assert_close(out, ref)
+    # Megatron's dataloader mask (True = not allowed) gives the same values by the explicit-mask path.
+    dataloader_mask = torch.triu(torch.ones(b, 1, s, s, dtype=torch.bool), 1)
+    torch.testing.assert_close(attn(q, k, v, dataloader_mask), ref)
+
+
+def test_the_local_path_renders_no_dataloader_mask_so_attention_runs_causal():
+    """With the mask built by the dataloader SDPA computes the full square under it; without it
+    the causal kernel runs.  The rendered local path turns the mask off, in Megatron's own terms."""
+    from megatron_skill import megatron_args, megatron_parser
+
+    flags = megatron_args.local_impl_flags({})
+    assert "--no-create-attention-mask-in-dataloader" in flags
+    assert "--no-create-attention-mask-in-dataloader" not in megatron_args.local_impl_flags({}, skill_entry=False)
+    args = megatron_parser.parse(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+                                  "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "1",
+                                  "--transformer-impl", "local", *flags])
+    assert args.create_attention_mask_in_dataloader is False and args.skill_linear_cross_entropy
 
 
 def test_layer_spec_swaps_only_core_attention():
