@@ -5,6 +5,8 @@ import time
 import jsonschema
 import pytest
 
+from conftest import ROOT
+
 from megatron_skill.contract import call, load_schema, schema_registry
 
 TOP = 10
@@ -175,3 +177,36 @@ def test_without_transformer_engine_no_context_parallel():
     result = _plan(model="llama3-8b", num_gpus=8, seq_length=8192, global_batch_size=128, transformer_engine=False)
     assert all(p["layout"]["cp"] == 1 for p in result["plans"])
     assert "cp_needs_te" in result["rejected"]
+
+
+def test_planner_against_the_measured_h200_results():
+    """The predictions stay as close to the measured results on record as they were when the
+    table in references/benchmarks.md was written (tools/planner_vs_measured.py)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("pvm", ROOT / "tools" / "planner_vs_measured.py")
+    pvm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pvm)
+    rows = pvm.rows(ROOT / "references" / "results" / "h200-2026-12-02")
+    assert len(rows) >= 7
+    for r in rows:
+        (pt, mt), (pm, mm) = r["iter_ms"], r["gib"]
+        assert abs(pvm.pct(pt, mt)) <= 25, r
+        assert abs(pvm.pct(pm, mm)) <= 13, r
+
+
+def test_every_calibration_figure_the_model_reads_exists_for_every_gpu():
+    import json
+
+    from megatron_skill.catalog import CATALOG_DIR
+    from megatron_skill.timing import calibration
+
+    data = json.loads((CATALOG_DIR / "calibration.json").read_text())
+    needed = set(data["default"]) - {"status"}
+    source = (ROOT / "tools" / "megatron_skill" / "timing.py").read_text()
+    for key in needed:
+        assert f'"{key}"' in source, f"calibration.json has {key}, which the model never reads"
+    for gpu in data["gpus"]:
+        cal = calibration(gpu)
+        assert needed <= set(cal) and all(0 < cal[k] for k in needed), gpu
+        assert "measured" in cal["status"] or "assumed" in cal["status"]

@@ -161,7 +161,11 @@ def param_split(model: ModelSpec, n_dense: int, n_moe: int) -> tuple[float, floa
     return tp_sharded, replicated, expert
 
 
-def stage_memory(model: ModelSpec, lay: Layout, rank: int, padded_vocab: int) -> StageMemory:
+# runtime/fused_head.py: tokens per chunk of the fused output layer + cross-entropy.
+FUSED_HEAD_CHUNK = 4096
+
+
+def stage_memory(model: ModelSpec, lay: Layout, rank: int, padded_vocab: int, fused_head: bool = False) -> StageMemory:
     layers = rank_layers(model, lay, rank)
     first, last = rank == 0, rank == lay.pp - 1
     pattern = model.moe_pattern()
@@ -223,8 +227,15 @@ def stage_memory(model: ModelSpec, lay: Layout, rank: int, padded_vocab: int) ->
     if last:
         sp = lay.sequence_parallel or lay.tp == 1
         activations += tokens * 2 * BF16 * h / (lay.tp if sp else 1)  # final norm in and out
-        # fp32 copy of the logits kept for the backward, plus the bf16 logits alive while it is made.
-        logits = tokens * padded_vocab / lay.tp * (FP32 + BF16) * (1 + (model.mtp_num_layers or 0))
+        v = padded_vocab / lay.tp
+        if fused_head and not model.mtp_num_layers:
+            # One chunk's fp32 logits and bf16 gradient at a time; the fp32 weight gradient the
+            # forward accumulates, and the fp32 product being added into it; the hidden-state
+            # gradient kept for the backward.
+            logits = min(tokens, FUSED_HEAD_CHUNK) * v * (FP32 + BF16) + 2 * v * h * FP32 + tokens * h * BF16
+        else:
+            # fp32 copy of the logits kept for the backward, plus the bf16 logits alive while it is made.
+            logits = tokens * v * (FP32 + BF16) * (1 + (model.mtp_num_layers or 0))
     groups = sum(x > 1 for x in (lay.tp, lay.pp, lay.cp, lay.dp, lay.ep))
     dynamic = activations + logits + transient
     allowance = (CONTEXT_GIB + NCCL_GIB_PER_GROUP * groups) * GIB + FRAGMENTATION * dynamic
@@ -239,7 +250,7 @@ def ranks_to_check(lay: Layout) -> list[int]:
     return sorted({0, lay.pp - 1} | ({1} if lay.pp > 2 else set()))
 
 
-def memory_report(model: ModelSpec, lay: Layout, padded_vocab: int) -> dict[str, StageMemory]:
+def memory_report(model: ModelSpec, lay: Layout, padded_vocab: int, fused_head: bool = False) -> dict[str, StageMemory]:
     """Memory of the first, last (and a middle) pipeline rank; one entry when PP = 1."""
     names = {0: "first_stage", lay.pp - 1: "last_stage", 1: "middle_stage"}
-    return {names[r]: stage_memory(model, lay, r, padded_vocab) for r in ranks_to_check(lay)}
+    return {names[r]: stage_memory(model, lay, r, padded_vocab, fused_head) for r in ranks_to_check(lay)}

@@ -181,7 +181,7 @@ def _try_recompute(model, gpu, lay, allowed, capacity, rej, out, te) -> None:
     padded = padded_vocab_size(model.vocab_size, lay.tp)
     options = _recompute_options(model, lay, allowed)
     for i, opt in enumerate(options):
-        mem = memory_report(model, opt, padded)
+        mem = memory_report(model, opt, padded, fused_head=not te)
         peak = max(m.total for m in mem.values())
         if peak > capacity:
             rej.add("out_of_memory", f"{opt.label()}: {peak / GIB:.0f} GiB")
@@ -192,8 +192,11 @@ def _try_recompute(model, gpu, lay, allowed, capacity, rej, out, te) -> None:
         return
 
 
-def cost(model: ModelSpec, gpu: GPUSpec, lay: Layout, padded: int, mem=None, te: bool = True) -> Candidate:
-    mem = mem or memory_report(model, lay, padded)
+def cost(model: ModelSpec, gpu: GPUSpec, lay: Layout, padded: int, mem=None, te: bool = True,
+         fused_head: bool | None = None) -> Candidate:
+    """fused_head: the skill's fused output layer + cross-entropy (the default without TE)."""
+    fused = (not te) if fused_head is None else fused_head
+    mem = mem or memory_report(model, lay, padded, fused_head=fused)
     t = step_time(model, lay, gpu, padded, te)
     step = t.total
     tokens = lay.gbs * lay.seq_length

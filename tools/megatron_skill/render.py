@@ -86,7 +86,9 @@ def _layout_from_request(req: dict, model, gpu, n_gpus: int, seq: int, gbs: int)
         if rule:
             raise ToolError("infeasible", f"the layout {lay.label()} breaks the rule {rule!r}: {RULES[rule]}",
                             where="/layout", fix="run plan and take one of its layouts")
-        cand = cost(model, gpu, lay, padded_vocab_size(model.vocab_size, lay.tp), te=req["transformer_engine"])
+        te = req["transformer_engine"]
+        fused = not te and (req.get("runtime") or {}).get("linear_cross_entropy", True)
+        cand = cost(model, gpu, lay, padded_vocab_size(model.vocab_size, lay.tp), te=te, fused_head=fused)
         if cand.peak_gib > gpu.memory_gib:
             raise ToolError("infeasible", f"the layout {lay.label()} needs {cand.peak_gib:.1f} GiB per GPU, "
                             f"more than the {gpu.memory_gib} GiB of {gpu.key}", where="/layout",

@@ -162,7 +162,10 @@ def step_time(model: ModelSpec, lay: Layout, gpu: GPUSpec, padded_vocab: int, te
             # Load-balanced causal CP runs attention as 2 x CP smaller blocks per rank: less efficient.
             attn_rate = cost.attn_rate / (1 + 0.1 * (lay.cp - 1))
             r.attention += n * 3 * core / attn_rate
-            r.elementwise += n * cost.memory_bound(_layer_elementwise_bytes(model, lay, moe) * tokens)
+            # Without TE, Megatron's local layers run RoPE, norms, residual adds and casts as
+            # separate torch kernels: calibrated as a multiple of the fused byte count.
+            unfused = 1.0 if te else cost.cal["elementwise_local_factor"]
+            r.elementwise += n * unfused * cost.memory_bound(_layer_elementwise_bytes(model, lay, moe) * tokens)
             # TP: 2 all-gathers + 2 reduce-scatters forward (or 2 all-reduces without SP),
             # as many backward; the backward ones overlap half with the weight-gradient GEMMs.
             act = BF16 * tokens * h

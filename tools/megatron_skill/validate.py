@@ -187,7 +187,7 @@ def check_args(args: list[str], text: str, world: int | None, env: dict[str, str
                                      _line_of(text, "--fp8")))
         if gpu is not None and not any(f["severity"] == "error" for f in findings):
             padded = padded_vocab_size(model.vocab_size, lay.tp)
-            mem = memory_report(model, lay, padded)
+            mem = memory_report(model, lay, padded, fused_head="--skill-linear-cross-entropy" in args)
             peak = max(m.total for m in mem.values()) / GIB
             result["predicted_peak_gib"] = round(peak, 2)
             if peak > gpu.memory_gib:

@@ -36,7 +36,9 @@ def summarize(events) -> dict:
     """Kernel time by family and the 15 biggest kernels, from profiler events."""
     by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for e in events:
-        if str(getattr(e, "device_type", "")).endswith("CUDA"):
+        # Kernels only: record_function ranges (e.g. "Optimizer.step#AdamW.step") also appear on
+        # the device timeline as user annotations and would count their kernels twice.
+        if str(getattr(e, "device_type", "")).endswith("CUDA") and not getattr(e, "is_user_annotation", False):
             us = getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0) or 0.0
             rec = by_name[e.name]
             rec[0] += us
