@@ -9,7 +9,7 @@ OUT=${1:?usage: run_benchmarks.sh OUTDIR}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 RUNS="$OUT/runs"
-ONLY=${ONLY:-doctor calibrate bench-3b bench-1b kill-resume quickstart}  # a subset: ONLY="bench-1b kill-resume"
+ONLY=${ONLY:-doctor calibrate bench-3b bench-1b levers kill-resume quickstart}  # a subset: ONLY="bench-1b kill-resume"
 want() { [[ " $ONLY " == *" $1 "* ]]; }
 step() { local name=$1 limit=$2; shift 2; echo "== $name" >&2; timeout "$limit" "$@" > "$OUT/$name.json" 2> "$OUT/$name.err"; echo "   rc=$?" >&2; }
 
@@ -17,6 +17,8 @@ want doctor && step doctor 120 "$PY" tools/launch.py doctor
 want calibrate && step calibrate 300 "$PY" tools/launch.py bench --calibrate --runs-root "$RUNS"
 want bench-3b && step bench-3b 400 "$PY" tools/launch.py bench --request tools/benchmarks/llama-3b-shape-bf16.json --runs-root "$RUNS"
 want bench-1b && step bench-1b 400 "$PY" tools/launch.py bench --request tools/benchmarks/llama-1b-shape-bf16.json --runs-root "$RUNS"
+# Each throughput lever of tools/benchmarks/levers.json, one bench call each.
+want levers && { echo "== levers" >&2; PYTHON="$PY" "$PY" tools/run_levers.py "$OUT/levers" > "$OUT/levers.md" 2> "$OUT/levers.err"; }
 
 # A train run killed with SIGKILL mid-run (the whole process group, as a node failure would),
 # refused when started again without --resume, then resumed from its last checkpoint.

@@ -53,10 +53,6 @@ def run(req: dict[str, Any], ctx: Context) -> dict[str, Any]:
     started = time.perf_counter()
     model = resolve_model(req)
     gpu, n_gpus, per_node = resolve_cluster(req)
-    if per_node != gpu.gpus_per_node:
-        import dataclasses
-        gpu = dataclasses.replace(gpu, gpus_per_node=per_node, nvlink_domain=min(gpu.nvlink_domain, per_node)
-                                  if gpu.nvlink_domain <= gpu.gpus_per_node else gpu.nvlink_domain)
     seq = req.get("seq_length") or default_seq_length(model)
     gbs = req.get("global_batch_size") or default_global_batch(seq)
     precisions = {"bf16": ["bf16"], "fp8": ["fp8"], "any": ["bf16", "fp8"]}[req["precision"]]

@@ -1,6 +1,7 @@
 """Turn the model and cluster parts of a request into specs; shared by every tool."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -28,9 +29,13 @@ def resolve_model(req: dict[str, Any]) -> ModelSpec:
 
 
 def resolve_cluster(req: dict[str, Any]) -> tuple[GPUSpec, int, int]:
-    """(GPU, GPUs in all, GPUs per node)."""
+    """(GPU, GPUs in all, GPUs per node).  With a node size other than the GPU's usual one, the
+    GPU's spec says so too: its NVLink domain shrinks to the node when it was the node."""
     gpu = catalog.get_gpu(req["gpu"], where="/gpu")
     per_node = req.get("gpus_per_node") or gpu.gpus_per_node
+    if per_node != gpu.gpus_per_node:
+        domain = min(gpu.nvlink_domain, per_node) if gpu.nvlink_domain <= gpu.gpus_per_node else gpu.nvlink_domain
+        gpu = dataclasses.replace(gpu, gpus_per_node=per_node, nvlink_domain=domain)
     if req.get("num_gpus") is not None:
         n = req["num_gpus"]
         if req.get("nodes") is not None and req["nodes"] * per_node != n:
