@@ -24,12 +24,15 @@ def plan_cpu_run(req: dict, run_dir: Path, run_id: str) -> dict[str, Any]:
         raise ToolError("environment", "the CPU loop does not build MLA or MTP models", where="/model",
                         fix="run on a GPU machine")
     layout = req.get("layout") or {}
-    tp = layout.get("tp", 1)
+    tp, pp = layout.get("tp", 1), layout.get("pp", 1)
     procs = req.get("num_gpus") or 1
-    if procs % tp or model.num_attention_heads % tp or model.query_groups % tp:
-        raise ToolError("bad_request", f"TP {tp} does not divide the processes ({procs}) or the heads",
-                        where="/layout/tp", fix="use a TP that divides both")
-    dp = procs // tp
+    if procs % (tp * pp) or model.num_attention_heads % tp or model.query_groups % tp:
+        raise ToolError("bad_request", f"TP {tp} x PP {pp} does not divide the processes ({procs}), or TP the heads",
+                        where="/layout/tp", fix="use a TP that divides the heads and TP x PP that divides the processes")
+    if pp > 1 and (model.num_layers % pp or not model.untie_embeddings_and_output_weights):
+        raise ToolError("bad_request", f"the CPU loop splits {model.num_layers} layers evenly into {pp} stages, "
+                        "with untied embeddings", where="/layout/pp", fix="use a PP that divides the layers")
+    dp = procs // (tp * pp)
     seq = req.get("seq_length") or model.default_seq_length or 256
     gbs = req.get("global_batch_size") or min(default_global_batch(seq), 8 * dp)
     mbs = layout.get("mbs", 1)
@@ -42,7 +45,7 @@ def plan_cpu_run(req: dict, run_dir: Path, run_id: str) -> dict[str, Any]:
     warm = t.get("lr_warmup_iters")
     config = {
         "model": {k: v for k, v in model.to_fields().items() if v is not None and k not in ("source",)},
-        "tp": tp, "seq_length": seq, "vocab_size": t.get("vocab_size") or model.vocab_size,
+        "tp": tp, "pp": pp, "seq_length": seq, "vocab_size": t.get("vocab_size") or model.vocab_size,
         "padded_vocab_size": padded_vocab_size(model.vocab_size, tp),
         "seed": t["seed"], "lr": t["lr"], "min_lr": t["min_lr"],
         "lr_warmup_iters": min(100, iters // 10) if warm is None else warm,
@@ -60,4 +63,4 @@ def plan_cpu_run(req: dict, run_dir: Path, run_id: str) -> dict[str, Any]:
 
     return {"actions": [f"write {cfg_path}", " ".join(command)], "write": write, "command": command,
             "seq_length": seq, "env": {"OMP_NUM_THREADS": "1"},
-            "layout": {"tp": tp, "pp": 1, "dp": dp, "mbs": mbs, "gbs": gbs, "seq_length": seq}, "prediction": None}
+            "layout": {"tp": tp, "pp": pp, "dp": dp, "mbs": mbs, "gbs": gbs, "seq_length": seq}, "prediction": None}

@@ -44,10 +44,14 @@ def build_model(cfg: dict):
     if m.get("moe_layer_freq") not in (None, 1):
         config.moe_layer_freq = m["moe_layer_freq"]
     config.qk_layernorm = bool(m.get("qk_layernorm", False))
+    from megatron.core import parallel_state as ps
+
+    config.pipeline_model_parallel_size = cfg.get("pp", 1)
     model = GPTModel(config=config, transformer_layer_spec=block_spec(config), vocab_size=cfg["padded_vocab_size"],
                      max_sequence_length=cfg["seq_length"], position_embedding_type="rope",
                      rotary_base=m.get("rotary_base", 10000),
-                     share_embeddings_and_output_weights=not m.get("untie_embeddings_and_output_weights", True))
+                     share_embeddings_and_output_weights=not m.get("untie_embeddings_and_output_weights", True),
+                     pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
     keep_rope_on_cpu(model)
     return model
 
@@ -85,6 +89,82 @@ def _batches(dataset, start_sample: int, per_dp: int, mbs: int, dp_rank: int, dp
         step += 1
 
 
+def _rank_name() -> str:
+    """Megatron's legacy names: mp_rank_TT, or mp_rank_TT_PPP with pipeline parallelism."""
+    from megatron.core import parallel_state as ps
+
+    tp = ps.get_tensor_model_parallel_rank()
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        return f"mp_rank_{tp:02d}_{ps.get_pipeline_model_parallel_rank():03d}"
+    return f"mp_rank_{tp:02d}"
+
+
+def load_initial_weights(model, path: str) -> None:
+    """Start from a whole model's initial weights (saved by a one-stage run with save_initial),
+    taking this pipeline stage's layers: its local layer j is global layer j + offset."""
+    import torch
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    whole = torch.load(path, weights_only=False)
+    offset = get_transformer_layer_offset(model.config)
+    local = {}
+    for key in model.state_dict():
+        src = key
+        if key.startswith("decoder.layers."):
+            j, rest = key[len("decoder.layers."):].split(".", 1)
+            src = f"decoder.layers.{int(j) + offset}.{rest}"
+        local[key] = whole[src]
+    model.load_state_dict(local)
+
+
+def _pipeline_micro_batch(model, b, scale: float):
+    """One micro-batch through two or more stages, forward then backward, over gloo send/recv.
+    Returns the per-token losses on the last stage (None elsewhere)."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+    prev, nxt = ps.get_pipeline_model_parallel_prev_rank(), ps.get_pipeline_model_parallel_next_rank()
+    s, mb = b["tokens"].shape[1], b["tokens"].shape[0]
+    shape = (s, mb, model.config.hidden_size)
+    inp = None
+    if not first:
+        inp = torch.empty(shape)
+        dist.recv(inp, src=prev)
+        inp.requires_grad_()
+        model.set_input_tensor(inp)
+    if last:
+        losses = model(b["tokens"], b["position_ids"], None, labels=b["labels"])
+        mask = b["loss_mask"].float()
+        (torch.sum(losses.float() * mask) * scale / mask.sum()).backward()
+    else:
+        out = model(b["tokens"], b["position_ids"], None)
+        dist.send(out.detach().contiguous(), dst=nxt)
+        grad = torch.empty(shape)
+        dist.recv(grad, src=nxt)
+        out.backward(grad)
+        losses = None
+    if not first:
+        dist.send(inp.grad.contiguous(), dst=prev)
+    return losses
+
+
+def _clip_global(model, max_norm: float) -> None:
+    """Clip by the norm over the whole model, summed across the pipeline stages."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    sq = torch.stack([g.pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
+    dist.all_reduce(sq, group=ps.get_pipeline_model_parallel_group())
+    coef = max_norm / (sq.sqrt() + 1e-6)
+    if coef < 1:
+        for g in grads:
+            g.mul_(coef)
+
+
 def save_checkpoint(model, optimizer, iteration: int, ckpt_root: Path, rank: int) -> None:
     """One file per tensor-parallel rank (Megatron's legacy 'torch' layout, mp_rank_XX),
     written by data-parallel rank 0: the other DP ranks hold the same replica.  (Megatron's
@@ -98,12 +178,11 @@ def save_checkpoint(model, optimizer, iteration: int, ckpt_root: Path, rank: int
     if rank == 0:
         path.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    tp_rank = ps.get_tensor_model_parallel_rank()
     if ps.get_data_parallel_rank() == 0:
-        tmp = path / f"mp_rank_{tp_rank:02d}.pt.tmp"
+        tmp = path / f"{_rank_name()}.pt.tmp"
         torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "iteration": iteration,
                     "rng": torch.get_rng_state()}, tmp)
-        tmp.replace(path / f"mp_rank_{tp_rank:02d}.pt")
+        tmp.replace(path / f"{_rank_name()}.pt")
     dist.barrier()
     if rank == 0:  # the marker last: a checkpoint counts only once every rank has written it
         marker = ckpt_root / "latest_checkpointed_iteration.txt.tmp"
@@ -120,8 +199,7 @@ def load_checkpoint(model, optimizer, ckpt_root: Path, rank: int) -> int:
     if not latest.exists():
         return 0
     iteration = int(latest.read_text())
-    tp_rank = ps.get_tensor_model_parallel_rank()
-    state = torch.load(ckpt_root / f"iter_{iteration:07d}" / f"mp_rank_{tp_rank:02d}.pt", weights_only=False)
+    state = torch.load(ckpt_root / f"iter_{iteration:07d}" / f"{_rank_name()}.pt", weights_only=False)
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     torch.set_rng_state(state["rng"])
@@ -147,9 +225,14 @@ def main(config_path: str) -> None:
 
     from . import fused_head
 
-    ps.initialize_model_parallel(tensor_model_parallel_size=cfg["tp"])
+    pp = cfg.get("pp", 1)
+    ps.initialize_model_parallel(tensor_model_parallel_size=cfg["tp"], pipeline_model_parallel_size=pp)
     torch.manual_seed(cfg["seed"])
     model = build_model(cfg)
+    if cfg.get("save_initial") and rank == 0:
+        torch.save(model.state_dict(), cfg["save_initial"])
+    if cfg.get("load_initial"):
+        load_initial_weights(model, cfg["load_initial"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], betas=(0.9, 0.95),
                                   weight_decay=cfg["weight_decay"])
     ckpt_root = Path(cfg["save"])
@@ -169,22 +252,32 @@ def main(config_path: str) -> None:
         loss_sum = torch.zeros(()); tokens = torch.zeros(())
         for _ in range(per_dp // mbs):
             b = next(batches)
-            extra = {"loss_mask": b["loss_mask"], "output_processor": fused_head.output_processor} \
-                if cfg.get("fused_head") else {}
-            losses = model(b["tokens"], b["position_ids"], None, labels=b["labels"], **extra)
             mask = b["loss_mask"].float()
-            (torch.sum(losses.float() * mask) / (mask.sum() * (per_dp // mbs))).backward()
-            loss_sum += torch.sum(losses.detach().float() * mask); tokens += mask.sum()
+            if pp > 1:
+                losses = _pipeline_micro_batch(model, b, 1.0 / (per_dp // mbs))
+            else:
+                extra = {"loss_mask": b["loss_mask"], "output_processor": fused_head.output_processor} \
+                    if cfg.get("fused_head") else {}
+                losses = model(b["tokens"], b["position_ids"], None, labels=b["labels"], **extra)
+                (torch.sum(losses.float() * mask) / (mask.sum() * (per_dp // mbs))).backward()
+            if losses is not None:
+                loss_sum += torch.sum(losses.detach().float() * mask); tokens += mask.sum()
         if dp_size > 1:
             for p in model.parameters():
                 if p.grad is not None:
                     dist.all_reduce(p.grad, group=dp_group)
                     p.grad /= dp_size
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.get("clip_grad", 1.0))
+        if pp > 1:
+            _clip_global(model, cfg.get("clip_grad", 1.0))
+        else:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.get("clip_grad", 1.0))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         stats = torch.stack([loss_sum, tokens])
         dist.all_reduce(stats, group=dp_group)
+        if pp > 1:  # the loss lives on the last stage; rank 0 prints it
+            dist.broadcast(stats, src=ps.get_pipeline_model_parallel_last_rank(),
+                           group=ps.get_pipeline_model_parallel_group())
         consumed += gbs
         ms = (time.perf_counter() - t0) * 1e3
         if rank == 0 and ((it + 1) % cfg["log_interval"] == 0 or it + 1 == cfg["train_iters"] or it == start):
