@@ -86,3 +86,52 @@ def test_output_processor_runs_the_output_layers_forward_pre_hooks():
     ref = F.cross_entropy((hidden @ layer.weight.t()).transpose(0, 1).reshape(-1, 11), labels.reshape(-1),
                           reduction="none").view(2, 5)
     torch.testing.assert_close(losses, ref)
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def test_fp8_matmul_is_linear_within_fp8_precision():
+    """Forward in E4M3, gradients in E5M2 (the hybrid format), per-tensor current scaling; on CPU
+    the quantised values are multiplied in fp32, the same numbers torch._scaled_mm would see."""
+    from megatron_skill.runtime.fp8_linear import FP8Matmul, quantize, E4M3
+
+    torch.manual_seed(0)
+    x0, w0 = torch.randn(64, 128), torch.randn(96, 128) * 0.05
+    x1, w1 = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+    y1 = x1 @ w1.t()
+    g = torch.randn_like(y1)
+    y1.backward(g)
+    x2, w2 = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+    y2 = FP8Matmul.apply(x2, w2)
+    y2.backward(g)
+    assert _rel(y2, y1) < 0.05                       # E4M3: 3 mantissa bits, errors average out
+    assert _rel(x2.grad, x1.grad) < 0.1 and _rel(w2.grad, w1.grad) < 0.1   # E5M2 gradients
+    assert _rel(y2, y1) > 0                           # it really went through FP8
+    q, scale = quantize(x0, E4M3)
+    assert q.dtype == E4M3 and float(q.float().abs().max()) <= 448 and scale.shape == ()
+
+
+def test_fp8_layers_swap_in_only_for_the_dense_linears_and_fall_back_with_tp_communication():
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron_skill.runtime import specs
+    from megatron_skill.runtime.fp8_linear import FP8ColumnParallelLinear, FP8RowParallelLinear, _fp8_ok
+
+    cfg = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True)
+    specs.FP8_LINEAR = True
+    try:
+        layer = specs.local_sdpa_spec()
+    finally:
+        specs.FP8_LINEAR = False
+    attn, mlp = layer.submodules.self_attention.submodules, layer.submodules.mlp.keywords["submodules"]
+    assert attn.linear_qkv is FP8ColumnParallelLinear and attn.linear_proj is FP8RowParallelLinear
+    assert mlp.linear_fc1 is FP8ColumnParallelLinear and mlp.linear_fc2 is FP8RowParallelLinear
+    assert specs.local_sdpa_spec().submodules.mlp.keywords["submodules"].linear_fc1 is ColumnParallelLinear
+    x, w = torch.randn(32, 64), torch.randn(128, 64, requires_grad=True)
+    assert _fp8_ok(x, w, {"sequence_parallel": False, "allreduce_dgrad": False})
+    assert not _fp8_ok(x, w, {"sequence_parallel": True})          # TP communication inside: BF16 path
+    assert not _fp8_ok(x, w, {"allreduce_dgrad": True})
+    assert not _fp8_ok(torch.randn(30, 64), w, {})                  # tokens not a multiple of 16
+    del cfg

@@ -23,6 +23,8 @@ def skill_flags(runtime: dict[str, Any]) -> list[str]:
     a = []
     if runtime.get("linear_cross_entropy", True):
         a.append("--skill-linear-cross-entropy")
+    if runtime.get("fp8_linear", False):
+        a.append("--skill-fp8-linear")
     if runtime.get("sdpa_backend", "auto") != "auto":
         a += ["--skill-sdpa-backend", runtime["sdpa_backend"]]
     return a

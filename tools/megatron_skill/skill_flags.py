@@ -17,6 +17,9 @@ def add_skill_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     g.add_argument("--skill-linear-cross-entropy", action="store_true",
                    help="output layer and cross-entropy chunk by chunk, never materialising the "
                         "[tokens x vocab] logits (runtime/fused_head.py)")
+    g.add_argument("--skill-fp8-linear", action="store_true",
+                   help="attention and MLP linear layers in FP8 (per-tensor current scaling, torch._scaled_mm) "
+                        "without Transformer Engine; TP 1 layers (runtime/fp8_linear.py)")
     g.add_argument("--skill-sdpa-backend", choices=SDPA_BACKENDS, default="auto",
                    help="the torch SDPA kernel for core attention without Transformer Engine")
     return parser

@@ -21,8 +21,11 @@ def build_model(cfg: dict):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from . import specs
     from .cpu_rope import keep_rope_on_cpu
     from .specs import block_spec
+
+    specs.FP8_LINEAR = bool(cfg.get("fp8_linear"))
 
     m = cfg["model"]
     act = {"swiglu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu,

@@ -119,6 +119,9 @@ def main() -> None:
     _FUSED_HEAD = args.skill_linear_cross_entropy and fused_head.usable(args)
     if _FUSED_HEAD:
         fixes.append("output layer + cross-entropy fused chunk by chunk (no full logits)")
+    if args.skill_fp8_linear:
+        specs.FP8_LINEAR = True
+        fixes.append("FP8 linear layers (per-tensor current scaling, torch._scaled_mm)")
     if args.skill_sdpa_backend != "auto":
         attention.set_backend(args.skill_sdpa_backend)
         fixes.append(f"SDPA backend: {args.skill_sdpa_backend}")

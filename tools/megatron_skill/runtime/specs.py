@@ -11,8 +11,14 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec,
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
 from .attention import SDPAttention
 from .norm import SequenceParallelNorm
+
+# Set by the entry script from --skill-fp8-linear (and by the CPU loop from its config): the
+# dense linear layers of attention and MLP run in FP8 (runtime/fp8_linear.py).
+FP8_LINEAR = False
 
 
 def have_transformer_engine() -> bool:
@@ -33,10 +39,39 @@ def local_sdpa_spec(num_experts=None, moe_grouped_gemm=False, qk_layernorm=False
 def _swap_parts(spec: ModuleSpec) -> ModuleSpec:
     sub = spec.submodules
     sub.self_attention.submodules.core_attention = SDPAttention
+    if FP8_LINEAR:
+        _fp8_linears(sub)
     for name in ("input_layernorm", "pre_mlp_layernorm"):
         if getattr(sub, name, None) is WrappedTorchNorm:
             setattr(sub, name, SequenceParallelNorm)
     return spec
+
+
+def _fp8_linears(sub) -> None:
+    """The dense linear layers of attention and MLP, FP8 (runtime/fp8_linear.py); MoE experts
+    and anything not Megatron's plain column / row parallel linear stay as they are."""
+    import dataclasses
+    import functools
+
+    from .fp8_linear import FP8ColumnParallelLinear, FP8RowParallelLinear
+
+    swap = {ColumnParallelLinear: FP8ColumnParallelLinear, RowParallelLinear: FP8RowParallelLinear}
+
+    def swapped(holder, names):
+        return {n: swap[getattr(holder, n)] for n in names if getattr(holder, n, None) in swap}
+
+    attn = sub.self_attention.submodules
+    for name, cls in swapped(attn, ("linear_qkv", "linear_proj")).items():
+        setattr(attn, name, cls)
+    mlp = getattr(sub, "mlp", None)
+    if isinstance(mlp, functools.partial) and "submodules" in mlp.keywords:
+        # Megatron 0.19's MLP spec is a partial over shared submodules: build new ones.
+        mods = mlp.keywords["submodules"]
+        new = dataclasses.replace(mods, **swapped(mods, ("linear_fc1", "linear_fc2")))
+        sub.mlp = functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": new})
+    elif isinstance(mlp, ModuleSpec) and mlp.submodules is not None:
+        for name, cls in swapped(mlp.submodules, ("linear_fc1", "linear_fc2")).items():
+            setattr(mlp.submodules, name, cls)
 
 
 def block_spec(transformer_config, vp_stage=None, pp_rank=None):

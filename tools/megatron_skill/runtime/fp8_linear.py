@@ -1,0 +1,92 @@
+"""FP8 linear layers for Megatron-Core's local spec, without Transformer Engine.
+
+Current per-tensor scaling, as TE's "tensorwise" recipe: each GEMM input is scaled by its
+own absolute maximum into the FP8 range just before the product (E4M3 for activations and
+weights, E5M2 for gradients, the "hybrid" format), and the product runs through
+``torch._scaled_mm`` on GPUs that have FP8 tensor cores (compute capability 8.9 or newer).
+Elsewhere (CPU, older GPUs) the same quantised values are multiplied in fp32, which is what
+the CPU tests compare against the plain layers.  The activations saved for the backward are
+kept in FP8, half the bytes of BF16.
+
+Scope: the layers take the FP8 path only where the product needs no tensor-parallel
+communication inside it (TP 1, or a layer without sequence parallelism and without the
+asynchronous gradient all-reduce); elsewhere they are Megatron's own BF16 layers.
+"""
+from __future__ import annotations
+
+import torch
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+MAX = {E4M3: 448.0, E5M2: 57344.0}
+
+
+def quantize(t: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(t / scale in FP8, scale) with scale = amax / FP8 max: no host synchronisation."""
+    scale = (t.detach().abs().amax().float() / MAX[dtype]).clamp(min=1e-12)
+    return (t.float() / scale).to(dtype), scale
+
+
+def _has_fp8_tensor_cores(t: torch.Tensor) -> bool:
+    return t.is_cuda and torch.cuda.get_device_capability(t.device) >= (8, 9)
+
+
+def scaled_mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, out_dtype) -> torch.Tensor:
+    """(a * sa) @ (b * sb) for FP8 a [m, k] and b [k, n]."""
+    if _has_fp8_tensor_cores(a):
+        # cuBLAS wants a row-major and b column-major.
+        a = a.contiguous()
+        b = b.t().contiguous().t()
+        return torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=out_dtype)
+    return ((a.float() * sa) @ (b.float() * sb)).to(out_dtype)
+
+
+class FP8Matmul(torch.autograd.Function):
+    """y = x @ w.T with x [m, k], w [n, k]; FP8 forward and backward products."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        xq, sx = quantize(x, E4M3)
+        wq, sw = quantize(w, E4M3)
+        ctx.save_for_backward(xq, sx, wq, sw)
+        ctx.dtypes = (x.dtype, w.dtype)
+        return scaled_mm(xq, sx, wq.t(), sw, x.dtype)
+
+    @staticmethod
+    def backward(ctx, gy):
+        xq, sx, wq, sw = ctx.saved_tensors
+        x_dtype, w_dtype = ctx.dtypes
+        gq, sg = quantize(gy, E5M2)
+        gx = scaled_mm(gq, sg, wq, sw, x_dtype)            # [m, n] @ [n, k]
+        gw = scaled_mm(gq.t(), sg, xq, sx, w_dtype)        # [n, m] @ [m, k]
+        return gx, gw
+
+
+def _fp8_ok(x: torch.Tensor, w: torch.Tensor, kwargs: dict) -> bool:
+    """FP8 here only when Megatron's linear function would not communicate, and the GEMM
+    dimensions suit FP8 kernels (multiples of 16)."""
+    if kwargs.get("sequence_parallel") or kwargs.get("allreduce_dgrad"):
+        return False
+    if not w.requires_grad and torch.is_grad_enabled():
+        return False
+    return x.shape[-1] % 16 == 0 and w.shape[0] % 16 == 0 and x.numel() // x.shape[-1] % 16 == 0
+
+
+def _fp8_forward_impl(plain, input, weight, *args, **kwargs):
+    """Megatron's _forward_impl contract (it passes everything by keyword): FP8 when it can,
+    else ``plain``, Megatron's own implementation."""
+    bias = kwargs.get("bias", args[0] if args else None)
+    if not _fp8_ok(input, weight, kwargs):
+        return plain(input, weight, *args, **kwargs)
+    out = FP8Matmul.apply(input.reshape(-1, input.shape[-1]), weight).view(*input.shape[:-1], weight.shape[0])
+    return out + bias if bias is not None else out
+
+
+class FP8ColumnParallelLinear(ColumnParallelLinear):
+    def _forward_impl(self, input, weight, *args, **kwargs):
+        return _fp8_forward_impl(super()._forward_impl, input, weight, *args, **kwargs)
+
+
+class FP8RowParallelLinear(RowParallelLinear):
+    def _forward_impl(self, input, weight, *args, **kwargs):
+        return _fp8_forward_impl(super()._forward_impl, input, weight, *args, **kwargs)
