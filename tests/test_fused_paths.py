@@ -66,14 +66,16 @@ def test_linear_cross_entropy_on_cuda_at_a_real_vocabulary():
         assert rel < 2e-2, rel
 
 
-def test_output_processor_runs_the_output_layers_forward_pre_hooks():
+def test_output_processor_runs_the_output_layers_forward_pre_hooks(monkeypatch):
     """Megatron's DDP finishes the weight's all-gather in a forward pre-hook of the output
     layer (--overlap-param-gather); the fused head uses the weight without calling the
     layer, so it must run those hooks itself."""
     from types import SimpleNamespace
 
+    from megatron_skill.runtime import fused_head
     from megatron_skill.runtime.fused_head import output_processor
 
+    monkeypatch.setattr(fused_head, "CHUNK_TOKENS", 4)  # 10 tokens: more than two chunks, fused
     layer = torch.nn.Linear(8, 11, bias=False)
     seen = []
     layer.register_forward_pre_hook(lambda module, args: seen.append(module))
@@ -135,3 +137,27 @@ def test_fp8_layers_swap_in_only_for_the_dense_linears_and_fall_back_with_tp_com
     assert not _fp8_ok(x, w, {"allreduce_dgrad": True})
     assert not _fp8_ok(torch.randn(30, 64), w, {})                  # tokens not a multiple of 16
     del cfg
+
+
+def test_small_micro_batches_take_megatrons_own_output_layer_and_loss():
+    """At two chunks or fewer the fp32 weight gradient of the fused path would outweigh the
+    logits it saves: Megatron's path runs (and the memory model says the same)."""
+    from types import SimpleNamespace
+
+    from megatron_skill.runtime.fused_head import output_processor
+
+    calls = []
+
+    def output_layer(h, weight=None, runtime_gather_output=None):
+        calls.append("layer")
+        return h @ torch.ones(h.shape[-1], 3), None
+
+    def loss(labels, logits):
+        calls.append("loss")
+        return torch.zeros(labels.shape)
+
+    out = output_processor(hidden_states=torch.randn(5, 2, 4), output_layer=output_layer, output_weight=None,
+                           labels=torch.zeros(2, 5, dtype=torch.long), loss_mask=torch.ones(2, 5),
+                           config=SimpleNamespace(sequence_parallel=False), compute_language_model_loss=loss,
+                           scale_logits=lambda x: x)
+    assert calls == ["layer", "loss"] and out.shape == (2, 5)

@@ -222,7 +222,8 @@ def test_fused_linear_cross_entropy_trains_like_megatrons_output_layer(tmp_path)
     one.mkdir(), two.mkdir()
     kw = dict(train_iters=3, save_interval=None, global_batch_size=2, micro_batch_size=2)
     plain = _run_loop(_config(one, **kw))
-    fused = _run_loop(_config(two, tp=2, fused_head=True, **kw), nproc=2)
+    # 128-token micro-batches in 32-token chunks: four chunks, the fused path for real.
+    fused = _run_loop(_config(two, tp=2, fused_head=True, fused_head_chunk=32, **kw), nproc=2)
     for it in (1, 2, 3):
         assert fused[it] == pytest.approx(plain[it], rel=2e-4)
 

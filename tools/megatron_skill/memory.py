@@ -161,7 +161,8 @@ def param_split(model: ModelSpec, n_dense: int, n_moe: int) -> tuple[float, floa
     return tp_sharded, replicated, expert
 
 
-# runtime/fused_head.py: tokens per chunk of the fused output layer + cross-entropy.
+# runtime/fused_head.py: tokens per chunk of the fused output layer + cross-entropy (which
+# runs only for micro-batches of more than two chunks; smaller ones take Megatron's path).
 FUSED_HEAD_CHUNK = 4096
 
 
@@ -228,7 +229,7 @@ def stage_memory(model: ModelSpec, lay: Layout, rank: int, padded_vocab: int, fu
         sp = lay.sequence_parallel or lay.tp == 1
         activations += tokens * 2 * BF16 * h / (lay.tp if sp else 1)  # final norm in and out
         v = padded_vocab / lay.tp
-        if fused_head and not model.mtp_num_layers:
+        if fused_head and not model.mtp_num_layers and tokens > 2 * FUSED_HEAD_CHUNK:
             # One chunk's fp32 logits and bf16 gradient at a time; the fp32 weight gradient the
             # forward accumulates, and the fp32 product being added into it; the hidden-state
             # gradient kept for the backward.

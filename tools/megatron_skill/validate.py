@@ -187,7 +187,10 @@ def check_args(args: list[str], text: str, world: int | None, env: dict[str, str
                                      _line_of(text, "--fp8")))
         if gpu is not None and not any(f["severity"] == "error" for f in findings):
             padded = padded_vocab_size(model.vocab_size, lay.tp)
-            mem = memory_report(model, lay, padded, fused_head="--skill-linear-cross-entropy" in args)
+            # A rendered script picks TE or the local layers at run time: the fused head counts
+            # only where the local path is the one it will run.
+            local_only = "--skill-linear-cross-entropy" in args and "transformer_engine" not in args
+            mem = memory_report(model, lay, padded, fused_head=local_only)
             peak = max(m.total for m in mem.values()) / GIB
             result["predicted_peak_gib"] = round(peak, 2)
             if peak > gpu.memory_gib:

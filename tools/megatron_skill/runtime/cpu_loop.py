@@ -228,6 +228,7 @@ def main(config_path: str) -> None:
 
     from . import fused_head
 
+    fused_head.CHUNK_TOKENS = cfg.get("fused_head_chunk", fused_head.CHUNK_TOKENS)
     pp = cfg.get("pp", 1)
     ps.initialize_model_parallel(tensor_model_parallel_size=cfg["tp"], pipeline_model_parallel_size=pp)
     torch.manual_seed(cfg["seed"])

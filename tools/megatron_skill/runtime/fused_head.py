@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-DEFAULT_CHUNK_TOKENS = 4096
+CHUNK_TOKENS = 4096  # tokens per chunk; micro-batches of at most two chunks take Megatron's path
 
 
 def _all_reduce(t: torch.Tensor, op, group) -> None:
@@ -120,9 +120,15 @@ def output_processor(*, hidden_states, output_layer, output_weight, labels, loss
     from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
                                                         gather_from_sequence_parallel_region)
 
-    if labels is None or loss_mask is None:  # inference: Megatron's path
+    tokens = hidden_states.shape[0] * hidden_states.shape[1] * (
+        getattr(config, "tensor_model_parallel_size", 1) if config.sequence_parallel else 1)
+    if labels is None or loss_mask is None or tokens <= 2 * CHUNK_TOKENS:
+        # Inference, or a micro-batch so small that the fused path's fp32 weight gradient would
+        # outweigh the logits it saves: Megatron's own output layer and loss.
         logits, _ = output_layer(hidden_states, weight=output_weight, runtime_gather_output=runtime_gather_output)
-        return scale_logits(logits).transpose(0, 1).contiguous()
+        if labels is None:
+            return scale_logits(logits).transpose(0, 1).contiguous()
+        return compute_language_model_loss(labels, scale_logits(logits))
     _run_forward_pre_hooks(output_layer, (hidden_states,))
     group = getattr(output_layer, "tp_group", None)
     tp = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
@@ -133,5 +139,5 @@ def output_processor(*, hidden_states, output_layer, output_weight, labels, loss
         x = copy_to_tensor_model_parallel_region(x, group=group)
     weight = output_weight if output_weight is not None else output_layer.weight
     loss = LinearCrossEntropy.apply(x, weight, labels.transpose(0, 1).contiguous(),
-                                    loss_mask.transpose(0, 1).contiguous(), group, DEFAULT_CHUNK_TOKENS)
+                                    loss_mask.transpose(0, 1).contiguous(), group, CHUNK_TOKENS)
     return loss.transpose(0, 1).contiguous()
