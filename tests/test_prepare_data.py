@@ -167,6 +167,9 @@ def test_train_uses_the_dataset_with_matching_tokenizer_flags(tmp_path, cli):
     assert rc == 0, err
     args = out["result"]["megatron_args"]
     assert args[args.index("--data-path") + 1] == str(prefix) and args[args.index("--vocab-size") + 1] == "257"
+    # The prefix as a user types it, relative to where they stand (the run itself starts elsewhere).
+    relative = os.path.relpath(prefix, ROOT)
+    training = json.dumps({"data_path": [relative], "train_iters": 8, "log_interval": 1, "save_interval": 8})
     rc, out, err = cli("train", "--model", "tiny-gpt", "--backend", "cpu", "--runs-root", str(tmp_path / "runs"),
                        "--seq-length", "128", "--global-batch-size", "4", "--training", training, timeout=900)
     assert rc == 0, err

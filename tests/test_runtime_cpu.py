@@ -254,3 +254,18 @@ def test_fp8_linear_layers_train_like_bf16(tmp_path):
     for it in full:
         assert fp8[it] == pytest.approx(full[it], rel=0.02)
     assert fp8[5] < fp8[1]
+
+
+def test_a_failed_run_reports_the_ranks_error_not_torchruns(tmp_path):
+    from megatron_skill.train import _log_tail
+
+    log = tmp_path / "train.log"
+    log.write_text("\n".join([
+        "[rank0]: Traceback (most recent call last):", '[rank0]:   File "x.py", line 1, in <module>',
+        "[rank0]: AssertionError: One or both of the .idx and .bin files cannot be found",
+        "Exception ignored in: <function IndexedDataset.__del__>", "Traceback (most recent call last):",
+        '  File "y.py", line 2, in __del__', "AttributeError: no attribute 'bin_reader'",
+        "Traceback (most recent call last):", '  File "run.py", line 3, in main',
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:", "Root Cause (first observed failure):"]))
+    tail = _log_tail(log)
+    assert tail[0] == "Traceback (most recent call last):" and tail[-1].startswith("AssertionError: One or both")

@@ -161,8 +161,13 @@ def _log_tail(path: Path, lines: int = 14) -> list[str]:
     except OSError:
         return []
     starts = [i for i, ln in enumerate(text) if "Traceback (most recent call last)" in ln]
+    # The cause is the last traceback of a rank; torchrun's own comes after it and says nothing.
+    ends = starts[1:] + [len(text)]
+    # Skip torchrun's own (ChildFailedError) and "Exception ignored in" ones from destructors.
+    from_ranks = [i for i, j in zip(starts, ends) if "ChildFailedError" not in " ".join(text[i:j])
+                  and not (i > 0 and text[i - 1].startswith("Exception ignored"))]
     if starts:
-        block = [re.sub(r"^\[(default)?rank\d+\]:\s?", "", ln) for ln in text[starts[-1]:]]
+        block = [re.sub(r"^\[(default)?rank\d+\]:\s?", "", ln) for ln in text[(from_ranks or starts)[-1]:]]
         end = next((i for i, ln in enumerate(block) if re.match(r"^[\w.]*(Error|Exception)\b", ln)), len(block) - 1)
         frames = block[:end + 1]
         return frames if len(frames) <= lines else frames[:2] + ["..."] + frames[-(lines - 3):]

@@ -14,6 +14,14 @@ CPU_MAX_PARAMS = 60e6  # enough for tests and demos; anything larger belongs on 
 LOOP = Path(__file__).resolve().parent / "runtime" / "cpu_loop.py"
 
 
+def _is_weight(entry: str) -> bool:
+    try:
+        float(entry)
+        return True
+    except ValueError:
+        return False
+
+
 def plan_cpu_run(req: dict, run_dir: Path, run_id: str) -> dict[str, Any]:
     model = resolve_model(req)
     if model.total_params() > CPU_MAX_PARAMS:
@@ -52,7 +60,10 @@ def plan_cpu_run(req: dict, run_dir: Path, run_id: str) -> dict[str, Any]:
         "weight_decay": t["weight_decay"], "init_method_std": t["init_method_std"], "train_iters": iters,
         "global_batch_size": gbs, "micro_batch_size": mbs, "log_interval": t["log_interval"],
         "save_interval": t["save_interval"], "save": str(run_dir / "checkpoints"),
-        "data_path": t.get("data_path"), "data_cache": str(run_dir / "data_cache"),
+        # The loop runs in the run directory: dataset prefixes become absolute (weights stay).
+        "data_path": [p if _is_weight(p) else str(Path(p).resolve()) for p in t["data_path"]]
+        if t.get("data_path") else None,
+        "data_cache": str(run_dir / "data_cache"),
     }
     cfg_path = run_dir / "cpu_run.json"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(procs),
