@@ -21,6 +21,7 @@ from .contract import Context, Tool, register
 from .errors import ToolError
 from .flops import padded_vocab_size
 from .layout import Layout
+from .megatron_args import uses_fused_head
 from .memory import GIB
 from .planner import cost
 from .resolve import resolve_model
@@ -99,8 +100,8 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
     lay = Layout(**{k: v for k, v in lay_json.items() if k in Layout.__dataclass_fields__})
     from .runtime.compat import have_transformer_engine
     te = have_transformer_engine()
-    fused = not te and req.get("runtime", {}).get("linear_cross_entropy", True)
-    pred = cost(model, gpu, lay, padded_vocab_size(model.vocab_size, lay.tp), te=te, fused_head=fused)
+    pred = cost(model, gpu, lay, padded_vocab_size(model.vocab_size, lay.tp), te=te,
+                fused_head=uses_fused_head(te, req.get("runtime")))
     pred_alloc = max(m.allocated for m in pred.memory.values()) / GIB
     out = {
         "run_id": run_id, "run_dir": result["run_dir"], "gpu": gpu.key, "num_gpus": world,

@@ -9,9 +9,9 @@ the response envelope, and builds the command line from the same schema, so the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
-import contextlib
 import json
 import os
 import sys

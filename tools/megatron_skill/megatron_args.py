@@ -30,6 +30,12 @@ def skill_flags(runtime: dict[str, Any]) -> list[str]:
     return a
 
 
+def uses_fused_head(te: bool, runtime: dict[str, Any] | None) -> bool:
+    """Whether the run's output layer and loss go through the skill's fused head: the local
+    (no-TE) path with runtime.linear_cross_entropy on (the default)."""
+    return not te and (runtime or {}).get("linear_cross_entropy", True)
+
+
 def local_impl_flags(runtime: dict[str, Any] | None = None, skill_entry: bool = True) -> list[str]:
     """What the local (no-TE) path adds to the argument vector: Megatron's TE/apex fusions off,
     and (for the skill's entry script; a Megatron-LM checkout's does not know them) its own on.

@@ -87,8 +87,8 @@ def _layout_from_request(req: dict, model, gpu, n_gpus: int, seq: int, gbs: int)
             raise ToolError("infeasible", f"the layout {lay.label()} breaks the rule {rule!r}: {RULES[rule]}",
                             where="/layout", fix="run plan and take one of its layouts")
         te = req["transformer_engine"]
-        fused = not te and (req.get("runtime") or {}).get("linear_cross_entropy", True)
-        cand = cost(model, gpu, lay, padded_vocab_size(model.vocab_size, lay.tp), te=te, fused_head=fused)
+        cand = cost(model, gpu, lay, padded_vocab_size(model.vocab_size, lay.tp), te=te,
+                    fused_head=megatron_args.uses_fused_head(te, req.get("runtime")))
         if cand.peak_gib > gpu.memory_gib:
             raise ToolError("infeasible", f"the layout {lay.label()} needs {cand.peak_gib:.1f} GiB per GPU, "
                             f"more than the {gpu.memory_gib} GiB of {gpu.key}", where="/layout",

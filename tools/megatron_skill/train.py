@@ -161,9 +161,9 @@ def _log_tail(path: Path, lines: int = 14) -> list[str]:
     except OSError:
         return []
     starts = [i for i, ln in enumerate(text) if "Traceback (most recent call last)" in ln]
-    # The cause is the last traceback of a rank; torchrun's own comes after it and says nothing.
+    # The cause is the last traceback of a rank: skip torchrun's own (ChildFailedError), which
+    # comes after it and says nothing, and "Exception ignored in" ones from destructors.
     ends = starts[1:] + [len(text)]
-    # Skip torchrun's own (ChildFailedError) and "Exception ignored in" ones from destructors.
     from_ranks = [i for i, j in zip(starts, ends) if "ChildFailedError" not in " ".join(text[i:j])
                   and not (i > 0 and text[i - 1].startswith("Exception ignored"))]
     if starts:
