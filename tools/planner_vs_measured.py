@@ -3,8 +3,8 @@
 
     python tools/planner_vs_measured.py [RESULTS_DIR]     # default: references/results/h200-2026-12-02
 
-Reads each bench result (bench-*.json, levers/*.json, levers-causal/*.json), predicts the same configuration with
-the current planner (the GPU, layout and runtime options the result records) and prints the
+Reads each bench result (bench-*.json, levers/*.json, levers-causal/*.json), predicts the
+same configuration with the current planner (the GPU, layout and runtime options the result records) and prints the
 Markdown table of references/benchmarks.md: step time and peak allocated memory, predicted,
 measured and the error in %.  Run it after changing the model or the calibration data.
 """
