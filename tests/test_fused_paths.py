@@ -161,3 +161,102 @@ def test_small_micro_batches_take_megatrons_own_output_layer_and_loss():
                            config=SimpleNamespace(sequence_parallel=False), compute_language_model_loss=loss,
                            scale_logits=lambda x: x)
     assert calls == ["layer", "loss"] and out.shape == (2, 5)
+
+
+# ---- compiled kernels: the same values as the eager functions they compile --------------
+def test_compiled_loss_chunk_kernels_match_eager_and_reference():
+    """The fused head's per-chunk softmax statistics and gradient, torch.compile'd (the default
+    path), against the same functions eager and against torch's own softmax."""
+    from megatron_skill.runtime import compiled
+    from megatron_skill.runtime.fused_head import chunk_grad, chunk_stats
+
+    assert compiled.enabled()
+    g = torch.Generator().manual_seed(1)
+    logits = (torch.randn(24, 300, generator=g) * 4).to(torch.bfloat16)
+    idx = torch.randint(0, 300, (24,), generator=g)
+    here = torch.rand(24, generator=g) > 0.2          # some targets belong to another TP rank
+    mask = (torch.rand(24, generator=g) > 0.3).float()
+    m, s, t = chunk_stats(logits, idx, here)
+    m0, s0, t0 = chunk_stats.eager(logits, idx, here)
+    for a, b in ((m, m0), (s, s0), (t, t0)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    lf = logits.float()
+    torch.testing.assert_close(m + s.log(), torch.logsumexp(lf, dim=1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(t, lf.gather(1, idx[:, None]).squeeze(1) * here, rtol=0, atol=0)
+    grad = chunk_grad(logits, m, s, idx, here, mask)
+    ref = (torch.softmax(lf, dim=1) - F.one_hot(idx, 300) * here[:, None]) * mask[:, None]
+    assert grad.dtype == torch.bfloat16
+    torch.testing.assert_close(grad.float(), ref, rtol=1e-2, atol=1e-3)
+    torch.testing.assert_close(grad, chunk_grad.eager(logits, m, s, idx, here, mask), rtol=1e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("kind", ["plain", "interleaved", "partial"])
+def test_compiled_rope_matches_megatrons_unfused_rope(dtype, tol, kind):
+    """Megatron's own unfused RoPE compiled (runtime/fused_rope.py): forward and gradient
+    against the eager function, including interleaved and partial rotary dimensions."""
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron_skill.runtime import fused_rope
+
+    eager = rope_utils._apply_rotary_pos_emb_bshd
+    fused_rope.install()
+    try:
+        fused = rope_utils._apply_rotary_pos_emb_bshd
+        assert fused is not eager and fused.eager is eager
+        g = torch.Generator().manual_seed(2)
+        t0 = torch.randn(32, 2, 4, 16, generator=g).to(dtype)
+        freqs = torch.randn(32, 1, 1, 8 if kind == "partial" else 16, generator=g)
+        gy = torch.randn(32, 2, 4, 16, generator=g).to(dtype)
+        kw = dict(rotary_interleaved=kind == "interleaved", mla_rotary_interleaved=False, mscale=1.0)
+        outs = []
+        for fn in (eager, fused):
+            t = t0.clone().requires_grad_()
+            y = fn(t, freqs, **kw)
+            y.backward(gy)
+            outs.append((y, t.grad))
+        (y1, g1), (y2, g2) = outs
+        assert y2.dtype == dtype and g2.dtype == dtype
+        torch.testing.assert_close(y2, y1, rtol=tol, atol=tol)
+        torch.testing.assert_close(g2, g1, rtol=tol, atol=tol)
+    finally:
+        fused_rope.uninstall()
+    assert rope_utils._apply_rotary_pos_emb_bshd is eager
+
+
+def test_compiled_fp8_quantize_matches_eager_and_lays_out_the_transpose():
+    from megatron_skill.runtime.fp8_linear import E4M3, E5M2, quantize, quantize_with_transpose
+
+    torch.manual_seed(3)
+    x = torch.randn(48, 80, dtype=torch.bfloat16) * 3
+    for dtype in (E4M3, E5M2):
+        q, q_t, scale = quantize_with_transpose(x, dtype)
+        q0, scale0 = quantize(x, dtype)
+        torch.testing.assert_close(scale, scale0)
+        assert q.dtype == dtype and q.shape == (48, 80) and q_t.shape == (80, 48) and q_t.is_contiguous()
+        assert torch.equal(q.float(), q0.float()) and torch.equal(q_t.float(), q0.float().t())
+
+
+def test_native_gqa_attention_matches_expanded_keys_and_values():
+    """SDPA reading the shared key/value heads itself (enable_gqa) against the expansion."""
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron_skill.runtime import attention
+
+    cfg = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=8, num_query_groups=2,
+                            kv_channels=8, attention_dropout=0.0, use_cpu_initialization=True)
+    attn = attention.SDPAttention(cfg, 1, AttnMaskType.causal)
+    g = torch.Generator().manual_seed(4)
+    q0 = torch.randn(16, 2, 8, 8, generator=g)
+    k0, v0 = torch.randn(16, 2, 2, 8, generator=g), torch.randn(16, 2, 2, 8, generator=g)
+    outs = []
+    for native in (False, True):
+        attention.NATIVE_GQA = native
+        try:
+            q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
+            out = attn(q, k, v, None)
+            out.pow(2).sum().backward()
+            outs.append((out, q.grad, k.grad, v.grad))
+        finally:
+            attention.NATIVE_GQA = False
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

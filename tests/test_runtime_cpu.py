@@ -269,3 +269,15 @@ def test_a_failed_run_reports_the_ranks_error_not_torchruns(tmp_path):
         "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:", "Root Cause (first observed failure):"]))
     tail = _log_tail(log)
     assert tail[0] == "Traceback (most recent call last):" and tail[-1].startswith("AssertionError: One or both")
+
+
+def test_compiled_rope_and_native_gqa_train_like_the_plain_layers(tmp_path):
+    """The element-wise fused paths inside a real GPTModel run (gloo, two TP ranks): the same
+    losses over optimizer steps as Megatron's eager RoPE with expanded keys and values."""
+    one, two = tmp_path / "plain", tmp_path / "fused"
+    one.mkdir(), two.mkdir()
+    kw = dict(train_iters=3, save_interval=None, global_batch_size=2, micro_batch_size=2, tp=2)  # 2 heads, 1 group a rank
+    plain = _run_loop(_config(one, **kw), nproc=2)
+    fused = _run_loop(_config(two, compiled_rope=True, native_gqa=True, **kw), nproc=2)
+    for it in (1, 2, 3):
+        assert fused[it] == pytest.approx(plain[it], rel=1e-4)

@@ -25,6 +25,10 @@ def skill_flags(runtime: dict[str, Any]) -> list[str]:
         a.append("--skill-linear-cross-entropy")
     if runtime.get("fp8_linear", False):
         a.append("--skill-fp8-linear")
+    if runtime.get("compiled_rope", True):
+        a.append("--skill-compiled-rope")
+    if runtime.get("native_gqa", False):
+        a.append("--skill-native-gqa")
     if runtime.get("sdpa_backend", "auto") != "auto":
         a += ["--skill-sdpa-backend", runtime["sdpa_backend"]]
     return a

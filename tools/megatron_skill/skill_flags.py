@@ -22,4 +22,10 @@ def add_skill_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         "without Transformer Engine; TP 1 layers (runtime/fp8_linear.py)")
     g.add_argument("--skill-sdpa-backend", choices=SDPA_BACKENDS, default="auto",
                    help="the torch SDPA kernel for core attention without Transformer Engine")
+    g.add_argument("--skill-compiled-rope", action="store_true",
+                   help="Megatron's unfused RoPE compiled with torch.compile: one fused kernel each way "
+                        "instead of a chain of element-wise ones (runtime/fused_rope.py)")
+    g.add_argument("--skill-native-gqa", action="store_true",
+                   help="grouped-query attention read by the SDPA kernel itself (enable_gqa) instead of "
+                        "expanding keys and values to every query head")
     return parser

@@ -18,6 +18,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 
 _BACKENDS: list | None = None  # None: torch's own choice among the kernels that take the shape
+NATIVE_GQA = False  # --skill-native-gqa: the kernel reads the shared key/value heads itself
 
 
 def set_backend(name: str) -> None:
@@ -61,17 +62,21 @@ class SDPAttention(MegatronModule):
         mask = None
         if not causal and attention_mask is not None:
             mask = ~attention_mask  # Megatron's masks are True where attention is NOT allowed
+        gqa = {}
         if k.shape[1] != heads:
-            # GQA: expand keys and values to the query heads (enable_gqa is not taken by every kernel).
-            k = k.repeat_interleave(heads // k.shape[1], dim=1)
-            v = v.repeat_interleave(heads // v.shape[1], dim=1)
+            if NATIVE_GQA:
+                gqa["enable_gqa"] = True
+            else:
+                # GQA: expand keys and values to the query heads (enable_gqa is not taken by every kernel).
+                k = k.repeat_interleave(heads // k.shape[1], dim=1)
+                v = v.repeat_interleave(heads // v.shape[1], dim=1)
         dropout = self.dropout if self.training else 0.0
         if _BACKENDS is None:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal,
-                                                 scale=self.softmax_scale)
+                                                 scale=self.softmax_scale, **gqa)
         else:
             from torch.nn.attention import sdpa_kernel
             with sdpa_kernel(_BACKENDS):
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal,
-                                                     scale=self.softmax_scale)
+                                                     scale=self.softmax_scale, **gqa)
         return out.permute(2, 0, 1, 3).reshape(sq, b, heads * v.shape[-1])

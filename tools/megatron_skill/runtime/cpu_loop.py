@@ -21,11 +21,14 @@ def build_model(cfg: dict):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from . import specs
+    from . import attention, fused_rope, specs
     from .cpu_rope import keep_rope_on_cpu
     from .specs import block_spec
 
     specs.FP8_LINEAR = bool(cfg.get("fp8_linear"))
+    attention.NATIVE_GQA = bool(cfg.get("native_gqa"))
+    if cfg.get("compiled_rope"):
+        fused_rope.install()
 
     m = cfg["model"]
     act = {"swiglu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu,

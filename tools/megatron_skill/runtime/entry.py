@@ -19,7 +19,7 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset  # noqa: E402
 from megatron.core.enums import ModelType  # noqa: E402
 
-from . import attention, compat, fused_head, gpu_profile, specs  # noqa: E402
+from . import attention, compat, fused_head, fused_rope, gpu_profile, specs  # noqa: E402
 
 
 def _tokenizer(args):
@@ -122,6 +122,11 @@ def main() -> None:
     if args.skill_fp8_linear:
         specs.FP8_LINEAR = True
         fixes.append("FP8 linear layers (per-tensor current scaling, torch._scaled_mm)")
+    if args.skill_compiled_rope and fused_rope.install():
+        fixes.append("RoPE: Megatron's unfused function, torch.compile'd")
+    if args.skill_native_gqa:
+        attention.NATIVE_GQA = True
+        fixes.append("SDPA reads grouped key/value heads itself (enable_gqa)")
     if args.skill_sdpa_backend != "auto":
         attention.set_backend(args.skill_sdpa_backend)
         fixes.append(f"SDPA backend: {args.skill_sdpa_backend}")

@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
+from . import compiled
+
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 MAX = {E4M3: 448.0, E5M2: 57344.0}
 
@@ -25,6 +27,16 @@ def quantize(t: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(t / scale in FP8, scale) with scale = amax / FP8 max: no host synchronisation."""
     scale = (t.detach().abs().amax().float() / MAX[dtype]).clamp(min=1e-12)
     return (t.float() / scale).to(dtype), scale
+
+
+@compiled.kernel
+def quantize_with_transpose(t: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """quantize(t) and its transpose, contiguous: the layouts the FP8 GEMMs want for the
+    forward and for the backward (cuBLAS's FP8 kernels take only "TN" operands).  Compiled,
+    this is one reduction and one kernel writing both layouts, where eager torch makes an
+    fp32 copy, a scaled copy, the cast and then the transposed copy."""
+    q, scale = quantize(t, dtype)
+    return q, q.t().contiguous(), scale
 
 
 def _has_fp8_tensor_cores(t: torch.Tensor) -> bool:
@@ -46,19 +58,19 @@ class FP8Matmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w):
-        xq, sx = quantize(x, E4M3)
-        wq, sw = quantize(w, E4M3)
-        ctx.save_for_backward(xq, sx, wq, sw)
+        xq, xq_t, sx = quantize_with_transpose(x, E4M3)
+        wq, wq_t, sw = quantize_with_transpose(w, E4M3)
+        ctx.save_for_backward(xq_t, sx, wq_t, sw)
         ctx.dtypes = (x.dtype, w.dtype)
-        return scaled_mm(xq, sx, wq.t(), sw, x.dtype)
+        return scaled_mm(xq, sx, wq.t(), sw, x.dtype)             # wq.t() is column-major as is
 
     @staticmethod
     def backward(ctx, gy):
-        xq, sx, wq, sw = ctx.saved_tensors
+        xq_t, sx, wq_t, sw = ctx.saved_tensors
         x_dtype, w_dtype = ctx.dtypes
-        gq, sg = quantize(gy, E5M2)
-        gx = scaled_mm(gq, sg, wq, sw, x_dtype)            # [m, n] @ [n, k]
-        gw = scaled_mm(gq.t(), sg, xq, sx, w_dtype)        # [n, m] @ [m, k]
+        gq, gq_t, sg = quantize_with_transpose(gy, E5M2)
+        gx = scaled_mm(gq, sg, wq_t.t(), sw, x_dtype)            # [m, n] @ [n, k]
+        gw = scaled_mm(gq_t, sg, xq_t.t(), sx, w_dtype)          # [n, m] @ [m, k]
         return gx, gw
 
 

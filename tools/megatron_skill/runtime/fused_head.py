@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from . import compiled
+
 CHUNK_TOKENS = 4096  # tokens per chunk; micro-batches of at most two chunks take Megatron's path
 
 
@@ -39,7 +41,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         t = target.reshape(n_tok)
         mask = loss_mask.reshape(n_tok).to(torch.float32)
         v_local = weight.shape[0]
-        rank = dist.get_rank(group) if group is not None and dist.is_initialized() else 0
+        rank = dist.get_rank(group) if tp_group_size(group) > 1 else 0
         v_start = rank * v_local
         need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
 
@@ -48,30 +50,25 @@ class LinearCrossEntropy(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if need_grad else None
         for s in range(0, n_tok, chunk_tokens):
             e = min(s + chunk_tokens, n_tok)
-            logits = (x[s:e] @ weight.t()).float()                 # [c, V/tp], fp32 for the softmax
-            row_max = logits.max(dim=-1).values
-            _all_reduce(row_max, dist.ReduceOp.MAX, group)
-            logits.sub_(row_max.unsqueeze(1))
+            logits = x[s:e] @ weight.t()                            # [c, V/tp], the GEMM's dtype
             local_t = t[s:e] - v_start
-            here = ((local_t >= 0) & (local_t < v_local)).unsqueeze(1)
-            idx = local_t.clamp(0, v_local - 1).unsqueeze(1)
-            # gather / scatter, not boolean indexing: no host synchronisation per chunk
-            target_logit = (logits.gather(1, idx) * here).squeeze(1)
-            probs = logits.exp_()                                   # in place: logits are not needed again
-            sum_exp = probs.sum(dim=-1)
-            both = torch.stack([sum_exp, target_logit])
-            _all_reduce(both, dist.ReduceOp.SUM, group)
-            sum_exp, target_logit = both[0], both[1]
-            loss[s:e] = sum_exp.log() - target_logit
+            here = (local_t >= 0) & (local_t < v_local)
+            idx = local_t.clamp(0, v_local - 1)
+            row_max, sum_exp, target_logit = chunk_stats(logits, idx, here)
+            if tp_group_size(group) > 1:
+                # combine the ranks' vocabulary slices: one max, then the sums rescaled to it
+                global_max = row_max.clone()
+                _all_reduce(global_max, dist.ReduceOp.MAX, group)
+                both = torch.stack([sum_exp * torch.exp(row_max - global_max), target_logit])
+                _all_reduce(both, dist.ReduceOp.SUM, group)
+                row_max, sum_exp, target_logit = global_max, both[0], both[1]
+            loss[s:e] = sum_exp.log() + row_max - target_logit
             if need_grad:
                 # d loss_n / d logits = softmax - onehot(target), weighted by the mask now and by
                 # the micro-batch factor in backward.
-                probs.div_(sum_exp.unsqueeze(1))
-                probs.scatter_add_(1, idx, -here.to(probs.dtype))
-                probs.mul_(mask[s:e].unsqueeze(1))
-                g = probs.to(x.dtype)
-                grad_x[s:e] = g @ weight
-                grad_w.add_(_matmul_fp32(g.t(), x[s:e]))
+                g = chunk_grad(logits, row_max, sum_exp, idx, here, mask[s:e])
+                torch.mm(g, weight, out=grad_x[s:e])
+                _addmm_fp32_(grad_w, g.t(), x[s:e])
         if need_grad:
             ctx.save_for_backward(grad_x, grad_w, mask)
             ctx.hidden_shape, ctx.weight_dtype = hidden.shape, weight.dtype
@@ -87,11 +84,38 @@ class LinearCrossEntropy(torch.autograd.Function):
         return gx, gw, None, None, None, None
 
 
-def _matmul_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b with an fp32 result straight from the GEMM's accumulator where torch offers it (CUDA)."""
+def tp_group_size(group) -> int:
+    return dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
+
+
+@compiled.kernel
+def chunk_stats(logits: torch.Tensor, idx: torch.Tensor, here: torch.Tensor):
+    """Per token of a chunk: the row max, the sum of exp(logit - max) and the target's logit
+    (0 where the target is another rank's), in fp32.  One fused pass over the logits when
+    compiled; eager, the fp32 copy of the chunk and its exponentials are materialised."""
+    lf = logits.float()
+    row_max = lf.amax(dim=1)
+    sum_exp = torch.exp(lf - row_max.unsqueeze(1)).sum(dim=1)
+    target_logit = lf.gather(1, idx.unsqueeze(1)).squeeze(1) * here.to(lf.dtype)
+    return row_max, sum_exp, target_logit
+
+
+@compiled.kernel
+def chunk_grad(logits, row_max, sum_exp, idx, here, mask):
+    """(softmax - onehot(target)) * mask, in the logits' dtype: the loss's gradient by the logits."""
+    probs = torch.exp(logits.float() - row_max.unsqueeze(1)) / sum_exp.unsqueeze(1)
+    cols = torch.arange(logits.shape[1], device=logits.device)
+    onehot = (cols.unsqueeze(0) == idx.unsqueeze(1)) & here.unsqueeze(1)
+    return ((probs - onehot.to(probs.dtype)) * mask.unsqueeze(1)).to(logits.dtype)
+
+
+def _addmm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b for an fp32 acc, straight from the GEMM's accumulator where torch offers
+    it (CUDA: no fp32 temporary of the [V, h] product)."""
     if a.is_cuda and a.dtype != torch.float32:
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return (a @ b).float()
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        acc.add_((a @ b).float())
 
 
 def _run_forward_pre_hooks(module: torch.nn.Module, args: tuple) -> None:
@@ -131,7 +155,7 @@ def output_processor(*, hidden_states, output_layer, output_weight, labels, loss
         return compute_language_model_loss(labels, scale_logits(logits))
     _run_forward_pre_hooks(output_layer, (hidden_states,))
     group = getattr(output_layer, "tp_group", None)
-    tp = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
+    tp = tp_group_size(group)
     x = hidden_states
     if config.sequence_parallel and tp > 1:
         x = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True, group=group)

@@ -33,7 +33,7 @@ def family(kernel_name: str) -> str:
 
 
 def summarize(events) -> dict:
-    """Kernel time by family and the 15 biggest kernels, from profiler events."""
+    """Kernel time by family and the 30 biggest kernels, from profiler events."""
     by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for e in events:
         # Kernels only: record_function ranges (e.g. "Optimizer.step#AdamW.step") also appear on
@@ -47,7 +47,7 @@ def summarize(events) -> dict:
     for name, (us, _) in by_name.items():
         by_family[family(name)] += us
     total = sum(by_family.values()) or 1.0
-    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:15]
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:30]
     return {
         "gpu_ms": round(total / 1e3, 2),
         "by_family": {k: {"ms": round(v / 1e3, 2), "share": round(v / total, 3)}
