@@ -260,3 +260,28 @@ def test_native_gqa_attention_matches_expanded_keys_and_values():
             attention.NATIVE_GQA = False
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_weight_copies_are_reused_within_a_step_and_dropped_after():
+    """With the per-step cache on (the entry script clears it around every train_step), a
+    weight is cast once for all micro-batches; after a clear the new values are cast."""
+    from megatron_skill.runtime import fp8_linear
+
+    torch.manual_seed(5)
+    x, w = torch.randn(32, 64), torch.randn(48, 64, requires_grad=True)
+    plain = fp8_linear.FP8Matmul.apply(x, w)
+    fp8_linear.WEIGHT_CACHE_ENABLED = True
+    try:
+        fp8_linear.clear_weight_cache()
+        assert torch.equal(fp8_linear.FP8Matmul.apply(x, w), plain)
+        first = fp8_linear._weight_cache[next(iter(fp8_linear._weight_cache))][0]
+        fp8_linear.FP8Matmul.apply(x, w)
+        assert len(fp8_linear._weight_cache) == 1
+        assert fp8_linear._weight_cache[next(iter(fp8_linear._weight_cache))][0] is first   # reused
+        with torch.no_grad():
+            w.mul_(2)                     # the optimizer step: the entry script clears the cache
+        fp8_linear.clear_weight_cache()
+        torch.testing.assert_close(fp8_linear.FP8Matmul.apply(x, w), plain * 2, rtol=0.07, atol=0.05)
+    finally:
+        fp8_linear.WEIGHT_CACHE_ENABLED = False
+        fp8_linear.clear_weight_cache()

@@ -27,7 +27,7 @@ def skill_flags(runtime: dict[str, Any]) -> list[str]:
         a.append("--skill-fp8-linear")
     if runtime.get("compiled_rope", True):
         a.append("--skill-compiled-rope")
-    if runtime.get("native_gqa", False):
+    if runtime.get("native_gqa", True):
         a.append("--skill-native-gqa")
     if runtime.get("sdpa_backend", "auto") != "auto":
         a += ["--skill-sdpa-backend", runtime["sdpa_backend"]]

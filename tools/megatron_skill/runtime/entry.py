@@ -101,6 +101,26 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
 _FUSED_HEAD = False
 
 
+def _quantize_weights_once_per_step() -> None:
+    """FP8 weight copies made on the first micro-batch of each optimizer step and reused by
+    the others: the cache is emptied as every train_step begins and again once it has
+    stepped the optimizer (evaluation in between must see the new weights)."""
+    import megatron.training.training as training
+    from . import fp8_linear
+
+    original = training.train_step
+
+    def train_step(*args, **kwargs):
+        fp8_linear.clear_weight_cache()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            fp8_linear.clear_weight_cache()
+
+    fp8_linear.WEIGHT_CACHE_ENABLED = True
+    training.train_step = train_step
+
+
 def main() -> None:
     from megatron.training import pretrain, print_rank_0
     from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
@@ -121,7 +141,8 @@ def main() -> None:
         fixes.append("output layer + cross-entropy fused chunk by chunk (no full logits)")
     if args.skill_fp8_linear:
         specs.FP8_LINEAR = True
-        fixes.append("FP8 linear layers (per-tensor current scaling, torch._scaled_mm)")
+        _quantize_weights_once_per_step()
+        fixes.append("FP8 linear layers (per-tensor current scaling, torch._scaled_mm; weights cast once a step)")
     if args.skill_compiled_rope and fused_rope.install():
         fixes.append("RoPE: Megatron's unfused function, torch.compile'd")
     if args.skill_native_gqa:

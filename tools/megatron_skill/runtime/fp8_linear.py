@@ -43,14 +43,39 @@ def _has_fp8_tensor_cores(t: torch.Tensor) -> bool:
     return t.is_cuda and torch.cuda.get_device_capability(t.device) >= (8, 9)
 
 
-def scaled_mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, out_dtype) -> torch.Tensor:
-    """(a * sa) @ (b * sb) for FP8 a [m, k] and b [k, n]."""
+def scaled_mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, out_dtype,
+              fast_accum: bool = False) -> torch.Tensor:
+    """(a * sa) @ (b * sb) for FP8 a [m, k] and b [k, n].  ``fast_accum``: Hopper's FP8
+    accumulation without periodic promotion to fp32, as Transformer Engine uses for the
+    forward GEMM (and not for the gradients' GEMMs, whose sums are longer)."""
     if _has_fp8_tensor_cores(a):
         # cuBLAS wants a row-major and b column-major.
         a = a.contiguous()
         b = b.t().contiguous().t()
-        return torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=out_dtype)
+        return torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=out_dtype, use_fast_accum=fast_accum)
     return ((a.float() * sa) @ (b.float() * sb)).to(out_dtype)
+
+
+# Weights are the same in every micro-batch of one optimizer step, so their FP8 copies can be
+# made once per step.  Only the entry script turns this on: it clears the cache at the start
+# of every train_step (a parameter's version counter is no guide: the distributed optimizer
+# and its all-gather write weights without touching it).
+WEIGHT_CACHE_ENABLED = False
+_weight_cache: dict[int, tuple] = {}
+
+
+def clear_weight_cache() -> None:
+    _weight_cache.clear()
+
+
+def _quantized_weight(w: torch.Tensor):
+    if not WEIGHT_CACHE_ENABLED:
+        return quantize_with_transpose(w, E4M3)
+    key = (id(w), w.data_ptr(), tuple(w.shape))
+    hit = _weight_cache.get(key)
+    if hit is None:
+        hit = _weight_cache[key] = quantize_with_transpose(w, E4M3)
+    return hit
 
 
 class FP8Matmul(torch.autograd.Function):
@@ -59,10 +84,10 @@ class FP8Matmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w):
         xq, xq_t, sx = quantize_with_transpose(x, E4M3)
-        wq, wq_t, sw = quantize_with_transpose(w, E4M3)
+        wq, wq_t, sw = _quantized_weight(w)
         ctx.save_for_backward(xq_t, sx, wq_t, sw)
         ctx.dtypes = (x.dtype, w.dtype)
-        return scaled_mm(xq, sx, wq.t(), sw, x.dtype)             # wq.t() is column-major as is
+        return scaled_mm(xq, sx, wq.t(), sw, x.dtype, fast_accum=True)   # wq.t(): column-major as is
 
     @staticmethod
     def backward(ctx, gy):
