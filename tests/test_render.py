@@ -220,3 +220,27 @@ def test_flag_manifest_matches_the_installed_megatron():
     # parser's flag set (regenerate with: python tools/gen_megatron_manifest.py).
     from megatron_skill.megatron_flags import build_manifest, load_manifest
     assert load_manifest() == build_manifest()
+
+
+def test_fake_rank_script_runs_one_rank_of_the_full_layout(tmp_path):
+    """fake_rank: one process with RANK / WORLD_SIZE of the whole job and Megatron's
+    --fake-process-group, no torchrun; the 64-GPU layout renders on one machine."""
+    res, text = _render(tmp_path, model="llama3-8b", gpu="h200", num_gpus=64, seq_length=8192,
+                        global_batch_size=128, layout={"tp": 2, "pp": 4, "mbs": 1}, fake_rank="last-stage")
+    assert res["fake_rank"] == 48  # PP outermost: the last stage starts at 3 x 64 / 4
+    assert "RANK=48 WORLD_SIZE=64 LOCAL_RANK=0" in text and "torch.distributed.run" not in text
+    assert "--fake-process-group" in res["megatron_args"]
+    assert "--moe-router-force-load-balancing" not in res["megatron_args"]
+    _shellcheck(res["files"][0]["path"])
+    moe, _ = _render(tmp_path / "moe", model="mixtral-8x7b", gpu="h200", num_gpus=64, seq_length=4096,
+                     global_batch_size=128, layout={"tp": 1, "pp": 4, "ep": 8, "mbs": 1}, fake_rank=0)
+    assert "--moe-router-force-load-balancing" in moe["megatron_args"]
+
+
+def test_fake_rank_outside_the_layout_or_under_slurm_is_refused(tmp_path):
+    base = {"model": "llama3-8b", "gpu": "h200", "num_gpus": 16, "layout": {"tp": 2, "pp": 2, "mbs": 1},
+            "output_dir": str(tmp_path)}
+    env = call("render", {**base, "fake_rank": 16})
+    assert not env["ok"] and env["error"]["where"] == "/fake_rank" and "below 16" in env["error"]["fix"]
+    env = call("render", {**base, "fake_rank": 0, "launcher": "slurm"})
+    assert not env["ok"] and env["error"]["where"] == "/launcher"

@@ -55,7 +55,41 @@ def _calibrate(req: dict, ctx: Context, out_dir: Path) -> dict[str, Any]:
     result.update(gpu=gpu.key, date=time.strftime("%Y-%m-%d"))
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "calibration.json").write_text(json.dumps(result, indent=1))
-    return {"calibration": result, "files": [str(out_dir / "calibration.json")]}
+    out = {"calibration": result, "catalog_entry": catalog_entry(result, gpu),
+           "files": [str(out_dir / "calibration.json")]}
+    if req.get("store_calibration"):
+        out["files"].append(store_calibration(gpu, out["catalog_entry"], result["date"]))
+    return out
+
+
+def catalog_entry(result: dict, gpu) -> dict[str, Any]:
+    """What catalog/calibration.json keeps of a calibration for the step-time model: the
+    large-GEMM rates as fractions of the dense peaks (its roofline charges smaller shapes
+    itself), HBM, and the causal attention rate by sequence and head dimension."""
+    entry = {"gemm_bf16": round(result["gemm_bf16_tflops"]["square_8192"] / gpu.bf16_dense_tflops, 2),
+             "hbm": round(result["calibration"]["hbm"], 2), "attention_tflops": dict(result["attention_tflops"])}
+    if result.get("gemm_fp8_tflops") and gpu.fp8_dense_tflops:
+        entry["gemm_fp8"] = round(result["gemm_fp8_tflops"]["square_8192"] / gpu.fp8_dense_tflops, 2)
+    return entry
+
+
+def store_calibration(gpu, entry: dict, date: str) -> str:
+    """Write a calibration into catalog/calibration.json for this GPU type, keeping the
+    figures calibrate does not measure (the profile-derived factors)."""
+    from .catalog import CATALOG_DIR
+
+    path = CATALOG_DIR / "calibration.json"
+    data = json.loads(path.read_text())
+    cur = data["gpus"].setdefault(gpu.key, {})
+    cur.update(entry)
+    note = f"gemm_bf16, gemm_fp8, hbm, attention_tflops measured by 'bench --calibrate' on {date}"
+    cur["status"] = note + "; " + cur["status"].split("; ", 1)[-1] if "status" in cur else note
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    tmp.replace(path)
+    from .timing import calibration
+    calibration.cache_clear()
+    return str(path)
 
 
 def run(req: dict, ctx: Context) -> dict[str, Any]:
@@ -63,7 +97,8 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
     out_dir = (Path(req["runs_root"]) / run_id).resolve()
     if req["calibrate"]:
         if ctx.dry_run:
-            return {"dry_run": True, "actions": ["measure GEMM / attention / HBM", f"write {out_dir}/calibration.json"]}
+            return {"dry_run": True, "actions": ["measure GEMM / attention / HBM", f"write {out_dir}/calibration.json"]
+                    + (["update catalog/calibration.json for this GPU"] if req.get("store_calibration") else [])}
         return _calibrate(req, ctx, out_dir)
     model = resolve_model(req)
     gpu, n = _gpu(req)
@@ -85,6 +120,8 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
         return result
     log = Path(result["log"])
     parsed = megatron_log.parse(log.read_text(errors="replace").splitlines())
+    if req.get("fake_rank") is not None:
+        return _fake_rank_result(req, result, parsed, model, gpu, run_id)
     timed = [r for r in parsed["iterations"] if r["iteration"] > req["warmup_iters"]]
     if not timed:
         raise ToolError("runtime", "the benchmark logged no timed iteration", where=str(log),
@@ -98,14 +135,15 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
     mem = parsed["memory"]
     max_alloc = max((m["max_allocated_mb"] for m in mem.values()), default=0.0) / 1024
     lay = Layout(**{k: v for k, v in lay_json.items() if k in Layout.__dataclass_fields__})
-    from .runtime.compat import have_transformer_engine
-    te = have_transformer_engine()
+    te = _have_te()
+    runtime = req.get("runtime") or {}
     pred = cost(model, gpu, lay, padded_vocab_size(model.vocab_size, lay.tp), te=te,
-                fused_head=uses_fused_head(te, req.get("runtime")))
+                fused_head=uses_fused_head(te, runtime), fp8_linear=not te and runtime.get("fp8_linear", False))
     pred_alloc = max(m.allocated for m in pred.memory.values()) / GIB
     out = {
         "run_id": run_id, "run_dir": result["run_dir"], "gpu": gpu.key, "num_gpus": world,
         "model": model.summary(), "label": lay.label(), "layout": lay_json,
+        "runtime": None if te else runtime_options(runtime),
         "measured": {"iter_ms": round(iter_ms, 1), "tokens_per_s": round(tokens), "tokens_per_s_per_gpu": round(tokens / world),
                      "tflops_per_gpu": round(tflops, 1), "mfu": round(tflops / gpu.bf16_dense_tflops, 4),
                      "max_allocated_gib": round(max_alloc, 2),
@@ -125,6 +163,44 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
                           "top_kernels": prof["top_kernels"][:5]}
         out["files"].append(str(profile_path))
     return out
+
+
+def _fake_rank_result(req: dict, result: dict, parsed: dict, model, gpu, run_id: str) -> dict[str, Any]:
+    """One rank of a larger layout, run alone: its peak memory against the planner's for its
+    pipeline stage.  No NCCL buffers exist in a fake process group, and the planner's
+    allocated figure leaves them out too (they are in its allowance, outside the allocator)."""
+    from .memory import stage_memory
+    from .render import fake_rank
+
+    lay_json = result["layout"]
+    lay = Layout(**{k: v for k, v in lay_json.items() if k in Layout.__dataclass_fields__})
+    rank = fake_rank(req["fake_rank"], lay)
+    mem = parsed["memory"].get(rank)
+    if not mem:
+        raise ToolError("runtime", f"rank {rank} reported no memory", where=result["log"],
+                        fix="read the log: the run may have failed before its first iteration")
+    stage = rank // (lay.world_size // lay.pp)
+    te = _have_te()
+    pred = stage_memory(model, lay, stage, padded_vocab_size(model.vocab_size, lay.tp),
+                        fused_head=uses_fused_head(te, req.get("runtime")))
+    measured = mem["max_allocated_mb"] / 1024
+    out = {"run_id": run_id, "run_dir": result["run_dir"], "gpu": gpu.key, "num_gpus": lay.world_size,
+           "model": model.summary(), "label": lay.label(), "layout": lay_json,
+           "fake_rank": rank, "pipeline_stage": stage,
+           "measured": {"max_allocated_gib": round(measured, 2),
+                        "max_reserved_gib": round(mem["max_reserved_mb"] / 1024, 2)},
+           "predicted": {"allocated_gib": round(pred.allocated / GIB, 2), "stage": pred.to_json()},
+           "error_pct": {"memory": _pct(measured, pred.allocated / GIB)},
+           "note": "one rank under a fake process group: memory only (collectives skipped, no NCCL buffers)"}
+    run_dir = Path(result["run_dir"])
+    (run_dir / "bench.json").write_text(json.dumps(out, indent=1))
+    out["files"] = [str(run_dir / "bench.json")]
+    return out
+
+
+def _have_te() -> bool:
+    from .runtime.compat import have_transformer_engine
+    return have_transformer_engine()
 
 
 def _write_reports(out: dict, run_dir: Path, parsed: dict) -> list[str]:
@@ -156,6 +232,13 @@ def _write_reports(out: dict, run_dir: Path, parsed: dict) -> list[str]:
     except ImportError:
         pass
     return files
+
+
+def runtime_options(runtime: dict) -> dict:
+    """The runtime options the run had, defaults filled in: a result says which path it measured."""
+    from .contract import _resolve, load_schema
+    props = _resolve(load_schema("bench", "request")["properties"]["runtime"])["properties"]
+    return {k: runtime.get(k, v.get("default")) for k, v in props.items()}
 
 
 def train_keys() -> set[str]:

@@ -33,7 +33,7 @@ ENTRY_SCRIPT = ROOT / "tools" / "pretrain_gpt.py"
 SLURM_SAFE = re.compile(r"^[A-Za-z0-9._:+@-]+$")
 RENDER_KEYS = ("model", "hf_config", "gpu", "num_gpus", "nodes", "gpus_per_node", "seq_length", "global_batch_size",
                "transformer_engine", "precision", "layout", "launcher", "megatron_lm", "python", "master_port",
-               "env", "training", "slurm", "runtime")
+               "env", "training", "slurm", "runtime", "fake_rank")
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -87,8 +87,10 @@ def _layout_from_request(req: dict, model, gpu, n_gpus: int, seq: int, gbs: int)
             raise ToolError("infeasible", f"the layout {lay.label()} breaks the rule {rule!r}: {RULES[rule]}",
                             where="/layout", fix="run plan and take one of its layouts")
         te = req["transformer_engine"]
+        runtime = req.get("runtime") or {}
         cand = cost(model, gpu, lay, padded_vocab_size(model.vocab_size, lay.tp), te=te,
-                    fused_head=megatron_args.uses_fused_head(te, req.get("runtime")))
+                    fused_head=megatron_args.uses_fused_head(te, runtime),
+                    fp8_linear=not te and runtime.get("fp8_linear", False))
         if cand.peak_gib > gpu.memory_gib:
             raise ToolError("infeasible", f"the layout {lay.label()} needs {cand.peak_gib:.1f} GiB per GPU, "
                             f"more than the {gpu.memory_gib} GiB of {gpu.key}", where="/layout",
@@ -121,6 +123,29 @@ def _check_values(req: dict) -> None:
                             fix="use letters, digits and _ (not starting with a digit)")
 
 
+def fake_rank(value: int | str, lay: Layout) -> int:
+    """The global rank a fake_rank request names.  Megatron orders ranks tp-cp-ep-dp-pp (PP
+    outermost), so rank 0 and the first rank of the last stage are TP and DP rank 0, the
+    ranks whose memory report Megatron prints."""
+    if value == "first-stage":
+        return 0
+    if value == "last-stage":
+        return (lay.pp - 1) * (lay.world_size // lay.pp)
+    if value >= lay.world_size:
+        raise ToolError("bad_request", f"fake_rank {value} is not a rank of {lay.label()} ({lay.world_size} ranks)",
+                        where="/fake_rank", fix=f"give a rank below {lay.world_size}, or first-stage / last-stage")
+    return int(value)
+
+
+def _fake_rank_args(fake: int | None, model) -> list[str]:
+    """--fake-process-group; and for MoE, routing forced balanced (Megatron's benchmarking
+    switch): the other ranks' tokens are not real, so dropless routing would otherwise follow
+    whatever this rank's copies of them say, not the balanced load the planner sizes for."""
+    if fake is None:
+        return []
+    return ["--fake-process-group"] + (["--moe-router-force-load-balancing"] if model.is_moe else [])
+
+
 def build(req: dict, ctx: Context) -> dict[str, Any]:
     """Everything render would write, without writing it."""
     _check_values(req)
@@ -131,13 +156,17 @@ def build(req: dict, ctx: Context) -> dict[str, Any]:
     lay, cand = _layout_from_request(req, model, gpu, n_gpus, seq, gbs)
     nodes = max(1, n_gpus // per_node)
     launcher = req["launcher"]
-    if launcher == "torchrun" and nodes > 1:
+    fake = fake_rank(req["fake_rank"], lay) if req.get("fake_rank") is not None else None
+    if fake is not None and launcher != "torchrun":
+        raise ToolError("bad_request", "a fake_rank run is one process on this machine", where="/launcher",
+                        fix="use launcher torchrun (or leave fake_rank out)")
+    if launcher == "torchrun" and nodes > 1 and fake is None:
         raise ToolError("bad_request", f"{n_gpus} GPUs need {nodes} nodes; torchrun alone starts one",
                         where="/launcher", fix="use launcher torchrun-multinode or slurm")
-    if n_gpus % per_node and n_gpus > per_node:
+    if n_gpus % per_node and n_gpus > per_node and fake is None:
         raise ToolError("bad_request", f"{n_gpus} GPUs is not a whole number of {per_node}-GPU nodes",
                         where="/num_gpus", fix="use a multiple of gpus_per_node")
-    gpus_here = min(per_node, n_gpus)
+    gpus_here = 1 if fake is not None else min(per_node, n_gpus)
     run_id = ctx.request_id  # type: ignore[attr-defined]
     out_dir = Path(req.get("output_dir") or Path("runs") / run_id)
     run_dir = req.get("run_dir") or str(out_dir.resolve())
@@ -150,7 +179,7 @@ def build(req: dict, ctx: Context) -> dict[str, Any]:
         training["tokenizer_model"] = _path(training["tokenizer_model"])
     training["tensorboard_dir"] = f"{run_dir}/tensorboard"
     argv = (megatron_args.model_args(model, lay.seq_length) + megatron_args.layout_args(lay, model)
-            + megatron_args.training_args(training))
+            + megatron_args.training_args(training) + _fake_rank_args(fake, model))
     # Both variants the script may run, with and without Transformer Engine, must parse.
     local_flags = megatron_args.local_impl_flags(req.get("runtime") or {}, skill_entry=not req.get("megatron_lm"))
     parser_check = megatron_flags.check(argv + ["--transformer-impl", "local"] + local_flags,
@@ -168,6 +197,7 @@ def build(req: dict, ctx: Context) -> dict[str, Any]:
         "fp8": lay.precision == "fp8", "parser_check": parser_check, "master_port": req["master_port"],
         "peak_gib": f"{cand.peak_gib:.1f}", "tokens_per_s": f"{cand.tokens_per_s:,.0f}",
         "mfu": f"{cand.mfu:.3f}", "slurm": slurm, "script_name": SCRIPT_NAMES[launcher],
+        "fake_rank": fake, "world_size": lay.world_size,
     }
     text = _environment().get_template(LAUNCHERS[launcher]).render(**context)
     script = out_dir / SCRIPT_NAMES[launcher]
@@ -185,6 +215,7 @@ def build(req: dict, ctx: Context) -> dict[str, Any]:
         "files": [{"path": str(script), "sha256": hashlib.sha256(text.encode()).hexdigest(), "mode": "0755"}],
         "run_dir": run_dir,
         "command": run_cmd,
+        **({"fake_rank": fake} if fake is not None else {}),
         "_text": text,
     }
 

@@ -158,3 +158,15 @@ def main() -> None:
     for fix in fixes:
         print_rank_0(f"> megatron-core-training skill: {fix}")
     pretrain(cfg, datasets_provider, ModelType.encoder_or_decoder, forward_step)
+    if args.fake_process_group:
+        _report_fake_rank_memory(args)
+
+
+def _report_fake_rank_memory(args) -> None:
+    """Megatron prints memory on data-parallel rank 0 only; a fake-process-group run is one
+    rank, whichever it is, so it says its own peak, in Megatron's format (megatron_log reads it)."""
+    mb = 2**20
+    print(f"[Rank {args.rank}] (after {args.train_iters} iterations) memory (MB) | allocated: "
+          f"{torch.cuda.memory_allocated() / mb:.2f} | max allocated: {torch.cuda.max_memory_allocated() / mb:.2f}"
+          f" | reserved: {torch.cuda.memory_reserved() / mb:.2f} | max reserved: "
+          f"{torch.cuda.max_memory_reserved() / mb:.2f}", flush=True)
