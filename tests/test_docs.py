@@ -126,10 +126,10 @@ def test_every_launch_example_in_the_markdown_runs(doc, line, tmp_path):
 
 
 def test_what_the_text_says_about_plan_outputs_holds():
-    # production-examples.md and benchmarks.md: TP8 PP16 VP8 DP128 first for Llama 3.1 405B on 16,384 H100s.
+    # production-examples.md and benchmarks.md: TP8 PP16 VP8 CP2 DP64 first for Llama 3.1 405B on 16,384 H100s.
     rc, out, _ = run_cli("plan", "--model", "llama3.1-405b", "--gpu", "h100-sxm", "--num-gpus", "16384",
                          "--seq-length", "8192", "--global-batch-size", "2048", "--top", "3")
-    assert rc == 0 and out["result"]["plans"][0]["label"].startswith("TP8 PP16 VP8 DP128")
+    assert rc == 0 and out["result"]["plans"][0]["label"].startswith("TP8 PP16 VP8 CP2 DP64")
     # instructions.md section 8: CP is refused without Transformer Engine.
     rc, out, _ = run_cli("plan", "--model", "llama3-8b", "--gpu", "h100-sxm", "--num-gpus", "64", "--seq-length",
                          "131072", "--global-batch-size", "64", "--no-transformer-engine")

@@ -117,6 +117,20 @@ def test_compat_uses_the_prebuilt_dataset_helpers():
     dataset_utils.compile_helpers()  # a no-op now: would run make and exit otherwise
 
 
+def test_norm_recompute_without_te_leaves_the_fp8_branch_alone():
+    """Selective recompute of the norms (CheckpointWithoutOutput) took its FP8 branch for
+    fp8=False and hit TE's missing FP8GlobalStateManager (NameError on the H200); compat
+    switches the branch off without TE.  (Its forward needs CUDA's RNG state: GPU only.)"""
+    from megatron.core.tensor_parallel import random
+    from megatron_skill.runtime import compat
+
+    assert not random.HAVE_TE and random.CheckpointWithoutOutput.__init__ is not None
+    done = compat.apply()
+    assert any("CheckpointWithoutOutput" in d for d in done)
+    assert random.CheckpointWithoutOutput().fp8 is False
+    assert random.CheckpointWithoutOutput(fp8="tensorwise").fp8 is False
+
+
 def test_entry_loss_func_sums_masked_tokens():
     from megatron_skill.runtime.entry import loss_func
 

@@ -1,12 +1,16 @@
 #!/usr/bin/env python3
-"""The planner's predictions beside what bench measured, for every single-GPU result on record.
+"""The planner's predictions beside what bench measured, for the results on record.
 
-    python tools/planner_vs_measured.py [RESULTS_DIR]     # default: references/results/h200-2026-12-02
+    python tools/planner_vs_measured.py [RESULTS_DIR]     # default: references/results/h200-2026-12-03
 
-Reads each bench result (bench-*.json, levers/*.json, levers-causal/*.json), predicts the
-same configuration with the current planner (the GPU, layout and runtime options the result records) and prints the
-Markdown table of references/benchmarks.md: step time and peak allocated memory, predicted,
-measured and the error in %.  Run it after changing the model or the calibration data.
+Predicts each bench result again with the current planner (the GPU, layout and runtime
+options the result records) and prints the Markdown tables of references/benchmarks.md:
+  1. single-GPU runs (levers/, ranking/): step time and peak allocated memory, predicted,
+     measured, error in %;
+  2. single ranks of 64-GPU layouts under a fake process group (ranks/): peak memory of the
+     rank against the planner's for its pipeline stage;
+  3. the ranking: the single-GPU candidates of the 1B shape, planner's order beside measured.
+Run it after changing the model or the calibration data.
 """
 import json
 import sys
@@ -18,51 +22,114 @@ sys.path.insert(0, str(ROOT / "tools"))
 from megatron_skill.catalog import get_gpu  # noqa: E402
 from megatron_skill.flops import padded_vocab_size  # noqa: E402
 from megatron_skill.layout import Layout  # noqa: E402
-from megatron_skill.memory import GIB  # noqa: E402
+from megatron_skill.memory import GIB, stage_memory  # noqa: E402
 from megatron_skill.planner import cost  # noqa: E402
 from megatron_skill.resolve import resolve_model  # noqa: E402
 
 SHAPES = {"llama-1b-shape": "llama-1b-shape-bf16.json", "llama-3b-shape": "llama-3b-shape-bf16.json"}
+CATALOG = {"llama3-8b": "llama3-8b", "mixtral-8x7b": "mixtral-8x7b"}
 
 
-def rows(results: Path) -> list[dict]:
-    out = []
-    paths = sorted(results.glob("bench-*.json")) + sorted((results / "levers").glob("*.json"))
-    # levers-causal/: the same levers after the causal-kernel fix; the FP8 runs are left out
-    # because the planner does not model the skill's own FP8 linear layers.
-    paths += [p for p in sorted((results / "levers-causal").glob("*.json")) if "fp8" not in p.stem]
-    for path in paths:
-        res = json.loads(path.read_text())
-        res = res.get("result", res)
-        if "measured" not in res or res["model"]["name"] not in SHAPES:
-            continue
-        req = json.loads((ROOT / "tools" / "benchmarks" / SHAPES[res["model"]["name"]]).read_text())
-        model = resolve_model(req)
-        lay = Layout(**{k: v for k, v in res["layout"].items() if k in Layout.__dataclass_fields__})
-        # Results before the runtime options existed ran Megatron's own output layer and loss.
-        fused = "lce" in path.stem
-        c = cost(model, get_gpu(res["gpu"]), lay, padded_vocab_size(model.vocab_size, lay.tp), te=False,
-                 fused_head=fused)
-        mem = max(m.allocated for m in c.memory.values()) / GIB
-        m = res["measured"]
-        out.append({"result": str(path.relative_to(results)), "label": f"{res['model']['name']} {lay.label()}"
-                    + (" fused CE" if fused else ""),
-                    "iter_ms": (round(c.time.total * 1e3), m["iter_ms"]), "gib": (round(mem, 1), m["max_allocated_gib"])})
-    return out
+def runtime_of(res: dict, path: Path) -> dict:
+    """The runtime options of a result: recorded in it, or (results made before bench
+    recorded them) what its lever entry set: FP8 by name, GQA expanded in the first levers."""
+    if res.get("runtime"):
+        return res["runtime"]
+    return {"fp8_linear": "fp8" in path.stem,
+            "native_gqa": path.stem not in ("1b-fused", "3b-fused-mbs4", "1b-fused-fp8")}
+
+
+def load(path: Path) -> dict | None:
+    res = json.loads(path.read_text())
+    return res.get("result") if res.get("ok", True) else None
+
+
+def model_of(res: dict):
+    name = res["model"]["name"]
+    if name in SHAPES:
+        return resolve_model(json.loads((ROOT / "tools" / "benchmarks" / SHAPES[name]).read_text()))
+    return resolve_model({"model": CATALOG[name]})
+
+
+def layout_of(res: dict) -> Layout:
+    return Layout(**{k: v for k, v in res["layout"].items() if k in Layout.__dataclass_fields__})
+
+
+def _ref(path: Path) -> str:
+    """A result file as references/benchmarks.md names it (relative to references/)."""
+    try:
+        return str(path.resolve().relative_to(ROOT / "references"))
+    except ValueError:
+        return str(path)
 
 
 def pct(pred: float, meas: float) -> float:
     return round((pred - meas) / meas * 100, 1)
 
 
+def single_gpu(results: Path) -> list[dict]:
+    out = []
+    for path in sorted((results / "levers").glob("*.json")) + sorted((results / "ranking").glob("*.json")):
+        if path.name.endswith(".profile.json") or not (res := load(path)):
+            continue
+        model, lay, rt = model_of(res), layout_of(res), runtime_of(res, path)
+        c = cost(model, get_gpu(res["gpu"]), lay, padded_vocab_size(model.vocab_size, lay.tp), te=False,
+                 fused_head=rt.get("linear_cross_entropy", True), fp8_linear=rt.get("fp8_linear", False))
+        notes = (["FP8 linear"] if rt.get("fp8_linear") else []) + ([] if rt.get("native_gqa", True) else
+                                                                     ["K/V expanded"])
+        out.append({"result": _ref(path), "model": res["model"]["name"], "lay": lay,
+                    "label": f"{res['model']['name']} {lay.label()}" + (f" ({', '.join(notes)})" if notes else ""),
+                    "iter_ms": (round(c.time.total * 1e3), res["measured"]["iter_ms"]),
+                    "gib": (round(max(m.allocated for m in c.memory.values()) / GIB, 2),
+                            res["measured"]["max_allocated_gib"]), "default": not notes,
+                    "current": rt.get("native_gqa", True)})
+    return out
+
+
+def fake_ranks(results: Path) -> list[dict]:
+    out = []
+    for path in sorted((results / "ranks").glob("*.json")):
+        if not (res := load(path)):
+            continue
+        model, lay = model_of(res), layout_of(res)
+        st = stage_memory(model, lay, res["pipeline_stage"], padded_vocab_size(model.vocab_size, lay.tp),
+                          fused_head=True)
+        out.append({"result": _ref(path), "label": f"{res['model']['name']} {lay.label()}",
+                    "rank": res["fake_rank"], "stage": res["pipeline_stage"],
+                    "gib": (round(st.allocated / GIB, 2), res["measured"]["max_allocated_gib"]),
+                    "reserved": res["measured"]["max_reserved_gib"], "allowance": round(st.allowance / GIB, 2)})
+    return out
+
+
 def main() -> None:
-    results = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "references" / "results" / "h200-2026-12-02"
+    results = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "references" / "results" / "h200-2026-12-03"
+    rows = single_gpu(results)
     print("| configuration | step ms predicted | measured | error | peak GiB predicted | measured | error | result |")
     print("|---|---|---|---|---|---|---|---|")
-    for r in rows(results):
+    for r in rows:
         (pt, mt), (pm, mm) = r["iter_ms"], r["gib"]
-        print(f"| {r['label']} | {pt:,} | {mt:,.0f} | {pct(pt, mt):+.1f} % | {pm} | {mm:.1f} | {pct(pm, mm):+.1f} % | "
+        print(f"| {r['label']} | {pt:,} | {mt:,.0f} | {pct(pt, mt):+.1f} % | {pm} | {mm:.2f} | {pct(pm, mm):+.1f} % | "
               f"`{r['result']}` |")
+    print()
+    print("| layout (64 GPUs) | rank (stage) | peak GiB predicted | measured | error | reserved GiB | "
+          "NCCL + context allowance GiB | result |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in fake_ranks(results):
+        (pm, mm) = r["gib"]
+        print(f"| {r['label']} | {r['rank']} ({r['stage']}) | {pm} | {mm:.2f} | {pct(pm, mm):+.1f} % | "
+              f"{r['reserved']:.2f} | {r['allowance']} | `{r['result']}` |")
+    print()
+    cands = {}
+    for r in rows:  # one row per (micro-batch, recompute) of the 1B shape on the default BF16 path
+        if r["model"] == "llama-1b-shape" and r["default"]:
+            cands.setdefault((r["lay"].mbs, r["lay"].recompute), r)
+    by_pred = sorted(cands.values(), key=lambda r: r["iter_ms"][0])
+    by_meas = sorted(cands.values(), key=lambda r: r["iter_ms"][1])
+    print("| 1B candidate | planner's rank | predicted ms | measured rank | measured ms |")
+    print("|---|---|---|---|---|")
+    for r in by_pred:
+        print(f"| {r['lay'].label()} | {by_pred.index(r) + 1} | {r['iter_ms'][0]:,} | {by_meas.index(r) + 1} | "
+              f"{r['iter_ms'][1]:,.0f} |")
 
 
 if __name__ == "__main__":

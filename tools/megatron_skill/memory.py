@@ -75,6 +75,16 @@ def inflight_chunks(lay: Layout, rank: int) -> int:
 
 
 # ---- activations of one layer, bytes per token of the (CP-local) sequence -------------------
+def attention_saved_bytes(model: ModelSpec) -> float:
+    """Bytes per token that core attention keeps for its backward (TP 1, grouped-query heads
+    read natively): Q and K after RoPE (new tensors), V (a view of the QKV projection's
+    output, which therefore stays alive whole), the output O, and the fp32 log-sum-exp per
+    head.  tests/test_memory_model.py counts them on a real Megatron-Core layer."""
+    q = model.num_attention_heads * model.head_dim
+    kv = 2 * model.query_groups * model.head_dim
+    return BF16 * (q + kv / 2 + (q + kv) + q) + FP32 * model.num_attention_heads
+
+
 def layer_activation_bytes(model: ModelSpec, lay: Layout, moe: bool) -> float:
     h, t = model.hidden_size, lay.tp
     sp = lay.sequence_parallel or t == 1
@@ -88,10 +98,7 @@ def layer_activation_bytes(model: ModelSpec, lay: Layout, moe: bool) -> float:
         latent = BF16 * (2 * (model.q_lora_rank or 0) + 2 * model.kv_lora_rank + model.qk_pos_emb_head_dim)
         attn = latent * rep + BF16 * a * (2 * qk + 2 * model.v_head_dim) / t
     else:
-        q = model.num_attention_heads * model.head_dim
-        kv = 2 * model.query_groups * model.head_dim
-        # Q, K, V and the output O saved by flash attention; fp32 log-sum-exp per head.
-        attn = (BF16 * (q + kv + q) + FP32 * model.num_attention_heads) / t
+        attn = attention_saved_bytes(model) / t
     if moe:
         k, fe, etp = model.moe_router_topk, model.expert_ffn, lay.etp
         act_out = 0 if sel else BF16 * fe  # moe_act recompute drops the activation output
@@ -217,7 +224,9 @@ def stage_memory(model: ModelSpec, lay: Layout, rank: int, padded_vocab: int, fu
             n_re = min(lay.recompute_layers, len(acts))
             full_chunk += n_re * layer_input_bytes(model, lay) + sum(acts[n_re:])
         per_chunk = full_chunk / chunks
-        transient = tokens * max(per_layer, default=0.0) * min(lay.recompute_layers, len(layers))
+        # --recompute-method block checkpoints each of those layers on its own: the backward
+        # re-runs one layer at a time, so one layer's activations are the transient.
+        transient = tokens * max(per_layer, default=0.0) if lay.recompute_layers else 0.0
     else:
         per_chunk = sum(per_layer) / chunks
         transient = 0.0
@@ -231,9 +240,9 @@ def stage_memory(model: ModelSpec, lay: Layout, rank: int, padded_vocab: int, fu
         v = padded_vocab / lay.tp
         if fused_head and not model.mtp_num_layers and tokens > 2 * FUSED_HEAD_CHUNK:
             # One chunk's fp32 logits and bf16 gradient at a time; the fp32 weight gradient the
-            # forward accumulates, and the fp32 product being added into it; the hidden-state
-            # gradient kept for the backward.
-            logits = min(tokens, FUSED_HEAD_CHUNK) * v * (FP32 + BF16) + 2 * v * h * FP32 + tokens * h * BF16
+            # forward accumulates (in place: addmm writes the GEMM's fp32 accumulator into it);
+            # the hidden-state gradient kept for the backward.
+            logits = min(tokens, FUSED_HEAD_CHUNK) * v * (FP32 + BF16) + v * h * FP32 + tokens * h * BF16
         else:
             # fp32 copy of the logits kept for the backward, plus the bf16 logits alive while it is made.
             logits = tokens * v * (FP32 + BF16) * (1 + (model.mtp_num_layers or 0))

@@ -193,11 +193,12 @@ def _try_recompute(model, gpu, lay, allowed, capacity, rej, out, te) -> None:
 
 
 def cost(model: ModelSpec, gpu: GPUSpec, lay: Layout, padded: int, mem=None, te: bool = True,
-         fused_head: bool | None = None) -> Candidate:
-    """fused_head: the skill's fused output layer + cross-entropy (the default without TE)."""
+         fused_head: bool | None = None, fp8_linear: bool = False) -> Candidate:
+    """fused_head: the skill's fused output layer + cross-entropy (the default without TE);
+    fp8_linear: the skill's own FP8 linear layers (runtime.fp8_linear, no TE)."""
     fused = (not te) if fused_head is None else fused_head
     mem = mem or memory_report(model, lay, padded, fused_head=fused)
-    t = step_time(model, lay, gpu, padded, te)
+    t = step_time(model, lay, gpu, padded, te, fused_head=fused, fp8_linear=fp8_linear)
     step = t.total
     tokens = lay.gbs * lay.seq_length
     model_flops = training_flops(model, lay.seq_length, lay.gbs, padded)

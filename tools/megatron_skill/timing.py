@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 from typing import Any
 
 from . import flops as F
@@ -66,6 +67,7 @@ class _Cost:
         peak = (gpu.fp8_dense_tflops if fp8 else gpu.bf16_dense_tflops) * 1e12
         self.gemm_rate = peak * (cal["gemm_fp8"] if fp8 else cal["gemm_bf16"])
         self.attn_rate = gpu.bf16_dense_tflops * 1e12 * (cal["attention_te"] if te else cal["attention"])
+        self.attn_measured = {} if te else cal.get("attention_tflops", {})
         self.hbm = gpu.hbm_gbps * 1e9 * cal["hbm"]
         self.nvlink = gpu.nvlink_gbps * 1e9 * cal["nvlink_bus"]
         self.network = gpu.network_gbps * 1e9 * cal["network_bus"]
@@ -80,6 +82,16 @@ class _Cost:
         compute = 2 * m * n * k / self.gemm_rate * small
         bytes_ = self.in_bytes * (m * k + k * n) + BF16 * m * n
         return 3 * max(compute, bytes_ / self.hbm)
+
+    def attention_rate(self, seq: int, head_dim: int) -> float:
+        """FLOP/s of causal attention forward + backward: the calibrated kernel rate of the
+        nearest measured shape (head dim first: it decides the kernel's tiles), else the
+        catalog's single efficiency."""
+        if not self.attn_measured:
+            return self.attn_rate
+        shapes = [(int(k.split("_")[0][1:]), int(k.split("_")[1][1:]), v) for k, v in self.attn_measured.items()]
+        s, d, tflops = min(shapes, key=lambda x: (abs(math.log(x[1] / head_dim)), abs(math.log(x[0] / seq))))
+        return tflops * 1e12
 
     def memory_bound(self, nbytes: float) -> float:
         return nbytes / self.hbm
@@ -139,8 +151,24 @@ def _layer_elementwise_bytes(model: ModelSpec, lay: Layout, moe: bool) -> float:
     return 3 * fwd
 
 
-def step_time(model: ModelSpec, lay: Layout, gpu: GPUSpec, padded_vocab: int, te: bool = True) -> StepTime:
+def _layer_fp8_cast_bytes(model: ModelSpec, lay: Layout) -> float:
+    """Bytes per token that per-tensor FP8 casting moves around one layer's four linear
+    layers: every GEMM input (forward activations, backward output gradients) read twice
+    (amax, then the cast) and written as FP8 in both layouts; weights are cast once a step."""
+    h, t = model.hidden_size, lay.tp
+    q = model.num_attention_heads * model.head_dim
+    kv = 2 * model.query_groups * model.head_dim
+    f = model.ffn_hidden_size * (2 if model.gated else 1)
+    elements = (h + q + h + model.ffn_hidden_size) + (q + kv + h + f + h)
+    return (2 * BF16 + 2) * elements / t
+
+
+def step_time(model: ModelSpec, lay: Layout, gpu: GPUSpec, padded_vocab: int, te: bool = True,
+              fused_head: bool = False, fp8_linear: bool = False) -> StepTime:
     cost = _Cost(gpu, lay.precision, te)
+    # The skill's FP8 linear layers (no TE): attention and MLP GEMMs at the FP8 rate, plus
+    # their casts; the output layer stays BF16.
+    layer_cost = _Cost(gpu, "fp8", te) if fp8_linear and not te else cost
     st = StepTime()
     h, t, s = model.hidden_size, lay.tp, lay.seq_length
     tokens = lay.mbs * s / lay.cp                      # tokens of one micro-batch on this rank
@@ -157,10 +185,14 @@ def step_time(model: ModelSpec, lay: Layout, gpu: GPUSpec, padded_vocab: int, te
         for moe, n in ((False, n_dense), (True, n_moe)):
             if n == 0:
                 continue
-            r.gemm += n * _layer_gemms(model, lay, cost, tokens, moe)
+            r.gemm += n * _layer_gemms(model, lay, cost if moe else layer_cost, tokens, moe)
+            if layer_cost is not cost and not moe:
+                r.elementwise += n * cost.cal["fp8_cast_factor"] * cost.memory_bound(
+                    _layer_fp8_cast_bytes(model, lay) * tokens)
             core = F.core_attention_flops_per_token(model, s) * tokens / t
             # Load-balanced causal CP runs attention as 2 x CP smaller blocks per rank: less efficient.
-            attn_rate = cost.attn_rate / (1 + 0.1 * (lay.cp - 1))
+            head_dim = model.head_dim if not model.multi_latent_attention else model.qk_head_dim
+            attn_rate = cost.attention_rate(s // lay.cp, head_dim) / (1 + 0.1 * (lay.cp - 1))
             r.attention += n * 3 * core / attn_rate
             # Without TE, Megatron's local layers run RoPE, norms, residual adds and casts as
             # separate torch kernels: calibrated as a multiple of the fused byte count.
@@ -192,7 +224,10 @@ def step_time(model: ModelSpec, lay: Layout, gpu: GPUSpec, padded_vocab: int, te
             r.recompute = 0.1 * r.elementwise
         if rank == lay.pp - 1:  # output layer and the loss over the (padded) vocabulary
             r.gemm += cost.gemm(tokens, padded_vocab / t, h) * (1 + (model.mtp_num_layers or 0))
-            r.loss += cost.memory_bound(tokens * padded_vocab / t * (BF16 + 4 * FP32))
+            # Megatron's loss: bf16 logits, an fp32 copy, softmax and its gradient (~4 fp32
+            # passes); the fused head's compiled kernels: fp32 logits written, read twice.
+            per_entry = 2 * FP32 + BF16 if fused_head else BF16 + 4 * FP32
+            r.loss += cost.memory_bound(tokens * padded_vocab / t * per_entry)
         return r, len(layers)
 
     ranks = ranks_to_check(lay)

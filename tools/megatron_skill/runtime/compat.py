@@ -8,6 +8,10 @@
    empty before the first step, so load_checkpoint fails its ``assert len(steps) == 1``
    (megatron-core 0.19.2, seen on an H200).  Megatron's own Megatron-FSDP path first fills
    the state with dummy values that the load then overwrites; the fix does the same here.
+3. Selective recompute of the norms (--recompute-modules layernorm) without TE:
+   CheckpointWithoutOutput sets ``self.fp8 = fp8 is not None``, true for its default
+   fp8=False, and so calls TE's FP8GlobalStateManager, which is not there (NameError,
+   megatron-core 0.19.2 on an H200).  Without TE there is no FP8 state to save: off.
 """
 from __future__ import annotations
 
@@ -30,7 +34,35 @@ def apply() -> list[str]:
         done.append("dataset helpers: using the prebuilt helpers_cpp (no make)")
     if _patch_dist_optimizer_resume():
         done.append("distributed optimizer: optimizer state initialised before loading a checkpoint (no TE/apex)")
+    if _patch_checkpoint_without_output():
+        done.append("selective recompute: CheckpointWithoutOutput without TE's FP8 state")
     return done
+
+
+def _wrap_method(cls, name: str, make) -> None:
+    """Replace cls.name by make(original) once; a second apply() leaves it as it is."""
+    original = getattr(cls, name)
+    if getattr(original, "_skill_patched", False):
+        return
+    wrapped = make(original)
+    wrapped._skill_patched = True
+    setattr(cls, name, wrapped)
+
+
+def _patch_checkpoint_without_output() -> bool:
+    from megatron.core.tensor_parallel import random
+
+    if getattr(random, "HAVE_TE", True):
+        return False
+
+    def make(original):
+        def __init__(self, *args, **kwargs):
+            original(self, *args, **kwargs)
+            self.fp8 = False
+        return __init__
+
+    _wrap_method(random.CheckpointWithoutOutput, "__init__", make)
+    return True
 
 
 def _patch_dist_optimizer_resume() -> bool:
@@ -38,19 +70,16 @@ def _patch_dist_optimizer_resume() -> bool:
 
     if getattr(distrib_optimizer, "HAVE_APEX_OR_TE", True):
         return False
-    cls = distrib_optimizer.DistributedOptimizer
-    if getattr(cls.sharded_state_dict, "_skill_patched", False):
-        return True
-    original = cls.sharded_state_dict
 
-    def sharded_state_dict(self, *args, **kwargs):
-        is_loading = kwargs.get("is_loading", args[1] if len(args) > 1 else False)
-        if is_loading and not self.optimizer.state:
-            self._init_optimizer_states_with_dummy_values()
-        return original(self, *args, **kwargs)
+    def make(original):
+        def sharded_state_dict(self, *args, **kwargs):
+            is_loading = kwargs.get("is_loading", args[1] if len(args) > 1 else False)
+            if is_loading and not self.optimizer.state:
+                self._init_optimizer_states_with_dummy_values()
+            return original(self, *args, **kwargs)
+        return sharded_state_dict
 
-    sharded_state_dict._skill_patched = True
-    cls.sharded_state_dict = sharded_state_dict
+    _wrap_method(distrib_optimizer.DistributedOptimizer, "sharded_state_dict", make)
     return True
 
 

@@ -1,0 +1,52 @@
+"""The memory model against a real Megatron-Core layer: what core attention keeps for its
+backward, counted with autograd's saved-tensor hooks on CPU (the skill's layer spec, native
+grouped-query heads, compiled RoPE: the default path), equals memory.attention_saved_bytes."""
+import json
+import os
+import subprocess
+import sys
+
+from conftest import ROOT
+
+COUNT = r"""
+import json, os, sys, torch
+sys.path.insert(0, os.path.join(sys.argv[1], "tools"))
+import torch.distributed as dist
+dist.init_process_group("gloo", rank=0, world_size=1, init_method="tcp://127.0.0.1:29561")
+from megatron.core import parallel_state as ps
+ps.initialize_model_parallel(1, 1)
+from megatron_skill.runtime import cpu_loop
+m = json.loads(sys.argv[2])
+s = 256
+model = cpu_loop.build_model({"model": m, "tp": 1, "padded_vocab_size": 128, "seq_length": s,
+                              "native_gqa": True, "compiled_rope": True}).to(torch.bfloat16)
+layer = model.decoder.layers[0]
+params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+x = torch.randn(s, 1, m["hidden_size"], dtype=torch.bfloat16, requires_grad=True)
+normed = layer.input_layernorm(x).detach().requires_grad_()
+freqs = model.rotary_pos_emb(s)  # computed once per forward, shared by every layer
+skip = params | {normed.untyped_storage().data_ptr(), freqs.untyped_storage().data_ptr()}
+saved = {}
+def pack(t):
+    st = t.untyped_storage()
+    if st.data_ptr() not in skip:
+        saved[st.data_ptr()] = st.nbytes()
+    return t
+with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    out, _ = layer.self_attention(normed, attention_mask=None, rotary_pos_emb=freqs)
+print(json.dumps({"bytes_per_token": sum(saved.values()) / s}))
+"""
+
+
+def test_core_attention_keeps_what_the_memory_model_counts():
+    from megatron_skill.memory import attention_saved_bytes
+    from megatron_skill.resolve import resolve_model
+
+    shape = {"num_layers": 1, "hidden_size": 512, "ffn_hidden_size": 1024, "num_attention_heads": 8,
+             "num_query_groups": 2, "kv_channels": 64, "vocab_size": 128}
+    proc = subprocess.run([sys.executable, "-c", COUNT, str(ROOT), json.dumps(shape)], capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    counted = json.loads(proc.stdout.strip().splitlines()[-1])["bytes_per_token"]
+    model = resolve_model({"model": {"name": "probe", **shape}})
+    assert counted == attention_saved_bytes(model)
