@@ -65,8 +65,8 @@ BROKEN = {
                          head=HEAD.replace("--mock-data", "--mock-data --num-experts 8 --moe-router-topk 2"), nproc="6"),
     "moe_needs_sp": script("--tensor-model-parallel-size 2 --micro-batch-size 1 --global-batch-size 64",
                            head=HEAD.replace("--mock-data", "--mock-data --num-experts 8 --moe-router-topk 2")),
-    "megatron_validate_args": script("--micro-batch-size 1 --global-batch-size 64 --use-distributed-optimizer "
-                                     "--overlap-param-gather"),
+    "megatron_validate_args": script("--tensor-model-parallel-size 2 --sequence-parallel --micro-batch-size 1 "
+                                     "--global-batch-size 64 --use-distributed-optimizer --overlap-param-gather"),
 }
 FP8_ON_AMPERE = script("--tensor-model-parallel-size 2 --sequence-parallel --micro-batch-size 1 --global-batch-size 64 --use-distributed-optimizer",
                        "--fp8-format hybrid --fp8-recipe tensorwise")
