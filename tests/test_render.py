@@ -242,5 +242,7 @@ def test_fake_rank_outside_the_layout_or_under_slurm_is_refused(tmp_path):
             "output_dir": str(tmp_path)}
     env = call("render", {**base, "fake_rank": 16})
     assert not env["ok"] and env["error"]["where"] == "/fake_rank" and "below 16" in env["error"]["fix"]
+    env = call("render", {**base, "fake_rank": "middle"})
+    assert not env["ok"] and env["error"]["fix"] == "give an integer >= 0 or one of ['first-stage', 'last-stage']"
     env = call("render", {**base, "fake_rank": 0, "launcher": "slurm"})
     assert not env["ok"] and env["error"]["where"] == "/launcher"

@@ -52,7 +52,7 @@ def model_of(res: dict):
 
 
 def layout_of(res: dict) -> Layout:
-    return Layout(**{k: v for k, v in res["layout"].items() if k in Layout.__dataclass_fields__})
+    return Layout.from_json(res["layout"])
 
 
 def _ref(path: Path) -> str:

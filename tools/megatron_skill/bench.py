@@ -170,16 +170,16 @@ def _fake_rank_result(req: dict, result: dict, parsed: dict, model, gpu, run_id:
     pipeline stage.  No NCCL buffers exist in a fake process group, and the planner's
     allocated figure leaves them out too (they are in its allowance, outside the allocator)."""
     from .memory import stage_memory
-    from .render import fake_rank
+    from .render import fake_rank, pipeline_stage
 
     lay_json = result["layout"]
-    lay = Layout(**{k: v for k, v in lay_json.items() if k in Layout.__dataclass_fields__})
+    lay = Layout.from_json(lay_json)
     rank = fake_rank(req["fake_rank"], lay)
     mem = parsed["memory"].get(rank)
     if not mem:
         raise ToolError("runtime", f"rank {rank} reported no memory", where=result["log"],
                         fix="read the log: the run may have failed before its first iteration")
-    stage = rank // (lay.world_size // lay.pp)
+    stage = pipeline_stage(rank, lay)
     te = _have_te()
     pred = stage_memory(model, lay, stage, padded_vocab_size(model.vocab_size, lay.tp),
                         fused_head=uses_fused_head(te, req.get("runtime")))

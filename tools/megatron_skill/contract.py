@@ -120,9 +120,19 @@ def validate_request(tool: str, request: Any) -> dict:
             hint = f"known fields: {', '.join(known)}"
         elif "enum" in prop:
             hint = f"one of {prop['enum']}"
+        elif err.validator in ("oneOf", "anyOf") and err.absolute_path:
+            hint = "give " + " or ".join(_alternative(alt) for alt in prop[err.validator])
         raise ToolError("bad_request", err.message, where=where,
                         fix=(hint or f"see schemas/{tool}.request.json"))
     return _fill_defaults(schema, request)
+
+
+def _alternative(alt: dict) -> str:
+    """One branch of a oneOf / anyOf, in words: 'one of [...]', 'an integer >= 0'."""
+    if "enum" in alt:
+        return f"one of {alt['enum']}"
+    text = {"integer": "an integer", "string": "a string", "object": "an object"}.get(alt.get("type"), str(alt))
+    return text + (f" >= {alt['minimum']}" if "minimum" in alt else "")
 
 
 def call(tool_name: str, request: dict, ctx: Context | None = None) -> dict:

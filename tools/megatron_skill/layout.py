@@ -66,6 +66,11 @@ class Layout:
             d["expert_dp"] = self.expert_dp
         return d
 
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "Layout":
+        """The layout a to_json dict describes (its derived fields are recomputed)."""
+        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+
     def label(self) -> str:
         parts = [f"TP{self.tp}", f"PP{self.pp}"]
         if self.vp > 1:

@@ -137,6 +137,11 @@ def fake_rank(value: int | str, lay: Layout) -> int:
     return int(value)
 
 
+def pipeline_stage(rank: int, lay: Layout) -> int:
+    """The pipeline stage of a global rank (PP outermost in Megatron's order)."""
+    return rank // (lay.world_size // lay.pp)
+
+
 def _fake_rank_args(fake: int | None, model) -> list[str]:
     """--fake-process-group; and for MoE, routing forced balanced (Megatron's benchmarking
     switch): the other ranks' tokens are not real, so dropless routing would otherwise follow
