@@ -1,6 +1,8 @@
 """doctor on a machine without a GPU, the unrelated PyPI 'apex', and bench without a GPU."""
 import json
 
+from conftest import ROOT
+
 
 def test_doctor_without_gpu(cli):
     rc, out, err = cli("doctor")
@@ -51,3 +53,31 @@ def test_bench_profile_is_part_of_the_request_and_its_id(cli, tmp_path):
     rc1, plain, _ = cli(*base)
     rc2, profiled, _ = cli(*base, "--profile")
     assert rc1 == rc2 == 0 and plain["request_id"] != profiled["request_id"]
+
+
+def test_bench_plans_for_the_layers_installed_here(cli, tmp_path):
+    """Without a layout, bench (and train) take the planner's first for the path the run will
+    really have: no Transformer Engine here, so the local layers with the fused head and
+    fused weight-gradient accumulation, and the skill's FP8 linears when asked for."""
+    from megatron_skill.runtime.compat import have_transformer_engine
+
+    assert not have_transformer_engine()
+    req = json.loads((ROOT / "tools" / "benchmarks" / "llama-3b-shape-bf16.json").read_text())
+    del req["layout"]
+    req.update(gpu="h200", runs_root=str(tmp_path), dry_run=True)
+
+    def planned(**extra):
+        rc, out, _ = cli("bench", "--request", "-", stdin=json.dumps({**req, **extra}))
+        assert rc == 0, out
+        return out["result"]["prediction"], out["result"]["layout"]
+
+    here, lay = planned()
+    assert here["transformer_engine"] is False
+    rc, plan, _ = cli("plan", "--request", "-", stdin=json.dumps(
+        {"model": req["model"], "gpu": "h200", "num_gpus": 1, "seq_length": 4096, "global_batch_size": 16,
+         "transformer_engine": False}))
+    assert rc == 0 and plan["result"]["plans"][0]["layout"]["mbs"] == lay["mbs"]
+    te, _ = planned(transformer_engine=True)
+    assert te["transformer_engine"] is True and te["peak_gib"] > here["peak_gib"]   # TE's path keeps full logits
+    fp8, _ = planned(runtime={"fp8_linear": True})
+    assert fp8["tokens_per_s"] > here["tokens_per_s"]                              # FP8 GEMMs in the ranking

@@ -285,3 +285,81 @@ def test_fp8_weight_copies_are_reused_within_a_step_and_dropped_after():
     finally:
         fp8_linear.WEIGHT_CACHE_ENABLED = False
         fp8_linear.clear_weight_cache()
+
+
+WGRAD = r"""
+import json, os, sys, torch
+sys.path.insert(0, os.path.join(sys.argv[1], "tools"))
+import torch.distributed as dist
+dist.init_process_group("gloo", rank=0, world_size=1, init_method="tcp://127.0.0.1:29562")
+from megatron.core import parallel_state as ps
+ps.initialize_model_parallel(1, 1)
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron_skill.runtime import wgrad_accum
+
+installed = wgrad_accum.install()
+out = {"installed": installed}
+for fused in (False, True):
+    cfg = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True,
+                            gradient_accumulation_fusion=fused, params_dtype=torch.bfloat16, bf16=True)
+    torch.manual_seed(0)
+    fc1 = ColumnParallelLinear(64, 96, config=cfg, init_method=torch.nn.init.normal_, bias=False, gather_output=False)
+    fc2 = RowParallelLinear(96, 64, config=cfg, init_method=torch.nn.init.normal_, bias=False,
+                            input_is_parallel=True, skip_bias_add=True)
+    for p in (fc1.weight, fc2.weight):
+        p.main_grad = torch.zeros(p.shape, dtype=torch.float32)   # what Megatron's DDP attaches
+    grads_x, hook_adds = [], 0
+    for mb in range(2):                                              # two micro-batches accumulate
+        x = torch.randn(16, 2, 64, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(mb),
+                        requires_grad=True)
+        y, _ = fc2(fc1(x)[0])
+        y.float().square().mean().backward()
+        for p in (fc1.weight, fc2.weight):
+            if p.grad is not None:                                   # DDP's hook: add, then drop
+                hook_adds += 1
+                p.main_grad.add_(p.grad)
+                p.grad = None
+        grads_x.append(x.grad.float().tolist())
+    out[str(fused)] = {"main_grad": [fc1.weight.main_grad.tolist(), fc2.weight.main_grad.tolist()], "grad_x": grads_x,
+                       "hook_adds": hook_adds}
+print(json.dumps(out))
+"""
+
+
+def test_gradient_accumulation_fusion_stand_in_matches_megatrons_unfused_layers():
+    """Megatron's own linear layers with gradient_accumulation_fusion on, through the skill's
+    stand-in for apex's kernel: over two micro-batches the fp32 main_grad holds what the
+    unfused layers' bf16 gradients add up to, and the input gradients are the same."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    proc = subprocess.run([sys.executable, "-c", WGRAD, str(ROOT)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["installed"]
+    plain, fused = out["False"], out["True"]
+    assert plain["hook_adds"] == 4 and fused["hook_adds"] == 0   # the GEMM itself added into main_grad
+    torch.testing.assert_close(torch.tensor(fused["grad_x"]), torch.tensor(plain["grad_x"]), rtol=0, atol=0)
+    for got, want in zip(fused["main_grad"], plain["main_grad"]):
+        got, want = torch.tensor(got), torch.tensor(want)
+        assert got.abs().sum() > 0
+        # plain: each micro-batch's gradient rounded to bf16 before the fp32 add; fused: fp32 throughout
+        assert _rel(got, want) < 1e-2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.addmm with an fp32 output)")
+def test_wgrad_accumulation_into_fp32_on_cuda_is_the_fp32_product():
+    from megatron_skill.runtime.wgrad_accum import wgrad_gemm_accum_fp32
+
+    torch.manual_seed(0)
+    x = torch.randn(8192, 2048, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(8192, 1024, device="cuda", dtype=torch.bfloat16)
+    acc = torch.randn(1024, 2048, device="cuda")
+    want = acc + g.float().t() @ x.float()
+    wgrad_gemm_accum_fp32(x, g, acc)
+    assert acc.dtype == torch.float32
+    assert _rel(acc, want) < 1e-5

@@ -60,16 +60,29 @@ def test_single_node_script_runs_megatron_args_through_the_entry(tmp_path):
     assert "--use-distributed-optimizer" in res["megatron_args"]
     if res["layout"]["tp"] > 1:
         assert "--sequence-parallel" in res["megatron_args"] and "CUDA_DEVICE_MAX_CONNECTIONS" in text
-    for flag in ["--no-masked-softmax-fusion", "--no-gradient-accumulation-fusion", "--no-persist-layer-norm",
+    for flag in ["--no-masked-softmax-fusion", "--no-persist-layer-norm",
                  "--no-rope-fusion", "--log-throughput", "--mock-data"]:
         assert flag in text
+    # the entry script stands in for apex's gradient-accumulation kernel: Megatron's fusion stays on
+    assert "--no-gradient-accumulation-fusion" not in text
+    _, text = _render(tmp_path / "unfused", model="llama3-8b", num_gpus=8, seq_length=8192, global_batch_size=128,
+                      runtime={"fused_wgrad_accumulation": False})
+    assert "--no-gradient-accumulation-fusion" in text
 
 
-def test_fp8_plan_sets_format_and_recipe(tmp_path):
+def test_fp8_plan_uses_te_fp8_where_te_imports_and_the_skills_fp8_linears_elsewhere(tmp_path):
     res, text = _render(tmp_path, model="llama3-8b", num_gpus=8, precision="fp8")
     assert "--fp8-format hybrid" in " ".join(res["megatron_args"])
     assert "--fp8-recipe" in res["megatron_args"]
-    assert "needs Transformer Engine" in text
+    te_branch, local_branch = text.split("IMPL_ARGS=(--transformer-impl transformer_engine")[1].split("else", 1)
+    assert "--fp8-format hybrid --fp8-recipe tensorwise)" in te_branch.splitlines()[0]
+    assert "--skill-fp8-linear" in local_branch and "--fp8-format" not in local_branch
+    assert "exit 5" not in local_branch.split("fi\n")[0]
+    assert "MEGATRON_ARGS=(" in text and "--fp8-format" not in text.split("MEGATRON_ARGS=(")[1].split(")")[0]
+    _shellcheck(Path(res["files"][0]["path"]))
+    # Megatron-LM's own entry has no FP8 path without TE: that script stops with the reason
+    _, text = _render(tmp_path / "mlm", model="llama3-8b", num_gpus=8, precision="fp8", megatron_lm="/opt/Megatron-LM")
+    assert "needs Transformer Engine" in text and "exit 5" in text
 
 
 def test_same_request_same_run_id_and_files(tmp_path):

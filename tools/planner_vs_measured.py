@@ -34,6 +34,8 @@ def runtime_of(res: dict, path: Path) -> dict:
     """The runtime options of a result: recorded in it, or (results made before bench
     recorded them) what its lever entry set: FP8 by name, GQA expanded in the first levers."""
     if res.get("runtime"):
+        # Results record every option with its default filled in; one without
+        # fused_wgrad_accumulation ran before the option existed, unfused.
         return res["runtime"]
     return {"fp8_linear": "fp8" in path.stem,
             "native_gqa": path.stem not in ("1b-fused", "3b-fused-mbs4", "1b-fused-fp8")}
@@ -69,14 +71,18 @@ def pct(pred: float, meas: float) -> float:
 
 def single_gpu(results: Path) -> list[dict]:
     out = []
-    for path in sorted((results / "levers").glob("*.json")) + sorted((results / "ranking").glob("*.json")):
+    folders = ("levers", "ranking", "default-path")
+    for path in [p for f in folders for p in sorted((results / f).glob("*.json"))]:
         if path.name.endswith(".profile.json") or not (res := load(path)):
             continue
         model, lay, rt = model_of(res), layout_of(res), runtime_of(res, path)
         c = cost(model, get_gpu(res["gpu"]), lay, padded_vocab_size(model.vocab_size, lay.tp), te=False,
-                 fused_head=rt.get("linear_cross_entropy", True), fp8_linear=rt.get("fp8_linear", False))
+                 fused_head=rt.get("linear_cross_entropy", True), fp8_linear=rt.get("fp8_linear", False),
+                 fused_wgrad=rt.get("fused_wgrad_accumulation", False))
         notes = (["FP8 linear"] if rt.get("fp8_linear") else []) + ([] if rt.get("native_gqa", True) else
                                                                      ["K/V expanded"])
+        if rt.get("fused_wgrad_accumulation") is False:          # turned off on purpose (a lever)
+            notes.append("unfused wgrad")
         out.append({"result": _ref(path), "model": res["model"]["name"], "lay": lay,
                     "label": f"{res['model']['name']} {lay.label()}" + (f" ({', '.join(notes)})" if notes else ""),
                     "iter_ms": (round(c.time.total * 1e3), res["measured"]["iter_ms"]),

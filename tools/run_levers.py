@@ -27,6 +27,8 @@ def requests(set_file: str = "levers.json") -> dict[str, dict]:
     out = {}
     for name, lever in spec.items():
         req = json.loads((BENCH / lever["base"]).read_text())
+        for key in lever.get("drop", []):
+            req.pop(key, None)
         req.update(lever["set"])
         out[name] = req
     return out

@@ -21,7 +21,7 @@ from .contract import Context, Tool, register
 from .errors import ToolError
 from .flops import padded_vocab_size
 from .layout import Layout
-from .megatron_args import uses_fused_head
+from .megatron_args import uses_fp8_linear, uses_fused_head, uses_fused_wgrad
 from .memory import GIB
 from .planner import cost
 from .resolve import resolve_model
@@ -134,11 +134,12 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
     tflops = statistics.median(r["tflops_per_gpu"] for r in timed if "tflops_per_gpu" in r)
     mem = parsed["memory"]
     max_alloc = max((m["max_allocated_mb"] for m in mem.values()), default=0.0) / 1024
-    lay = Layout(**{k: v for k, v in lay_json.items() if k in Layout.__dataclass_fields__})
+    lay = Layout.from_json(lay_json)
     te = _have_te()
     runtime = req.get("runtime") or {}
     pred = cost(model, gpu, lay, padded_vocab_size(model.vocab_size, lay.tp), te=te,
-                fused_head=uses_fused_head(te, runtime), fp8_linear=not te and runtime.get("fp8_linear", False))
+                fused_head=uses_fused_head(te, runtime), fp8_linear=uses_fp8_linear(te, runtime, lay.precision),
+                fused_wgrad=uses_fused_wgrad(te, runtime))
     pred_alloc = max(m.allocated for m in pred.memory.values()) / GIB
     out = {
         "run_id": run_id, "run_dir": result["run_dir"], "gpu": gpu.key, "num_gpus": world,

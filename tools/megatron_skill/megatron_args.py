@@ -17,6 +17,12 @@ NO_TE_FLAGS = ["--no-masked-softmax-fusion", "--no-gradient-accumulation-fusion"
                "--no-persist-layer-norm", "--no-rope-fusion"]
 
 
+def no_te_flags_needed(skill_entry: bool) -> list[str]:
+    """The NO_TE_FLAGS a local-path launch cannot do without: all of them for Megatron-LM's
+    entry; the skill's entry stands in for apex's gradient-accumulation kernel."""
+    return [f for f in NO_TE_FLAGS if not (skill_entry and f == "--no-gradient-accumulation-fusion")]
+
+
 def skill_flags(runtime: dict[str, Any]) -> list[str]:
     """The skill entry script's fused paths (skill_flags.py) from a request's runtime options;
     defaults (schemas/common.json) are what measured fastest (references/benchmarks.md)."""
@@ -40,6 +46,36 @@ def uses_fused_head(te: bool, runtime: dict[str, Any] | None) -> bool:
     return not te and (runtime or {}).get("linear_cross_entropy", True)
 
 
+def uses_fp8_linear(te: bool, runtime: dict[str, Any] | None, precision: str = "bf16") -> bool:
+    """Whether the run's linear layers go through the skill's own FP8 path: the local (no-TE)
+    path with runtime.fp8_linear on, or asked to train in FP8 (precision fp8) without TE."""
+    return not te and ((runtime or {}).get("fp8_linear", False) or precision == "fp8")
+
+
+TE_FP8_FLAGS = ("--fp8-format", "--fp8-recipe")
+
+
+def split_te_fp8(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(argv without Transformer Engine's FP8 flags, those flags with their values): a script
+    passes them only when TE imports; without it FP8 is the skill entry's own linear layers."""
+    rest, fp8 = [], []
+    i = 0
+    while i < len(argv):
+        if argv[i] in TE_FP8_FLAGS:
+            fp8 += argv[i:i + 2]
+            i += 2
+        else:
+            rest.append(argv[i])
+            i += 1
+    return rest, fp8
+
+
+def uses_fused_wgrad(te: bool, runtime: dict[str, Any] | None) -> bool:
+    """Whether weight gradients accumulate into main_grad inside their GEMM: TE's layers do;
+    the local path does with runtime.fused_wgrad_accumulation (on by default)."""
+    return te or (runtime or {}).get("fused_wgrad_accumulation", True)
+
+
 def local_impl_flags(runtime: dict[str, Any] | None = None, skill_entry: bool = True) -> list[str]:
     """What the local (no-TE) path adds to the argument vector: Megatron's TE/apex fusions off,
     and (for the skill's entry script; a Megatron-LM checkout's does not know them) its own on.
@@ -50,7 +86,11 @@ def local_impl_flags(runtime: dict[str, Any] | None = None, skill_entry: bool = 
     attention at about 110 TFLOP/s that way, a third of the kernel's causal rate."""
     if not skill_entry:
         return list(NO_TE_FLAGS)
-    return NO_TE_FLAGS + ["--no-create-attention-mask-in-dataloader"] + skill_flags(runtime or {})
+    runtime = runtime or {}
+    # The entry script stands in for apex's gradient-accumulation kernel (runtime/wgrad_accum.py),
+    # so Megatron's fusion can stay on.
+    flags = NO_TE_FLAGS if not runtime.get("fused_wgrad_accumulation", True) else no_te_flags_needed(True)
+    return flags + ["--no-create-attention-mask-in-dataloader"] + skill_flags(runtime)
 
 
 def model_args(m: ModelSpec, seq_length: int | None = None) -> list[str]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Iterable
 
+from . import megatron_args
 from .catalog import GPUSpec
 from .flops import padded_vocab_size, training_flops
 from .layout import RULES, Layout, check_layout
@@ -77,7 +78,9 @@ def _allowed(constraints: dict, key: str, values: Iterable) -> list:
 
 def search(model: ModelSpec, gpu: GPUSpec, n_gpus: int, seq_length: int, gbs: int,
            precisions: list[str], constraints: dict[str, Any] | None = None,
-           headroom_gib: float = 0.0, te: bool = True) -> SearchResult:
+           headroom_gib: float = 0.0, te: bool = True, runtime: dict[str, Any] | None = None) -> SearchResult:
+    """Every layout that fits, costed; ``runtime``: the skill entry's fused paths the run
+    will take without TE (schemas/common.json runtime; defaults where absent)."""
     c = constraints or {}
     rej = _Rejections()
     out: list[Candidate] = []
@@ -126,12 +129,13 @@ def search(model: ModelSpec, gpu: GPUSpec, n_gpus: int, seq_length: int, gbs: in
                             rej.add("pp_layers", f"PP{pp} for {model.num_layers} layers")
                             continue
                         _search_stage(model, gpu, n_gpus, dataclasses.replace(
-                            base, cp=cp, pp=pp, dp=dp, pipeline_split=split), c, mbss, capacity, rej, out, te)
+                            base, cp=cp, pp=pp, dp=dp, pipeline_split=split), c, mbss, capacity, rej, out, te,
+                            runtime or {})
     return SearchResult(candidates=out, rejected=rej.table, evaluated=len(out))
 
 
 def _search_stage(model: ModelSpec, gpu: GPUSpec, n_gpus: int, lay: Layout, c: dict, mbss: list[int],
-                  capacity: float, rej: _Rejections, out: list[Candidate], te: bool) -> None:
+                  capacity: float, rej: _Rejections, out: list[Candidate], te: bool, runtime: dict) -> None:
     layers = model.num_layers + (2 if lay.pipeline_split == "embedding_loss" else 0)
     per_rank = layers // lay.pp
     vps = [1] if lay.pp == 1 else [v for v in _divisors(per_rank) if v <= 16]
@@ -160,7 +164,7 @@ def _search_stage(model: ModelSpec, gpu: GPUSpec, n_gpus: int, lay: Layout, c: d
                     if rule:
                         rej.add(rule, cand.label())
                         continue
-                    _try_recompute(model, gpu, cand, recomputes, capacity, rej, out, te)
+                    _try_recompute(model, gpu, cand, recomputes, capacity, rej, out, te, runtime)
 
 
 def _recompute_options(model: ModelSpec, lay: Layout, allowed: list[str]) -> list[Layout]:
@@ -177,28 +181,33 @@ def _recompute_options(model: ModelSpec, lay: Layout, allowed: list[str]) -> lis
     return opts
 
 
-def _try_recompute(model, gpu, lay, allowed, capacity, rej, out, te) -> None:
+def _try_recompute(model, gpu, lay, allowed, capacity, rej, out, te, runtime) -> None:
     padded = padded_vocab_size(model.vocab_size, lay.tp)
     options = _recompute_options(model, lay, allowed)
+    fused_head = megatron_args.uses_fused_head(te, runtime)
     for i, opt in enumerate(options):
-        mem = memory_report(model, opt, padded, fused_head=not te)
+        mem = memory_report(model, opt, padded, fused_head=fused_head)
         peak = max(m.total for m in mem.values())
         if peak > capacity:
             rej.add("out_of_memory", f"{opt.label()}: {peak / GIB:.0f} GiB")
             continue
-        out.append(cost(model, gpu, opt, padded, mem, te))
+        out.append(cost(model, gpu, opt, padded, mem, te, fused_head=fused_head,
+                        fp8_linear=megatron_args.uses_fp8_linear(te, runtime, opt.precision),
+                        fused_wgrad=megatron_args.uses_fused_wgrad(te, runtime)))
         if len(options) - i - 1:
             rej.add("dominated", f"{options[-1].label()} (heavier recompute than needed)", len(options) - i - 1)
         return
 
 
 def cost(model: ModelSpec, gpu: GPUSpec, lay: Layout, padded: int, mem=None, te: bool = True,
-         fused_head: bool | None = None, fp8_linear: bool = False) -> Candidate:
+         fused_head: bool | None = None, fp8_linear: bool = False, fused_wgrad: bool = True) -> Candidate:
     """fused_head: the skill's fused output layer + cross-entropy (the default without TE);
-    fp8_linear: the skill's own FP8 linear layers (runtime.fp8_linear, no TE)."""
+    fp8_linear: the skill's own FP8 linear layers (runtime.fp8_linear, no TE); fused_wgrad:
+    weight gradients accumulated into main_grad by their GEMM (TE, apex, or the skill's
+    stand-in: runtime.fused_wgrad_accumulation)."""
     fused = (not te) if fused_head is None else fused_head
     mem = mem or memory_report(model, lay, padded, fused_head=fused)
-    t = step_time(model, lay, gpu, padded, te, fused_head=fused, fp8_linear=fp8_linear)
+    t = step_time(model, lay, gpu, padded, te, fused_head=fused, fp8_linear=fp8_linear, fused_wgrad=fused_wgrad)
     step = t.total
     tokens = lay.gbs * lay.seq_length
     model_flops = training_flops(model, lay.seq_length, lay.gbs, padded)

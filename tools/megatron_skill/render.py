@@ -79,6 +79,7 @@ def _layout_from_request(req: dict, model, gpu, n_gpus: int, seq: int, gbs: int)
     if req.get("layout"):
         fields = {k: v for k, v in req["layout"].items() if k in {f.name for f in dataclasses.fields(Layout)}}
         fields.update(seq_length=seq, gbs=gbs)
+        fields.setdefault("precision", req["precision"])
         fields.setdefault("dp", max(1, n_gpus // (fields.get("tp", 1) * fields.get("pp", 1) * fields.get("cp", 1))))
         fields.setdefault("sequence_parallel", fields.get("tp", 1) > 1)
         lay = Layout(**fields)
@@ -90,14 +91,15 @@ def _layout_from_request(req: dict, model, gpu, n_gpus: int, seq: int, gbs: int)
         runtime = req.get("runtime") or {}
         cand = cost(model, gpu, lay, padded_vocab_size(model.vocab_size, lay.tp), te=te,
                     fused_head=megatron_args.uses_fused_head(te, runtime),
-                    fp8_linear=not te and runtime.get("fp8_linear", False))
+                    fp8_linear=megatron_args.uses_fp8_linear(te, runtime, lay.precision),
+                    fused_wgrad=megatron_args.uses_fused_wgrad(te, runtime))
         if cand.peak_gib > gpu.memory_gib:
             raise ToolError("infeasible", f"the layout {lay.label()} needs {cand.peak_gib:.1f} GiB per GPU, "
                             f"more than the {gpu.memory_gib} GiB of {gpu.key}", where="/layout",
                             fix="more recompute, a smaller micro-batch, or more TP/PP; plan finds one that fits")
         return lay, cand
     precisions = ["fp8"] if req["precision"] == "fp8" else ["bf16"]
-    res = search(model, gpu, n_gpus, seq, gbs, precisions, te=req["transformer_engine"])
+    res = search(model, gpu, n_gpus, seq, gbs, precisions, te=req["transformer_engine"], runtime=req.get("runtime"))
     if not res.candidates:
         raise ToolError("infeasible", f"no layout of {model.name} fits {n_gpus} x {gpu.key}", where="/num_gpus",
                         fix="run plan for the reasons, and change the GPU count, batch or sequence length")
@@ -185,8 +187,13 @@ def build(req: dict, ctx: Context) -> dict[str, Any]:
     training["tensorboard_dir"] = f"{run_dir}/tensorboard"
     argv = (megatron_args.model_args(model, lay.seq_length) + megatron_args.layout_args(lay, model)
             + megatron_args.training_args(training) + _fake_rank_args(fake, model))
-    # Both variants the script may run, with and without Transformer Engine, must parse.
-    local_flags = megatron_args.local_impl_flags(req.get("runtime") or {}, skill_entry=not req.get("megatron_lm"))
+    # Both variants the script may run, with and without Transformer Engine, must parse.  FP8
+    # without TE is the skill entry's own linear layers (Megatron-LM's entry has none).
+    skill_entry = not req.get("megatron_lm")
+    fp8_local = lay.precision == "fp8" and skill_entry
+    runtime = {**(req.get("runtime") or {}), **({"fp8_linear": True} if fp8_local else {})}
+    local_flags = megatron_args.local_impl_flags(runtime, skill_entry=skill_entry)
+    common_argv, te_fp8 = megatron_args.split_te_fp8(argv)
     parser_check = megatron_flags.check(argv + ["--transformer-impl", "local"] + local_flags,
                                         world_size=lay.world_size)
     env = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if (lay.tp > 1 or lay.cp > 1) else {}
@@ -198,8 +205,8 @@ def build(req: dict, ctx: Context) -> dict[str, Any]:
     context = {
         "run_id": run_id, "label": lay.label(), "model_name": model.name, "gpu": gpu.key, "num_gpus": n_gpus,
         "nodes": nodes, "gpus_per_node": gpus_here, "run_dir": run_dir, "python": req["python"],
-        "entry": entry, "env": env, "arg_lines": _group_args(argv), "no_te_flags": local_flags,
-        "fp8": lay.precision == "fp8", "parser_check": parser_check, "master_port": req["master_port"],
+        "entry": entry, "env": env, "arg_lines": _group_args(common_argv), "no_te_flags": local_flags,
+        "te_fp8_args": te_fp8, "fp8": lay.precision == "fp8", "fp8_local": fp8_local, "parser_check": parser_check, "master_port": req["master_port"],
         "peak_gib": f"{cand.peak_gib:.1f}", "tokens_per_s": f"{cand.tokens_per_s:,.0f}",
         "mfu": f"{cand.mfu:.3f}", "slurm": slurm, "script_name": SCRIPT_NAMES[launcher],
         "fake_rank": fake, "world_size": lay.world_size,
@@ -214,7 +221,7 @@ def build(req: dict, ctx: Context) -> dict[str, Any]:
         "layout": lay.to_json(),
         "label": lay.label(),
         "prediction": {"peak_gib": round(cand.peak_gib, 2), "tokens_per_s": round(cand.tokens_per_s),
-                       "mfu": round(cand.mfu, 4)},
+                       "mfu": round(cand.mfu, 4), "transformer_engine": req["transformer_engine"]},
         "megatron_args": argv,
         "parser_check": parser_check,
         "files": [{"path": str(script), "sha256": hashlib.sha256(text.encode()).hexdigest(), "mode": "0755"}],

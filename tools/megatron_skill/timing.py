@@ -32,6 +32,7 @@ class StepTime:
     gemm: float = 0.0
     attention: float = 0.0
     elementwise: float = 0.0
+    grad_accum: float = 0.0
     loss: float = 0.0
     recompute: float = 0.0
     tp_comm: float = 0.0
@@ -163,12 +164,35 @@ def _layer_fp8_cast_bytes(model: ModelSpec, lay: Layout) -> float:
     return (2 * BF16 + 2) * elements / t
 
 
+def _unfused_grad_params(model: ModelSpec, lay: Layout, rank: int, n_dense: int, n_moe: int, padded_vocab: int,
+                         te: bool, fused_head: bool, fp8_linear: bool, fused_wgrad: bool) -> float:
+    """Parameters of this rank whose weight gradient is written in bf16 and then added into
+    the fp32 main_grad by DDP's hook, once per micro-batch.  The rest accumulate inside their
+    GEMM (Megatron's gradient-accumulation fusion: TE's, apex's or the skill's stand-in)."""
+    ts, rep, exp = param_split(model, n_dense, n_moe)
+    vocab = padded_vocab * model.hidden_size / lay.tp
+    first, last = rank == 0, rank == lay.pp - 1
+    # the last stage's output weight: its own, or its copy of the tied embedding under PP
+    head = last and (model.untie_embeddings_and_output_weights or lay.pp > 1)
+    if not fused_wgrad:
+        return ts / lay.tp + rep + exp / (lay.ep * lay.etp) + vocab * (first + head)
+    out = rep + vocab * first                          # norms; the embedding's gradient is no GEMM's
+    if head and fused_head:
+        out += vocab                                   # the fused head returns its gradient in bf16
+    if fp8_linear:
+        out += param_split(model, n_dense, 0)[0] / lay.tp   # the FP8 layers' own autograd function
+    if not te:
+        out += exp / (lay.ep * lay.etp)
+    return out
+
+
 def step_time(model: ModelSpec, lay: Layout, gpu: GPUSpec, padded_vocab: int, te: bool = True,
-              fused_head: bool = False, fp8_linear: bool = False) -> StepTime:
-    cost = _Cost(gpu, lay.precision, te)
-    # The skill's FP8 linear layers (no TE): attention and MLP GEMMs at the FP8 rate, plus
-    # their casts; the output layer stays BF16.
-    layer_cost = _Cost(gpu, "fp8", te) if fp8_linear and not te else cost
+              fused_head: bool = False, fp8_linear: bool = False, fused_wgrad: bool = True) -> StepTime:
+    # Without TE, FP8 is the skill's own linear layers (precision fp8 asks for them too):
+    # attention and MLP GEMMs at the FP8 rate, plus their casts; the output layer stays BF16.
+    fp8_linear = fp8_linear or (lay.precision == "fp8" and not te)
+    cost = _Cost(gpu, lay.precision if te else "bf16", te)
+    layer_cost = _Cost(gpu, "fp8", te) if fp8_linear else cost
     st = StepTime()
     h, t, s = model.hidden_size, lay.tp, lay.seq_length
     tokens = lay.mbs * s / lay.cp                      # tokens of one micro-batch on this rank
@@ -228,6 +252,11 @@ def step_time(model: ModelSpec, lay: Layout, gpu: GPUSpec, padded_vocab: int, te
             # passes); the fused head's compiled kernels: fp32 logits written, read twice.
             per_entry = 2 * FP32 + BF16 if fused_head else BF16 + 4 * FP32
             r.loss += cost.memory_bound(tokens * padded_vocab / t * per_entry)
+        # main_grad += bf16 gradient: fp32 read and write, bf16 read; a mixed-dtype kernel, so
+        # slower than the HBM roofline by a calibrated factor.
+        unfused = _unfused_grad_params(model, lay, rank, n_dense, n_moe, padded_vocab, te, fused_head,
+                                       fp8_linear, fused_wgrad)
+        r.grad_accum = cost.cal["grad_accum_factor"] * cost.memory_bound(unfused * (2 * FP32 + BF16))
         return r, len(layers)
 
     ranks = ranks_to_check(lay)

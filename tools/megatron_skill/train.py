@@ -182,6 +182,11 @@ def _plan_gpu_run(req: dict, ctx: Context, run_dir: Path) -> dict[str, Any]:
                         fix="run on a GPU machine, or use backend cpu with a tiny model")
     sub = {k: v for k, v in req.items() if k in render.RENDER_KEYS}
     sub.update(output_dir=str(run_dir), run_dir=str(run_dir))
+    if "transformer_engine" not in sub:
+        # The run goes here: plan for the layers it will really have (the local ones, with the
+        # skill's fused head, take far less memory for the logits than TE's assumed path).
+        from .runtime.compat import have_transformer_engine
+        sub["transformer_engine"] = have_transformer_engine()
     if name and "gpu" not in req:
         gpu = gpu_by_device_name(name)
         if gpu:

@@ -200,7 +200,8 @@ def check_args(args: list[str], text: str, world: int | None, env: dict[str, str
                                          "'launch.py plan' lists layouts that fit"))
     impl = getattr(ns, "transformer_impl", None)
     if impl == "local":
-        missing = [f for f in megatron_args.NO_TE_FLAGS if f not in args]
+        skill_entry = any(a.startswith("--skill-") for a in args)   # only the skill's entry knows them
+        missing = [f for f in megatron_args.no_te_flags_needed(skill_entry) if f not in args]
         if missing:
             findings.append(_finding("local_needs_no_fusion", "--transformer-impl local without " + " ".join(missing),
                                      "add them where Transformer Engine and apex are absent (the fused paths import "

@@ -19,7 +19,7 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset  # noqa: E402
 from megatron.core.enums import ModelType  # noqa: E402
 
-from . import attention, compat, fused_head, fused_rope, gpu_profile, specs  # noqa: E402
+from . import attention, compat, fused_head, fused_rope, gpu_profile, specs, wgrad_accum  # noqa: E402
 
 
 def _tokenizer(args):
@@ -151,6 +151,8 @@ def main() -> None:
     if args.skill_sdpa_backend != "auto":
         attention.set_backend(args.skill_sdpa_backend)
         fixes.append(f"SDPA backend: {args.skill_sdpa_backend}")
+    if args.gradient_accumulation_fusion and wgrad_accum.install():
+        fixes.append("gradient-accumulation fusion: weight gradients added into fp32 main_grad by torch.addmm")
     if args.transformer_impl == "local":
         model_cfg.transformer_layer_spec = specs.layer_spec_for
         fixes.append("layer spec: Megatron-Core local layers with SDPA core attention")

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from . import compiled
+from .wgrad_accum import addmm_fp32_
 
 CHUNK_TOKENS = 4096  # tokens per chunk; micro-batches of at most two chunks take Megatron's path
 
@@ -68,7 +69,7 @@ class LinearCrossEntropy(torch.autograd.Function):
                 # the micro-batch factor in backward.
                 g = chunk_grad(logits, row_max, sum_exp, idx, here, mask[s:e])
                 torch.mm(g, weight, out=grad_x[s:e])
-                _addmm_fp32_(grad_w, g.t(), x[s:e])
+                addmm_fp32_(grad_w, g.t(), x[s:e])
         if need_grad:
             ctx.save_for_backward(grad_x, grad_w, mask)
             ctx.hidden_shape, ctx.weight_dtype = hidden.shape, weight.dtype
@@ -107,15 +108,6 @@ def chunk_grad(logits, row_max, sum_exp, idx, here, mask):
     cols = torch.arange(logits.shape[1], device=logits.device)
     onehot = (cols.unsqueeze(0) == idx.unsqueeze(1)) & here.unsqueeze(1)
     return ((probs - onehot.to(probs.dtype)) * mask.unsqueeze(1)).to(logits.dtype)
-
-
-def _addmm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc += a @ b for an fp32 acc, straight from the GEMM's accumulator where torch offers
-    it (CUDA: no fp32 temporary of the [V, h] product)."""
-    if a.is_cuda and a.dtype != torch.float32:
-        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-    else:
-        acc.add_((a @ b).float())
 
 
 def _run_forward_pre_hooks(module: torch.nn.Module, args: tuple) -> None:
