@@ -77,7 +77,7 @@ def test_bench_plans_for_the_layers_installed_here(cli, tmp_path):
         {"model": req["model"], "gpu": "h200", "num_gpus": 1, "seq_length": 4096, "global_batch_size": 16,
          "transformer_engine": False}))
     assert rc == 0 and plan["result"]["plans"][0]["layout"]["mbs"] == lay["mbs"]
-    te, _ = planned(transformer_engine=True)
+    te, _ = planned(transformer_engine=True, layout={"tp": 1, "pp": 1, "mbs": lay["mbs"]})
     assert te["transformer_engine"] is True and te["peak_gib"] > here["peak_gib"]   # TE's path keeps full logits
     fp8, _ = planned(runtime={"fp8_linear": True})
     assert fp8["tokens_per_s"] > here["tokens_per_s"]                              # FP8 GEMMs in the ranking

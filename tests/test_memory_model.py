@@ -50,3 +50,56 @@ def test_core_attention_keeps_what_the_memory_model_counts():
     counted = json.loads(proc.stdout.strip().splitlines()[-1])["bytes_per_token"]
     model = resolve_model({"model": {"name": "probe", **shape}})
     assert counted == attention_saved_bytes(model)
+
+
+COUNT_LAYER = r"""
+import json, os, sys, torch
+sys.path.insert(0, os.path.join(sys.argv[1], "tools"))
+import torch.distributed as dist
+dist.init_process_group("gloo", rank=0, world_size=1, init_method="tcp://127.0.0.1:29563")
+from megatron.core import parallel_state as ps
+ps.initialize_model_parallel(1, 1)
+from megatron_skill.runtime import cpu_loop
+m, fp8 = json.loads(sys.argv[2]), sys.argv[3] == "fp8"
+model = cpu_loop.build_model({"model": m, "tp": 1, "padded_vocab_size": 128, "seq_length": 512,
+                              "native_gqa": True, "fp8_linear": fp8}).to(torch.bfloat16)
+layer = model.decoder.layers[0]
+params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+def saved_bytes(s):
+    x = torch.randn(s, 1, m["hidden_size"], dtype=torch.bfloat16, requires_grad=True)
+    freqs = model.rotary_pos_emb(s)
+    skip = params | {x.untyped_storage().data_ptr(), freqs.untyped_storage().data_ptr()}
+    saved = {}
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in skip:
+            saved[st.data_ptr()] = st.nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out, _ = layer(hidden_states=x, attention_mask=None, rotary_pos_emb=freqs)
+    return sum(saved.values())
+
+# per token: the slope between two lengths (weight-sized FP8 copies are the same at both)
+print(json.dumps({"bytes_per_token": (saved_bytes(512) - saved_bytes(256)) / 256}))
+"""
+
+
+def test_fp8_linear_layers_save_what_the_memory_model_counts():
+    """A whole Megatron-Core layer (attention and SwiGLU MLP, the skill's spec) with the skill's
+    FP8 linear layers against the same layer in BF16, saved tensors counted with autograd's
+    hooks on CPU: the difference per token is memory.fp8_linear_saved_bytes."""
+    from megatron_skill.layout import Layout
+    from megatron_skill.memory import fp8_linear_saved_bytes
+    from megatron_skill.resolve import resolve_model
+
+    shape = {"num_layers": 1, "hidden_size": 256, "ffn_hidden_size": 768, "num_attention_heads": 4,
+             "num_query_groups": 2, "kv_channels": 64, "vocab_size": 128}
+    per_token = {}
+    for mode in ("bf16", "fp8"):
+        proc = subprocess.run([sys.executable, "-c", COUNT_LAYER, str(ROOT), json.dumps(shape), mode],
+                              capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        per_token[mode] = json.loads(proc.stdout.strip().splitlines()[-1])["bytes_per_token"]
+    model = resolve_model({"model": {"name": "probe", **shape}})
+    assert per_token["fp8"] - per_token["bf16"] == fp8_linear_saved_bytes(model, Layout())

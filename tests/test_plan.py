@@ -192,7 +192,7 @@ def test_planner_against_the_measured_h200_results():
     """What references/benchmarks.md says of the planner holds for the results on record
     (tools/planner_vs_measured.py): peak memory within 5 % of every single-GPU run and every
     fake-process-group rank, step time within 10 % on the current path, and the measured
-    fastest 1B candidate among the planner's top 3."""
+    fastest 1B candidate the planner's first."""
     pvm, results = _planner_vs_measured()
     rows = pvm.single_gpu(results)
     assert len(rows) >= 8
@@ -205,9 +205,8 @@ def test_planner_against_the_measured_h200_results():
     assert len(ranks) >= 18
     for r in ranks:
         assert abs(pvm.pct(*r["gib"])) <= 5, r
-    cands = [r for r in rows if r["model"] == "llama-1b-shape" and r["default"]]
-    fastest = min(cands, key=lambda r: r["iter_ms"][1])
-    assert fastest in sorted(cands, key=lambda r: r["iter_ms"][0])[:3]
+    by_pred, by_meas = pvm.ranking(rows)
+    assert len(by_pred) >= 5 and by_pred[0] is by_meas[0]
 
 
 def test_h200_calibration_is_what_bench_calibrate_measured(tmp_path, monkeypatch):
@@ -250,3 +249,21 @@ def test_every_calibration_figure_the_model_reads_exists_for_every_gpu():
         cal = calibration(gpu)
         assert needed <= set(cal) and all(0 < cal[k] for k in needed), gpu
         assert "measured" in cal["status"] or "assumed" in cal["status"]
+
+
+def test_near_ties_go_to_the_leaner_layout():
+    """Predictions within planner.TIE of each other are a tie (the model is good to a few per
+    cent): the lower peak goes first.  The 1B shape on one H200 without TE: micro-batch 16 is
+    predicted a little faster than 8 with 40 GiB more; measured, 8 was faster
+    (references/results/h200-2026-12-03/default-path)."""
+    from types import SimpleNamespace as C
+
+    from megatron_skill.planner import TIE, rank
+
+    a, b, c = C(tokens_per_s=100.0, peak_gib=110), C(tokens_per_s=100 * (1 - TIE / 2), peak_gib=70), \
+        C(tokens_per_s=90.0, peak_gib=10)
+    assert rank([a, b, c]) == [b, a, c]
+    req = json.loads((ROOT / "tools" / "benchmarks" / "llama-1b-shape-bf16.json").read_text())
+    plans = _plan(model=req["model"], gpu="h200", num_gpus=1, seq_length=4096, global_batch_size=32,
+                  transformer_engine=False, top=3)["plans"]
+    assert plans[0]["layout"]["mbs"] == 8 and plans[0]["tokens_per_s"] < max(p["tokens_per_s"] for p in plans)

@@ -175,3 +175,12 @@ def test_train_uses_the_dataset_with_matching_tokenizer_flags(tmp_path, cli):
     assert rc == 0, err
     curve = [loss for _, loss in out["result"]["loss_curve"]]
     assert len(curve) == 8 and curve[-1] < curve[0]  # real text, real steps: the loss goes down
+
+
+def test_data_paths_without_a_file_name_are_left_as_they_are():
+    """'/' or '.' as a data path (hypothesis found '/') is no prepare-data dataset: no record
+    is looked up for it, and render passes it to Megatron unchanged instead of failing."""
+    from megatron_skill.prepare_data import dataset_record, match_tokenizer
+
+    assert dataset_record("/") is None and dataset_record(".") is None
+    assert match_tokenizer({"data_path": ["/", "."]}, 256) == {"data_path": ["/", "."]}

@@ -23,7 +23,7 @@ from megatron_skill.catalog import get_gpu  # noqa: E402
 from megatron_skill.flops import padded_vocab_size  # noqa: E402
 from megatron_skill.layout import Layout  # noqa: E402
 from megatron_skill.memory import GIB, stage_memory  # noqa: E402
-from megatron_skill.planner import cost  # noqa: E402
+from megatron_skill.planner import cost, rank  # noqa: E402
 from megatron_skill.resolve import resolve_model  # noqa: E402
 
 SHAPES = {"llama-1b-shape": "llama-1b-shape-bf16.json", "llama-3b-shape": "llama-3b-shape-bf16.json"}
@@ -87,7 +87,7 @@ def single_gpu(results: Path) -> list[dict]:
                     "label": f"{res['model']['name']} {lay.label()}" + (f" ({', '.join(notes)})" if notes else ""),
                     "iter_ms": (round(c.time.total * 1e3), res["measured"]["iter_ms"]),
                     "gib": (round(max(m.allocated for m in c.memory.values()) / GIB, 2),
-                            res["measured"]["max_allocated_gib"]), "default": not notes,
+                            res["measured"]["max_allocated_gib"]), "default": not notes and lay.precision == "bf16",
                     "current": rt.get("native_gqa", True)})
     return out
 
@@ -105,6 +105,18 @@ def fake_ranks(results: Path) -> list[dict]:
                     "gib": (round(st.allocated / GIB, 2), res["measured"]["max_allocated_gib"]),
                     "reserved": res["measured"]["max_reserved_gib"], "allowance": round(st.allowance / GIB, 2)})
     return out
+
+
+def ranking(rows: list[dict]) -> tuple[list[dict], list[dict]]:
+    """The 1B shape's single-GPU candidates (the newest result per micro-batch and recompute on
+    the default BF16 path) in the planner's order (its own rule, planner.rank, on the
+    predictions for the path each ran) and in measured order."""
+    cands = {}
+    for r in rows:
+        if r["model"] == "llama-1b-shape" and r["default"]:
+            cands[(r["lay"].mbs, r["lay"].recompute)] = r
+    by_pred = rank(list(cands.values()), speed=lambda r: 1 / r["iter_ms"][0], peak=lambda r: r["gib"][0])
+    return by_pred, sorted(cands.values(), key=lambda r: r["iter_ms"][1])
 
 
 def main() -> None:
@@ -125,12 +137,7 @@ def main() -> None:
         print(f"| {r['label']} | {r['rank']} ({r['stage']}) | {pm} | {mm:.2f} | {pct(pm, mm):+.1f} % | "
               f"{r['reserved']:.2f} | {r['allowance']} | `{r['result']}` |")
     print()
-    cands = {}
-    for r in rows:  # one row per (micro-batch, recompute) of the 1B shape on the default BF16 path
-        if r["model"] == "llama-1b-shape" and r["default"]:
-            cands.setdefault((r["lay"].mbs, r["lay"].recompute), r)
-    by_pred = sorted(cands.values(), key=lambda r: r["iter_ms"][0])
-    by_meas = sorted(cands.values(), key=lambda r: r["iter_ms"][1])
+    by_pred, by_meas = ranking(rows)
     print("| 1B candidate | planner's rank | predicted ms | measured rank | measured ms |")
     print("|---|---|---|---|---|")
     for r in by_pred:

@@ -138,7 +138,7 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
     te = _have_te()
     runtime = req.get("runtime") or {}
     pred = cost(model, gpu, lay, padded_vocab_size(model.vocab_size, lay.tp), te=te,
-                fused_head=uses_fused_head(te, runtime), fp8_linear=uses_fp8_linear(te, runtime, lay.precision),
+                fused_head=uses_fused_head(te, runtime), fp8_linear=uses_fp8_linear(te, runtime, lay),
                 fused_wgrad=uses_fused_wgrad(te, runtime))
     pred_alloc = max(m.allocated for m in pred.memory.values()) / GIB
     out = {
@@ -183,7 +183,8 @@ def _fake_rank_result(req: dict, result: dict, parsed: dict, model, gpu, run_id:
     stage = pipeline_stage(rank, lay)
     te = _have_te()
     pred = stage_memory(model, lay, stage, padded_vocab_size(model.vocab_size, lay.tp),
-                        fused_head=uses_fused_head(te, req.get("runtime")))
+                        fused_head=uses_fused_head(te, req.get("runtime")),
+                        fp8_linear=uses_fp8_linear(te, req.get("runtime"), lay))
     measured = mem["max_allocated_mb"] / 1024
     out = {"run_id": run_id, "run_dir": result["run_dir"], "gpu": gpu.key, "num_gpus": lay.world_size,
            "model": model.summary(), "label": lay.label(), "layout": lay_json,

@@ -46,10 +46,13 @@ def uses_fused_head(te: bool, runtime: dict[str, Any] | None) -> bool:
     return not te and (runtime or {}).get("linear_cross_entropy", True)
 
 
-def uses_fp8_linear(te: bool, runtime: dict[str, Any] | None, precision: str = "bf16") -> bool:
+def uses_fp8_linear(te: bool, runtime: dict[str, Any] | None, lay: Layout) -> bool:
     """Whether the run's linear layers go through the skill's own FP8 path: the local (no-TE)
-    path with runtime.fp8_linear on, or asked to train in FP8 (precision fp8) without TE."""
-    return not te and ((runtime or {}).get("fp8_linear", False) or precision == "fp8")
+    path with runtime.fp8_linear on, or asked to train in FP8 (precision fp8) without TE; and
+    at TP 1, where its layers take it (with tensor-parallel communication inside, they are
+    Megatron's BF16 ones)."""
+    asked = (runtime or {}).get("fp8_linear", False) or lay.precision == "fp8"
+    return not te and asked and lay.tp == 1
 
 
 TE_FP8_FLAGS = ("--fp8-format", "--fp8-recipe")

@@ -173,7 +173,20 @@ def param_split(model: ModelSpec, n_dense: int, n_moe: int) -> tuple[float, floa
 FUSED_HEAD_CHUNK = 4096
 
 
-def stage_memory(model: ModelSpec, lay: Layout, rank: int, padded_vocab: int, fused_head: bool = False) -> StageMemory:
+def fp8_linear_saved_bytes(model: ModelSpec, lay: Layout) -> float:
+    """Per token and dense layer, what the skill's FP8 linear layers (runtime/fp8_linear.py)
+    change in the saved activations, against BF16: QKV's and FC1's inputs (the norms' outputs,
+    which nothing else keeps) and FC2's (SwiGLU's output) saved in FP8, half the bytes; the
+    projection's input adds an FP8 copy (SDPA keeps its bf16 output anyway).  Negative: saved.
+    Measured on the H200: 0.69 GiB less at the 1B shape's micro-batch 4, weight copies
+    included (references/benchmarks.md)."""
+    h, f = model.hidden_size, model.ffn_hidden_size
+    return -(h + f) / lay.tp          # -h (QKV) - h (FC1) - f (FC2) + h (projection's copy)
+
+
+def stage_memory(model: ModelSpec, lay: Layout, rank: int, padded_vocab: int, fused_head: bool = False,
+                 fp8_linear: bool = False) -> StageMemory:
+    """fp8_linear: the skill's own FP8 linear layers (no TE), instead of TE's FP8."""
     layers = rank_layers(model, lay, rank)
     first, last = rank == 0, rank == lay.pp - 1
     pattern = model.moe_pattern()
@@ -201,7 +214,10 @@ def stage_memory(model: ModelSpec, lay: Layout, rank: int, padded_vocab: int, fu
     params = dense_local + expert_local
 
     weights = BF16 * params
-    if lay.precision == "fp8":
+    if fp8_linear:
+        # each dense layer's weights in FP8 and transposed, cast once and kept for the step
+        weights += 2 * param_split(model, len(layers) - n_moe, 0)[0] / lay.tp
+    elif lay.precision == "fp8":
         weights += 1 * (tp_sharded / lay.tp + expert_local)  # cached FP8 copies of GEMM weights
     gradients = FP32 * params
     shard = (lay.dp * lay.cp) if lay.distributed_optimizer else 1
@@ -209,7 +225,7 @@ def stage_memory(model: ModelSpec, lay: Layout, rank: int, padded_vocab: int, fu
     optimizer = 12 * (dense_local / shard + expert_local / eshard)
 
     tokens = lay.mbs * lay.seq_length / lay.cp  # per micro-batch on this rank
-    act = {0: layer_activation_bytes(model, lay, False)}
+    act = {0: layer_activation_bytes(model, lay, False) + (fp8_linear_saved_bytes(model, lay) if fp8_linear else 0)}
     if model.is_moe:
         act[1] = layer_activation_bytes(model, lay, True)
     per_layer = [act[pattern[i]] for i in layers]
@@ -260,7 +276,8 @@ def ranks_to_check(lay: Layout) -> list[int]:
     return sorted({0, lay.pp - 1} | ({1} if lay.pp > 2 else set()))
 
 
-def memory_report(model: ModelSpec, lay: Layout, padded_vocab: int, fused_head: bool = False) -> dict[str, StageMemory]:
+def memory_report(model: ModelSpec, lay: Layout, padded_vocab: int, fused_head: bool = False,
+                  fp8_linear: bool = False) -> dict[str, StageMemory]:
     """Memory of the first, last (and a middle) pipeline rank; one entry when PP = 1."""
     names = {0: "first_stage", lay.pp - 1: "last_stage", 1: "middle_stage"}
-    return {names[r]: stage_memory(model, lay, r, padded_vocab, fused_head) for r in ranks_to_check(lay)}
+    return {names[r]: stage_memory(model, lay, r, padded_vocab, fused_head, fp8_linear) for r in ranks_to_check(lay)}

@@ -9,7 +9,7 @@ from .contract import Context, Tool, register
 from .errors import ToolError
 from .flops import padded_vocab_size
 from .layout import Layout
-from .planner import Candidate, search
+from .planner import Candidate, rank, search
 from .resolve import default_global_batch, default_seq_length, resolve_cluster, resolve_model
 
 ASSUMPTIONS = [
@@ -58,7 +58,7 @@ def run(req: dict[str, Any], ctx: Context) -> dict[str, Any]:
     precisions = {"bf16": ["bf16"], "fp8": ["fp8"], "any": ["bf16", "fp8"]}[req["precision"]]
     res = search(model, gpu, n_gpus, seq, gbs, precisions, req.get("constraints") or {},
                  headroom_gib=req["headroom_gib"], te=req["transformer_engine"])
-    ranked = sorted(res.candidates, key=lambda c: (-c.tokens_per_s, c.peak_gib))
+    ranked = rank(res.candidates)
     rejected = dict(sorted(res.rejected.items(), key=lambda kv: -kv[1]["count"]))
     if not ranked:
         reasons = "; ".join(f"{k} ({v['count']}): {v['rule']}" for k, v in list(rejected.items())[:4])

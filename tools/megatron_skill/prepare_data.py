@@ -250,7 +250,10 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
 
 
 def dataset_record(prefix: str) -> dict[str, Any] | None:
-    """What prepare-data recorded about a dataset (PREFIX.json), or None for other datasets."""
+    """What prepare-data recorded about a dataset (PREFIX.json), or None for other datasets
+    (and for a prefix with no file name of its own, such as "/" or ".")."""
+    if not Path(prefix).name:
+        return None
     p = _paths(Path(prefix))["json"]
     try:
         return json.loads(p.read_text())["result"]

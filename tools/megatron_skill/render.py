@@ -20,7 +20,7 @@ from .errors import ToolError
 from .flops import padded_vocab_size
 from .layout import RULES, Layout, check_layout
 from .memory import GIB
-from .planner import cost, search
+from .planner import cost, rank, search
 from .prepare_data import match_tokenizer
 from .resolve import default_global_batch, default_seq_length, resolve_cluster, resolve_model
 
@@ -91,7 +91,7 @@ def _layout_from_request(req: dict, model, gpu, n_gpus: int, seq: int, gbs: int)
         runtime = req.get("runtime") or {}
         cand = cost(model, gpu, lay, padded_vocab_size(model.vocab_size, lay.tp), te=te,
                     fused_head=megatron_args.uses_fused_head(te, runtime),
-                    fp8_linear=megatron_args.uses_fp8_linear(te, runtime, lay.precision),
+                    fp8_linear=megatron_args.uses_fp8_linear(te, runtime, lay),
                     fused_wgrad=megatron_args.uses_fused_wgrad(te, runtime))
         if cand.peak_gib > gpu.memory_gib:
             raise ToolError("infeasible", f"the layout {lay.label()} needs {cand.peak_gib:.1f} GiB per GPU, "
@@ -103,7 +103,7 @@ def _layout_from_request(req: dict, model, gpu, n_gpus: int, seq: int, gbs: int)
     if not res.candidates:
         raise ToolError("infeasible", f"no layout of {model.name} fits {n_gpus} x {gpu.key}", where="/num_gpus",
                         fix="run plan for the reasons, and change the GPU count, batch or sequence length")
-    best = max(res.candidates, key=lambda c: (c.tokens_per_s, -c.peak_gib))
+    best = rank(res.candidates)[0]
     return best.layout, best
 
 

@@ -188,9 +188,8 @@ def _unfused_grad_params(model: ModelSpec, lay: Layout, rank: int, n_dense: int,
 
 def step_time(model: ModelSpec, lay: Layout, gpu: GPUSpec, padded_vocab: int, te: bool = True,
               fused_head: bool = False, fp8_linear: bool = False, fused_wgrad: bool = True) -> StepTime:
-    # Without TE, FP8 is the skill's own linear layers (precision fp8 asks for them too):
-    # attention and MLP GEMMs at the FP8 rate, plus their casts; the output layer stays BF16.
-    fp8_linear = fp8_linear or (lay.precision == "fp8" and not te)
+    # Without TE, FP8 is the skill's own linear layers (fp8_linear; precision fp8 asks for them
+    # too): attention and MLP GEMMs at the FP8 rate, plus their casts; the rest stays BF16.
     cost = _Cost(gpu, lay.precision if te else "bf16", te)
     layer_cost = _Cost(gpu, "fp8", te) if fp8_linear else cost
     st = StepTime()
