@@ -8,7 +8,29 @@ import sys
 
 from conftest import ROOT
 
-COUNT = r"""
+# Shared by the counting scripts: the bytes of the tensors autograd saves inside the block,
+# each storage once, leaving out the storages in ``skip`` (parameters, the inputs).
+SAVED_BYTES = r"""
+import torch
+
+class saved_bytes_of:
+    def __init__(self, skip):
+        self.skip, self.saved = skip, {}
+    def pack(self, t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in self.skip:
+            self.saved[st.data_ptr()] = st.nbytes()
+        return t
+    def __enter__(self):
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+        self.hooks.__enter__()
+        return self
+    def __exit__(self, *exc):
+        self.hooks.__exit__(*exc)
+        self.total = sum(self.saved.values())
+"""
+
+COUNT = SAVED_BYTES + r"""
 import json, os, sys, torch
 sys.path.insert(0, os.path.join(sys.argv[1], "tools"))
 import torch.distributed as dist
@@ -26,15 +48,9 @@ x = torch.randn(s, 1, m["hidden_size"], dtype=torch.bfloat16, requires_grad=True
 normed = layer.input_layernorm(x).detach().requires_grad_()
 freqs = model.rotary_pos_emb(s)  # computed once per forward, shared by every layer
 skip = params | {normed.untyped_storage().data_ptr(), freqs.untyped_storage().data_ptr()}
-saved = {}
-def pack(t):
-    st = t.untyped_storage()
-    if st.data_ptr() not in skip:
-        saved[st.data_ptr()] = st.nbytes()
-    return t
-with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+with saved_bytes_of(skip) as counted:
     out, _ = layer.self_attention(normed, attention_mask=None, rotary_pos_emb=freqs)
-print(json.dumps({"bytes_per_token": sum(saved.values()) / s}))
+print(json.dumps({"bytes_per_token": counted.total / s}))
 """
 
 
@@ -52,7 +68,7 @@ def test_core_attention_keeps_what_the_memory_model_counts():
     assert counted == attention_saved_bytes(model)
 
 
-COUNT_LAYER = r"""
+COUNT_LAYER = SAVED_BYTES + r"""
 import json, os, sys, torch
 sys.path.insert(0, os.path.join(sys.argv[1], "tools"))
 import torch.distributed as dist
@@ -70,15 +86,9 @@ def saved_bytes(s):
     x = torch.randn(s, 1, m["hidden_size"], dtype=torch.bfloat16, requires_grad=True)
     freqs = model.rotary_pos_emb(s)
     skip = params | {x.untyped_storage().data_ptr(), freqs.untyped_storage().data_ptr()}
-    saved = {}
-    def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in skip:
-            saved[st.data_ptr()] = st.nbytes()
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with saved_bytes_of(skip) as counted:
         out, _ = layer(hidden_states=x, attention_mask=None, rotary_pos_emb=freqs)
-    return sum(saved.values())
+    return counted.total
 
 # per token: the slope between two lengths (weight-sized FP8 copies are the same at both)
 print(json.dumps({"bytes_per_token": (saved_bytes(512) - saved_bytes(256)) / 256}))
