@@ -4,7 +4,7 @@ import shlex
 
 import pytest
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, run_cli, run_inproc
 
 DOCS = [ROOT / "README.md", ROOT / "SKILL.md", ROOT / "instructions.md", *sorted((ROOT / "references").glob("*.md"))]
 TEMPLATES = sorted((ROOT / "templates").glob("*.j2"))
@@ -99,10 +99,22 @@ def launch_examples():
     return out
 
 
+@pytest.fixture(scope="module")
+def sample_dataset(tmp_path_factory):
+    """The dataset the examples' prepare-data line makes, made for real once (their own
+    prepare-data lines run as dry-runs)."""
+    prefix = tmp_path_factory.mktemp("data") / "corpus"
+    rc, out, err = run_inproc("prepare-data", "--input", str(ROOT / "data" / "sample" / "corpus.jsonl"),
+                              "--output-prefix", str(prefix))
+    assert rc == 0, err
+    return str(prefix)
+
+
 @pytest.mark.parametrize("doc,line", launch_examples())
-def test_every_launch_example_in_the_markdown_runs(doc, line, tmp_path):
+def test_every_launch_example_in_the_markdown_runs(doc, line, tmp_path, sample_dataset):
     for placeholder, real in PLACEHOLDERS.items():
         line = line.replace(placeholder, real)
+    line = line.replace('"data_path": ["runs/data/corpus"]', f'"data_path": ["{sample_dataset}"]')
     argv = shlex.split(line)[2:]
     tool = argv[0]
     if tool in ACTING and "--dry-run" not in argv:
@@ -117,7 +129,7 @@ def test_every_launch_example_in_the_markdown_runs(doc, line, tmp_path):
         argv += ["--output-dir", str(tmp_path / "out")]
     if "--pretty" in argv:
         argv.remove("--pretty")
-    rc, out, err = run_cli(*argv, timeout=300)
+    rc, out, err = run_inproc(*argv)
     assert isinstance(out, dict), f"{doc}: {line}\n{err[-2000:]}"
     if tool == "validate":
         assert rc == 0 and out["result"]["valid"], out

@@ -1,4 +1,7 @@
 """The skill's fused paths compute what the plain ones do: values and gradients."""
+from conftest import require_modules  # noqa: E402
+require_modules('torch', 'megatron.core')
+
 import pytest
 import torch
 import torch.nn.functional as F

@@ -1,6 +1,9 @@
 """The memory model against a real Megatron-Core layer: what core attention keeps for its
 backward, counted with autograd's saved-tensor hooks on CPU (the skill's layer spec, native
 grouped-query heads, compiled RoPE: the default path), equals memory.attention_saved_bytes."""
+from conftest import require_modules  # noqa: E402
+require_modules('torch', 'megatron.core')
+
 import json
 import os
 import subprocess

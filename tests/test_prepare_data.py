@@ -1,4 +1,7 @@
 """prepare-data: JSONL in, a Megatron indexed dataset out, every line accounted for."""
+from conftest import require_modules  # noqa: E402
+require_modules('numpy', 'torch', 'megatron.core')
+
 import json
 import os
 import signal
@@ -9,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, run_cli
 
 CORPUS = ROOT / "data" / "sample" / "corpus.jsonl"
 
@@ -89,29 +92,161 @@ def test_same_request_twice_does_the_work_once_and_other_requests_do_not_overwri
     assert rc3 == 6 and third["error"]["code"] == "conflict" and "overwrite" in third["error"]["fix"]
 
 
-def test_a_killed_run_leaves_no_half_written_dataset(tmp_path):
-    big = tmp_path / "input.jsonl"
-    with open(big, "w") as f:
-        for i in range(300_000):
+def _big_input(path, n=300_000):
+    with open(path, "w") as f:
+        for i in range(n):
             f.write(json.dumps({"text": f"document {i} " + "words " * 40}) + "\n")
+    return path
+
+
+def _start(*args):
+    return subprocess.Popen([sys.executable, str(ROOT / "tools" / "launch.py"), "prepare-data", *map(str, args)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _wait_for(predicate, proc, seconds=60):
+    deadline = time.time() + seconds
+    while time.time() < deadline and proc.poll() is None and not predicate():
+        time.sleep(0.1)
+    assert predicate(), "the run finished (or hung) before the moment the test needs"
+
+
+def test_a_killed_run_leaves_no_half_written_dataset(tmp_path):
     prefix = tmp_path / "big"
-    proc = subprocess.Popen([sys.executable, str(ROOT / "tools" / "launch.py"), "prepare-data", "--input", str(big),
-                             "--output-prefix", str(prefix), "--workers", "2"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    deadline = time.time() + 120
-    while time.time() < deadline and not list(tmp_path.glob("big.bin.tmp*")):
-        time.sleep(0.2)
-    time.sleep(1.0)
-    assert proc.poll() is None, "finished before it could be interrupted"
+    proc = _start("--input", _big_input(tmp_path / "input.jsonl"), "--output-prefix", prefix, "--workers", "2")
+    _wait_for(lambda: list(tmp_path.glob(".big.bin.*.tmp")), proc)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert not (tmp_path / "big.bin").exists() and not (tmp_path / "big.idx").exists()
-    # The next run clears the temporaries and finishes.
+    # The next run removes the temporaries the journal names, and finishes.
     small = tmp_path / "small.jsonl"
     small.write_text('{"text": "after the crash"}\n')
     rc = subprocess.run([sys.executable, str(ROOT / "tools" / "launch.py"), "prepare-data", "--input", str(small),
                          "--output-prefix", str(prefix)], capture_output=True, text=True).returncode
     assert rc == 0 and _dataset_files(prefix) == ["big.bin", "big.idx", "big.json"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == [".big.prepare-data.lock"]
+
+
+def test_files_beside_the_prefix_are_never_touched(tmp_path, cli):
+    """Names that a pattern over PREFIX.*.tmp* would have matched (and deleted) stay as they were."""
+    mine = {"corpus.header.tmpl": "a", "corpus.final.tmp": "b", "corpus.db.tmpbackup": "c", "corpus": "d",
+            ".corpus.bin.1.tmp": "e", "corpusx.bin": "f"}
+    for name, text in mine.items():
+        (tmp_path / name).write_text(text)
+    rc, out, err = cli("prepare-data", "--input", str(CORPUS), "--output-prefix", str(tmp_path / "corpus"))
+    assert rc == 0, err
+    assert {n: (tmp_path / n).read_text() for n in mine} == mine
+    assert {"corpus.bin", "corpus.idx", "corpus.json"} <= set(_dataset_files(tmp_path / "corpus"))
+
+
+def test_a_record_that_is_not_ours_is_never_overwritten(tmp_path, cli):
+    (tmp_path / "corpus.json").write_text('{"my": "settings"}')
+    rc, out, _ = cli("prepare-data", "--input", str(CORPUS), "--output-prefix", str(tmp_path / "corpus"),
+                     "--overwrite")
+    assert rc == 6 and "not written by prepare-data" in out["error"]["message"]
+    assert (tmp_path / "corpus.json").read_text() == '{"my": "settings"}' and _dataset_files(tmp_path / "corpus") == \
+        ["corpus.json"]
+
+
+@pytest.mark.parametrize("prefix,why", [("probe/", "folder"), ("x/*", "glob"), ("/", "folder"), (".", "folder")])
+def test_prefixes_that_name_no_file_are_refused(tmp_path, cli, prefix, why):
+    rc, out, _ = cli("prepare-data", "--input", str(CORPUS), "--output-prefix", prefix)
+    assert rc == 2 and why in out["error"]["message"] and out["error"]["where"] == "/output_prefix"
+
+
+def test_a_prefix_being_written_is_refused_not_shared(tmp_path):
+    """While another process holds the prefix (as a running prepare-data does), a second run
+    is refused at once with conflict, writes nothing and removes nothing."""
+    prefix = tmp_path / "m"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; sys.path.insert(0, sys.argv[1]);"
+                               "from megatron_skill.locks import FileLock; from pathlib import Path;"
+                               "FileLock(Path(sys.argv[2])).acquire(); print('held', flush=True); time.sleep(60)",
+                               str(ROOT / "tools"), str(tmp_path / ".m.prepare-data.lock")],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        (tmp_path / "m.bin").write_bytes(b"theirs")
+        rc, out, _ = run_cli("prepare-data", "--input", str(CORPUS), "--output-prefix", str(prefix), "--overwrite")
+        assert rc == 6 and "another prepare-data run" in out["error"]["message"]
+        assert (tmp_path / "m.bin").read_bytes() == b"theirs" and not (tmp_path / "m.idx").exists()
+    finally:
+        holder.kill()
+
+
+def test_identical_requests_at_once_write_one_dataset(tmp_path):
+    """Three identical requests started together: one writes, the others are refused or find
+    it done; nobody crashes, and the dataset is whole."""
+    same = [_start("--input", CORPUS, "--output-prefix", tmp_path / "s", "--workers", "1") for _ in range(3)]
+    answers = [json.loads(p.communicate(timeout=300)[0]) for p in same]
+    writers = [a for a in answers if a["ok"] and not a["result"].get("already_done")]
+    assert len(writers) == 1, answers
+    assert all(a["ok"] or a["error"]["code"] == "conflict" for a in answers), answers
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    assert len(IndexedDataset(str(tmp_path / "s"))) == writers[0]["result"]["documents_out"]
+
+
+@pytest.mark.parametrize("done", [0, 1, 2, 3])
+def test_a_run_killed_while_committing_is_finished_by_the_next(tmp_path, cli, done):
+    """The commit puts .bin, .idx and the record in place one by one; a kill after any number
+    of those steps leaves a journal, and the next run of the same request rolls it forward:
+    the record then describes the files beside it, never older data."""
+    from megatron_skill import prepare_data as pd
+
+    prefix = tmp_path / "c"
+    other = tmp_path / "other.jsonl"
+    other.write_text('{"text": "the old dataset"}\n')
+    assert cli("prepare-data", "--input", str(other), "--output-prefix", str(prefix))[0] == 0  # old data in place
+    args = ["prepare-data", "--input", str(CORPUS), "--output-prefix", str(prefix), "--overwrite"]
+    staging = tmp_path / "staging"
+    assert cli(*args[:4], str(staging))[0] == 0  # the new dataset, as the killed run had written it
+    files = pd._paths(prefix)
+    temps = {k: files[k].with_name(f".{files[k].name}.1-ab.tmp") for k in ("bin", "idx", "json")}
+    for kind in ("bin", "idx"):
+        os.replace(pd._paths(staging)[kind], temps[kind])
+    rec = json.loads(pd._paths(staging)["json"].read_text())
+    rid = cli(*args, "--dry-run")[1]["request_id"]
+    rec["request_id"], rec["result"]["output_prefix"] = rid, str(prefix)
+    temps["json"].write_text(json.dumps(rec))
+    pd._write_journal(files, temps, "committing")
+    files["json"].unlink()  # the commit's first step
+    for kind in ("bin", "idx", "json")[:done]:
+        os.replace(temps[kind], files[kind])
+    rc, out, err = cli(*args)
+    assert rc == 0 and out["result"]["already_done"], (out, err)
+    lines = [ln for ln in CORPUS.read_text().splitlines() if ln.strip()]
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    assert len(IndexedDataset(str(prefix))) == len(lines) == out["result"]["documents_out"]
+    assert not files["journal"].exists() and not any(t.exists() for t in temps.values())
+
+
+def test_train_refuses_a_record_that_no_longer_matches_its_files(tmp_path, cli):
+    prefix = tmp_path / "corpus"
+    assert cli("prepare-data", "--input", str(CORPUS), "--output-prefix", str(prefix))[0] == 0
+    with open(tmp_path / "corpus.bin", "ab") as f:
+        f.write(b"\0\0")
+    rc, out, _ = cli("train", "--model", "tiny-gpt", "--backend", "cpu", "--dry-run",
+                     "--training", json.dumps({"data_path": [str(prefix)]}), "--runs-root", str(tmp_path / "runs"))
+    assert rc == 2 and "no longer describes" in out["error"]["message"]
+
+
+def test_train_refuses_a_data_path_without_its_files(tmp_path, cli):
+    rc, out, _ = cli("train", "--model", "tiny-gpt", "--backend", "cpu", "--dry-run", "--runs-root", str(tmp_path),
+                     "--training", json.dumps({"data_path": ["0.5", str(tmp_path / "nothing")]}))
+    assert rc == 3 and out["error"]["where"] == "/training/data_path/1" and "prepare-data" in out["error"]["fix"]
+
+
+def test_lines_that_are_not_unicode_are_bad_lines_not_a_crash(tmp_path, cli):
+    path = tmp_path / "odd.jsonl"
+    path.write_bytes(b'{"text": "fine"}\n{"text": "lone \\ud800 surrogate"}\n\xff\xfe{"text": "latin"}\n')
+    for mode in ("skip", "refuse"):
+        rc, out, err = cli("prepare-data", "--input", str(path), "--output-prefix", str(tmp_path / mode),
+                           "--bad-lines", mode)
+        if mode == "skip":
+            assert rc == 0, err
+            reasons = [b["reason"] for b in out["result"]["bad_lines"]]
+            assert out["result"]["documents_out"] == 1 and "surrogate" in reasons[0] and "UTF-8" in reasons[1]
+        else:
+            assert rc == 2 and out["error"]["details"]["line"] == 2
 
 
 TRAIN_BPE = """

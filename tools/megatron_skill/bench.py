@@ -101,6 +101,10 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
                     + (["update catalog/calibration.json for this GPU"] if req.get("store_calibration") else [])}
         return _calibrate(req, ctx, out_dir)
     model = resolve_model(req)
+    if not ctx.dry_run and not train.detect_gpus()[0]:
+        raise ToolError("environment", "bench measures on GPUs, and no CUDA GPU is visible here", where="gpu",
+                        fix="run bench on a GPU machine (--dry-run shows its actions anywhere); without a GPU, "
+                            "train --backend cpu --model tiny-gpt runs a real Megatron-Core model on CPU")
     gpu, n = _gpu(req)
     if gpu is None:
         gpu = get_gpu("h100-sxm")

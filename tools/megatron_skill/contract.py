@@ -13,8 +13,10 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import sys
+import textwrap
 import traceback
 from pathlib import Path
 from typing import Any, Callable
@@ -100,6 +102,57 @@ def _fill_defaults(schema: dict, request: dict) -> dict:
     return out
 
 
+MAX_DEPTH = 32
+
+
+def check_values(request: Any) -> None:
+    """What JSON Schema cannot say, checked for every value at any depth before the schema
+    runs: no NaN or Infinity, no text that is not Unicode (a lone surrogate) or holds a NUL
+    byte (no path, argument or variable can), no nesting deeper than MAX_DEPTH."""
+    stack: list[tuple[Any, str, int]] = [(request, "", 0)]
+    while stack:
+        value, where, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise ToolError("bad_request", f"the request is nested more than {MAX_DEPTH} levels deep",
+                            where=where or "/", fix="no field of any tool nests that deep: check the request")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ToolError("bad_request", f"{value} is not a number a request may hold", where=where or "/",
+                            fix="give a finite number (JSON has no NaN or Infinity)")
+        if isinstance(value, str):
+            _check_text(value, where)
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if not isinstance(key, str):
+                    raise ToolError("bad_request", f"key {key!r} is not a string", where=where or "/",
+                                    fix="JSON object keys are strings")
+                _check_text(key, where + "/" + key)
+                stack.append((item, f"{where}/{key}", depth + 1))
+        elif isinstance(value, (list, tuple)):
+            stack.extend((item, f"{where}/{i}", depth + 1) for i, item in enumerate(value))
+
+
+def _check_text(text: str, where: str) -> None:
+    if "\x00" in text:
+        raise ToolError("bad_request", "text holds a NUL character", where=where or "/",
+                        fix="remove the \\u0000: no path, argument or variable can hold one")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ToolError("bad_request", f"text holds a lone surrogate (\\u{ord(text[e.start]):04x}), which is "
+                        "not Unicode", where=where or "/", fix="send valid UTF-8 text") from None
+
+
+def _validator(schema: dict):
+    """Draft 2020-12, except that an integer is an int: 8.0 is refused where a count is asked
+    (JSON Schema would accept it, and the tools would then compute with a float)."""
+    import jsonschema
+
+    checker = jsonschema.Draft202012Validator.TYPE_CHECKER.redefine(
+        "integer", lambda _, v: isinstance(v, int) and not isinstance(v, bool))
+    cls = jsonschema.validators.extend(jsonschema.Draft202012Validator, type_checker=checker)
+    return cls(schema, registry=schema_registry())
+
+
 def validate_request(tool: str, request: Any) -> dict:
     """The request checked against its schema, with defaults filled in; or one ToolError."""
     import jsonschema
@@ -108,7 +161,8 @@ def validate_request(tool: str, request: Any) -> dict:
     if not isinstance(request, dict):
         raise ToolError("bad_request", "the request must be a JSON object", where="/",
                         fix=f"see schemas/{tool}.request.json")
-    validator = jsonschema.Draft202012Validator(schema, registry=schema_registry())
+    check_values(request)
+    validator = _validator(schema)
     errors = sorted(validator.iter_errors(request), key=lambda e: (len(list(e.absolute_path)), e.message))
     if errors:
         err = jsonschema.exceptions.best_match(errors) or errors[0]
@@ -116,12 +170,14 @@ def validate_request(tool: str, request: Any) -> dict:
         prop = err.schema if isinstance(err.schema, dict) else {}
         hint = prop.get("description", "")
         if err.validator == "additionalProperties":
-            known = sorted(schema.get("properties", {}))
-            hint = f"known fields: {', '.join(known)}"
+            known = sorted(prop.get("properties", {})) if prop.get("additionalProperties") is False else []
+            hint = f"known fields here: {', '.join(known)}" if known else f"see schemas/{tool}.request.json"
         elif "enum" in prop:
             hint = f"one of {prop['enum']}"
         elif err.validator in ("oneOf", "anyOf") and err.absolute_path:
             hint = "give " + " or ".join(_alternative(alt) for alt in prop[err.validator])
+        elif err.validator == "type" and "integer" in str(err.validator_value) and isinstance(err.instance, float):
+            hint = "give a whole number without a decimal point"
         raise ToolError("bad_request", err.message, where=where,
                         fix=(hint or f"see schemas/{tool}.request.json"))
     return _fill_defaults(schema, request)
@@ -136,21 +192,51 @@ def _alternative(alt: dict) -> str:
 
 
 def call(tool_name: str, request: dict, ctx: Context | None = None) -> dict:
-    """Run a tool from Python: the same envelope the command line prints."""
-    ctx = ctx or Context(dry_run=bool(request.get("dry_run")) if isinstance(request, dict) else False)
+    """Run a tool from Python: the same envelope the command line prints. Never raises for a
+    request: a bug of ours is an 'internal' error (exit 9), told apart from the user's errors."""
+    ctx = ctx or Context(dry_run=request.get("dry_run") is True if isinstance(request, dict) else False)
     tool = tools()[tool_name]
     rid = None
     try:
         req = validate_request(tool_name, request)
         rid = request_id(tool_name, req)
         ctx.request_id = rid  # type: ignore[attr-defined]
-        result = tool.run(req, ctx)
-        return {"ok": True, "tool": tool_name, "request_id": rid, "result": result}
+        env = {"ok": True, "tool": tool_name, "request_id": rid, "result": tool.run(req, ctx)}
     except ToolError as e:
         env = {"ok": False, "tool": tool_name, "error": e.to_json()}
-        if rid:
-            env["request_id"] = rid
-        return env
+    except RecursionError:
+        env = {"ok": False, "tool": tool_name, "error": ToolError(
+            "bad_request", "the request is nested too deeply", where="/", fix="check the request").to_json()}
+    except Exception as e:  # noqa: BLE001 -- a bug of ours: one JSON error, the traceback on request
+        if os.environ.get("MEGATRON_SKILL_DEBUG"):
+            traceback.print_exc()
+        env = {"ok": False, "tool": tool_name, "error": {
+            "code": "internal", "message": f"internal error: {type(e).__name__}: {e}",
+            "fix": "set MEGATRON_SKILL_DEBUG=1 for the traceback and report it"}}
+    if rid and "request_id" not in env:
+        env["request_id"] = rid
+    return strict_json(env)
+
+
+def strict_json(value: Any) -> Any:
+    """value with every NaN or Infinity replaced by null, so that it is strict JSON; the
+    envelope then lists where they were (non_finite: JSON pointers and what they held)."""
+    found: list[dict[str, str]] = []
+
+    def clean(v: Any, where: str) -> Any:
+        if isinstance(v, float) and not math.isfinite(v):
+            found.append({"where": where, "value": str(v)})
+            return None
+        if isinstance(v, dict):
+            return {k: clean(x, f"{where}/{k}") for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [clean(x, f"{where}/{i}") for i, x in enumerate(v)]
+        return v
+
+    out = clean(value, "")
+    if found and isinstance(out, dict):
+        out["non_finite"] = found
+    return out
 
 
 def exit_code(envelope: dict) -> int:
@@ -167,9 +253,10 @@ def _flag(key: str) -> str:
 
 
 def _json_or_text(text: str) -> Any:
+    """A flag's value: JSON where it parses as strict JSON (an object, a list, a number), else the text."""
     try:
-        return json.loads(text)
-    except json.JSONDecodeError:
+        return json.loads(text, parse_constant=_no_constant)
+    except (ValueError, RecursionError):
         return text
 
 
@@ -188,22 +275,26 @@ def build_parser(tool: Tool) -> argparse.ArgumentParser:
     schema = load_schema(tool.name, "request")
     p = argparse.ArgumentParser(
         prog=f"launch.py {tool.name}", description=schema.get("description", tool.summary),
-        epilog=f"Request schema: schemas/{tool.name}.request.json. Output: one JSON object on stdout; "
-               "progress on stderr. Exit codes: 0 ok, 2 bad request, 3 not found, 4 infeasible, "
-               "5 environment, 6 conflict, 7 invalid script, 8 runtime failure.",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        epilog=_epilog(tool.name, schema), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--request", metavar="FILE", help="the whole request as JSON, from FILE or - for stdin; "
                    "flags given as well override its fields")
     p.add_argument("--pretty", action="store_true", help="indent the JSON output")
     for key, prop in schema.get("properties", {}).items():
+        prop = _resolve(prop)
         if key == "dry_run":
             p.add_argument("--dry-run", dest="dry_run", action="store_true", default=None,
                            help=prop.get("description"))
             continue
         help_ = prop.get("description", "")
-        if "default" in prop:
+        if "default" in prop and prop["default"] != {}:
             help_ += f" (default: {json.dumps(prop['default'])})"
         kind = prop.get("type")
+        if kind == "object" and prop.get("properties"):
+            help_ += f" [JSON object; fields: {', '.join(prop['properties'])}]"
+        elif kind == "object":
+            help_ += " [JSON object]"
+        if "enum" in prop and "one of" not in help_:
+            help_ += f" (one of: {', '.join(map(str, prop['enum']))})"
         if kind == "boolean":
             p.add_argument(_flag(key), dest=key, action=argparse.BooleanOptionalAction, default=None, help=help_)
         elif kind == "array":
@@ -215,6 +306,21 @@ def build_parser(tool: Tool) -> argparse.ArgumentParser:
     return p
 
 
+def _epilog(tool: str, schema: dict) -> str:
+    lines = [f"Request schema: schemas/{tool}.request.json. Output: one JSON object on stdout; progress on "
+             "stderr. Exit codes: 0 ok, 2 bad request, 3 not found, 4 infeasible, 5 environment, 6 conflict, "
+             "7 invalid script, 8 runtime failure, 9 internal error (a bug: report it)."]
+    props = schema.get("properties", {})
+    if "model" in props or "gpu" in props:
+        from .catalog import gpu_names, model_names
+
+        if "model" in props:
+            lines.append("Models in the catalog: " + ", ".join(model_names()) + ".")
+        if "gpu" in props:
+            lines.append("GPUs in the catalog: " + ", ".join(gpu_names()) + ".")
+    return "\n\n".join(textwrap.fill(line, 100) for line in lines)
+
+
 def _read_request(source: str) -> Any:
     where = "stdin" if source == "-" else source
     try:
@@ -222,11 +328,26 @@ def _read_request(source: str) -> Any:
     except OSError as e:
         raise ToolError("not_found", f"cannot read the request file: {e.strerror}", where="--request",
                         fix="give a readable JSON file, or - for stdin")
+    return parse_json(text, where="--request", name=f"the request in {where}")
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
+def parse_json(text: str, where: str, name: str) -> Any:
+    """Strict JSON: NaN and Infinity (which Python's parser accepts) are refused, and so is
+    nesting deeper than the parser can follow."""
     try:
-        return json.loads(text)
+        return json.loads(text, parse_constant=_no_constant)
     except json.JSONDecodeError as e:
-        raise ToolError("bad_request", f"the request in {where} is not JSON: {e}", where="--request",
-                        fix="give one JSON object")
+        raise ToolError("bad_request", f"{name} is not JSON: {e}", where=where, fix="give one JSON object")
+    except ValueError as e:
+        raise ToolError("bad_request", f"{name}: {e}", where=where,
+                        fix="give finite numbers (JSON has no NaN or Infinity)")
+    except RecursionError:
+        raise ToolError("bad_request", f"{name} is nested too deeply", where=where,
+                        fix=f"no field of any tool nests more than {MAX_DEPTH} levels") from None
 
 
 
@@ -280,10 +401,10 @@ def main_for(tool: Tool, argv: list[str]) -> int:
             traceback.print_exc()
         print(f"internal error: {type(e).__name__}: {e}", file=sys.stderr)
         envelope = {"ok": False, "tool": tool.name,
-                    "error": {"code": "runtime", "message": f"internal error: {type(e).__name__}: {e}",
+                    "error": {"code": "internal", "message": f"internal error: {type(e).__name__}: {e}",
                               "fix": "set MEGATRON_SKILL_DEBUG=1 for the traceback and report it"}}
     try:
-        print(json.dumps(envelope, indent=2 if pretty else None, sort_keys=False), flush=True)
+        print(json.dumps(strict_json(envelope), indent=2 if pretty else None, allow_nan=False), flush=True)
     except BrokenPipeError:  # the reader stopped early (| head): not our error
         sys.stdout = open(os.devnull, "w")
     return exit_code(envelope)

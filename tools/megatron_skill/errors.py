@@ -13,6 +13,7 @@ EXIT_CODES = {
     "conflict": 6,        # the same job is already running or done
     "invalid_script": 7,  # validate found errors in a launch script or request
     "runtime": 8,         # the work itself failed (training crashed, ...)
+    "internal": 9,        # a bug of the skill's own (never the request's fault): please report it
 }
 
 

@@ -1,8 +1,10 @@
 """The logs tool: a Megatron training log summarised, with the known failures explained."""
 from __future__ import annotations
 
+import stat
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from . import megatron_log
 from .catalog import get_gpu
@@ -10,15 +12,41 @@ from .contract import Context, Tool, register
 from .errors import ToolError
 
 
+MAX_LINE = 1 << 16  # characters of one line that are read; the rest of a longer line is skipped
+
+
+def read_lines(path: Path, ctx: Context) -> Iterator[str]:
+    """The lines of a regular file, streamed (a log can be larger than memory), each cut at
+    MAX_LINE characters; progress on stderr for large files."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        size, shown = max(1, path.stat().st_size), time.time()
+        while True:
+            line = f.readline(MAX_LINE)
+            if not line:
+                return
+            if not line.endswith("\n"):
+                while (rest := f.readline(MAX_LINE)) and not rest.endswith("\n"):
+                    pass  # the tail of an over-long line: nothing a log reader needs
+            yield line.rstrip("\n")
+            if time.time() - shown > 2:
+                shown = time.time()
+                ctx.progress(f"logs: {f.buffer.tell() / size:.0%} of {size / 2**20:,.0f} MiB read")
+
+
 def run(req: dict, ctx: Context) -> dict[str, Any]:
     path = Path(req["log"])
+    fix = "give the path of a Megatron training log (train writes RUN_DIR/logs/train.log)"
     try:
-        lines = path.read_text(errors="replace").splitlines()
+        if not stat.S_ISREG(path.stat().st_mode):
+            raise ToolError("bad_request", f"{path} is not a regular file (a pipe, device or folder)",
+                            where="/log", fix=fix + "; save a stream to a file first")
     except OSError as e:
-        raise ToolError("not_found", f"cannot read {path}: {e.strerror}", where="/log",
-                        fix="give the path of a Megatron training log (train writes RUN_DIR/logs/train.log)")
+        raise ToolError("not_found", f"cannot read {path}: {e.strerror}", where="/log", fix=fix)
     peak = get_gpu(req["gpu"], where="/gpu").bf16_dense_tflops if req.get("gpu") else None
-    parsed = megatron_log.parse(lines)
+    try:
+        parsed = megatron_log.parse(read_lines(path, ctx))
+    except OSError as e:
+        raise ToolError("not_found", f"cannot read {path}: {e.strerror}", where="/log", fix=fix)
     summary = megatron_log.summarize(parsed, req.get("seq_length"), peak)
     if not summary.get("logged_iterations") and not summary.get("failures"):
         raise ToolError("invalid_script", f"no Megatron iteration lines in {path}", where="/log",

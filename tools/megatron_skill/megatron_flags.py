@@ -121,7 +121,7 @@ def check(argv: list[str], world_size: int | None = None) -> str:
     from . import megatron_parser
 
     if megatron_parser.available():
-        megatron_parser.parse(argv, world_size=world_size)
+        megatron_parser.check(argv, world_size=world_size)
         return "megatron.training.arguments"
     parser = manifest_parser()
     try:

@@ -9,21 +9,72 @@ grouped GEMM needs) is answered with the target GPU's, when no GPU is present.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
+import json
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from .errors import ToolError
+from .locks import write_atomic
 from .skill_flags import add_skill_arguments
 
 
 def available() -> bool:
+    """Whether Megatron's parser can be imported here (found, not imported: that takes seconds)."""
+    import importlib.util
+
     try:
-        import megatron.training.arguments  # noqa: F401
-        return True
-    except Exception:
+        return all(importlib.util.find_spec(m) is not None for m in ("torch", "megatron.training"))
+    except (ImportError, ValueError):
         return False
+
+
+def check(argv: list[str], world_size: int | None = None, device_major: int = 9,
+          env: dict[str, str] | None = None) -> None:
+    """parse's verdict (None, or its ToolError raised), remembered on disk: importing Megatron's
+    parser takes about 9 s, and its verdict depends only on the arguments, the installed
+    megatron-core and the skill's own flags, all of which are in the key."""
+    key = _verdict_key(argv, world_size, device_major, env)
+    path = _cache_dir() / f"{key}.json"
+    try:
+        verdict = json.loads(path.read_text())
+    except (OSError, ValueError):
+        verdict = None
+    if verdict is None:
+        try:
+            parse(argv, world_size=world_size, device_major=device_major, env=env)
+            verdict = {"ok": True}
+        except ToolError as e:
+            verdict = {"ok": False, "error": e.to_json()}
+        with contextlib.suppress(OSError):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(path, json.dumps(verdict))
+    if not verdict.get("ok"):
+        e = verdict["error"]
+        raise ToolError(e["code"], e["message"], where=e.get("where"), fix=e.get("fix"))
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("MEGATRON_SKILL_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "megatron-core-training")
+    return Path(root) / "parser-verdicts"
+
+
+def _verdict_key(argv: list[str], world_size: int | None, device_major: int, env: dict[str, str] | None) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        megatron = version("megatron-core")
+    except PackageNotFoundError:
+        megatron = "unknown"
+    here = Path(__file__).resolve().parent
+    own = b"".join((here / name).read_bytes() for name in ("megatron_parser.py", "skill_flags.py"))
+    blob = json.dumps([megatron, sys.version_info[:2], hashlib.sha256(own).hexdigest(), argv, world_size,
+                       device_major, env], sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
 def _module():

@@ -9,6 +9,7 @@ than the least that fits only adds time.  They are reported as 'dominated'.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Iterable
 
 from . import megatron_args
@@ -53,7 +54,9 @@ def _pow2_upto(n: int) -> list[int]:
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of n, ascending, in O(sqrt n) steps."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 class _Rejections:

@@ -20,6 +20,7 @@ from typing import Any, Iterator
 
 from .contract import Context, Tool, register
 from .errors import ToolError
+from .locks import Busy, FileLock, write_atomic
 
 BATCH_LINES = 512
 MAX_REPORTED = 20
@@ -96,20 +97,24 @@ def load_tokenizer(spec: str):
 _WORKER: dict[str, Any] = {}
 
 
-def _init_worker(tokenizer: str, text_key: str, append_eod: bool) -> None:
-    _WORKER.update(tok=load_tokenizer(tokenizer), key=text_key, eod=append_eod)
+def _init_worker(tokenizer: str, text_key: str, append_eod: bool, dtype: str) -> None:
+    _WORKER.update(tok=load_tokenizer(tokenizer), key=text_key, eod=append_eod, dtype=dtype)
 
 
-def _encode_batch(batch: list[tuple[str, int, str]]) -> list[tuple[str, int, Any]]:
+def _encode_batch(batch: list[tuple[str, int, bytes]]) -> list[tuple[str, int, Any]]:
     """(file, line number, raw line) -> (file, line number, token ids as bytes | reason)."""
     import numpy as np
 
-    tok, key = _WORKER["tok"], _WORKER["key"]
-    dtype = np.uint16 if tok.vocab_size < 65500 else np.int32
+    tok, key, dtype = _WORKER["tok"], _WORKER["key"], _WORKER["dtype"]
     out = []
     for name, lineno, raw in batch:
         try:
-            obj = json.loads(raw)
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            out.append((name, lineno, f"not UTF-8: byte 0x{raw[e.start]:02x} at column {e.start + 1}"))
+            continue
+        try:
+            obj = json.loads(line)
         except json.JSONDecodeError as e:
             out.append((name, lineno, f"not JSON: {e.msg} at column {e.colno}"))
             continue
@@ -124,6 +129,12 @@ def _encode_batch(batch: list[tuple[str, int, str]]) -> list[tuple[str, int, Any
         if not text:
             out.append((name, lineno, f"field {key!r} is empty"))
             continue
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            out.append((name, lineno, f"field {key!r} holds a lone surrogate (\\u{ord(text[e.start]):04x} at "
+                        f"character {e.start + 1}): not Unicode text"))
+            continue
         ids = tok.encode(text)
         if _WORKER["eod"]:
             ids.append(tok.eod_id)
@@ -131,11 +142,13 @@ def _encode_batch(batch: list[tuple[str, int, str]]) -> list[tuple[str, int, Any
     return out
 
 
-def _batches(paths: list[str], counts: dict[str, int]) -> Iterator[list[tuple[str, int, str]]]:
-    batch: list[tuple[str, int, str]] = []
+def _batches(paths: list[str], counts: dict[str, int]) -> Iterator[list[tuple[str, int, bytes]]]:
+    """Lines as bytes: each is decoded by a worker, so a line that is not UTF-8 is reported
+    as a bad line instead of being silently altered."""
+    batch: list[tuple[str, int, bytes]] = []
     for path in paths:
         opener = gzip.open if path.endswith(".gz") else open
-        with opener(path, "rt", encoding="utf-8", errors="replace") as f:
+        with opener(path, "rb") as f:
             for lineno, line in enumerate(f, 1):
                 if not line.strip():
                     counts["blank"] += 1
@@ -149,63 +162,173 @@ def _batches(paths: list[str], counts: dict[str, int]) -> Iterator[list[tuple[st
 
 
 # ---- the tool -----------------------------------------------------------------------
+MADE_BY = "megatron-core-training prepare-data"
+GLOB_CHARS = set("*?[]")
+
+
 def _paths(prefix: Path) -> dict[str, Path]:
-    return {"bin": prefix.with_name(prefix.name + ".bin"), "idx": prefix.with_name(prefix.name + ".idx"),
-            "json": prefix.with_name(prefix.name + ".json")}
+    """The dataset's three files, and the two of the tool's own beside them: a lock (kept,
+    never written) and the journal of a run in progress (removed when it ends)."""
+    name = prefix.name
+    return {"bin": prefix.with_name(name + ".bin"), "idx": prefix.with_name(name + ".idx"),
+            "json": prefix.with_name(name + ".json"), "lock": prefix.with_name(f".{name}.prepare-data.lock"),
+            "journal": prefix.with_name(f".{name}.prepare-data.journal")}
 
 
-def _check(req: dict) -> None:
+def _check(req: dict) -> Path:
     for i, p in enumerate(req["input"]):
         if not Path(p).is_file():
             raise ToolError("not_found", f"input file {p} does not exist", where=f"/input/{i}",
                             fix="give existing JSONL files")
-    parent = Path(req["output_prefix"]).parent
-    if parent.exists() and not parent.is_dir():
-        raise ToolError("bad_request", f"{parent} is a file, not a folder", where="/output_prefix",
-                        fix="choose an output_prefix inside a folder")
+    raw = req["output_prefix"]
+    prefix = Path(raw)
+    if raw.endswith(("/", "/.", "/..")) or prefix.name in ("", ".", "..") or prefix.is_dir():
+        raise ToolError("bad_request", f"output_prefix {raw!r} names a folder, not a file prefix",
+                        where="/output_prefix", fix=f"add a file name: {raw.rstrip('/') or '.'}/corpus writes "
+                        "corpus.bin, corpus.idx and corpus.json there")
+    if GLOB_CHARS & set(prefix.name):
+        raise ToolError("bad_request", f"output_prefix {raw!r} holds a glob character (* ? [ ])",
+                        where="/output_prefix", fix="choose a prefix of letters, digits, '-', '_' and '.'")
+    parent = prefix.resolve().parent
+    for folder in (parent, *parent.parents):
+        if folder.exists() and not folder.is_dir():
+            raise ToolError("bad_request", f"{folder} is a file, not a folder", where="/output_prefix",
+                            fix="choose an output_prefix inside a folder")
+    workers = req.get("workers")
+    if workers is not None and workers > (os.cpu_count() or 1):
+        raise ToolError("bad_request", f"workers {workers} is more than the {os.cpu_count()} CPUs here",
+                        where="/workers", fix=f"give at most {os.cpu_count()}, or leave it out")
+    return prefix.resolve()
+
+
+def _file_facts(files: dict[str, Path]) -> dict[str, Any]:
+    """What the record says of the data it describes: sizes, and the index's hash (small,
+    and it holds every document's length)."""
+    import hashlib
+
+    return {"bin_bytes": files["bin"].stat().st_size, "idx_bytes": files["idx"].stat().st_size,
+            "idx_sha256": hashlib.sha256(files["idx"].read_bytes()).hexdigest()}
+
+
+def _read_record(files: dict[str, Path]) -> tuple[dict[str, Any] | None, str]:
+    """(PREFIX.json's record, 'ok') when it was written by this tool and describes the .bin and
+    .idx beside it; else (None or the record, why not: 'missing', 'foreign', 'stale')."""
+    try:
+        record = json.loads(files["json"].read_text())
+    except FileNotFoundError:
+        return None, "missing"
+    except (OSError, ValueError):
+        return None, "foreign"
+    if not isinstance(record, dict) or record.get("made_by") != MADE_BY:
+        return None, "foreign"
+    try:
+        facts = _file_facts(files)
+    except OSError:
+        return record, "stale"
+    return record, "ok" if record.get("files") == facts else "stale"
+
+
+def _recover(files: dict[str, Path]) -> None:
+    """Finish or undo what a killed run left, from its journal (under the lock, so that run is
+    gone): a run that was committing is rolled forward; one that was writing has its
+    temporaries removed. Only the exact names the journal recorded are touched."""
+    try:
+        journal = json.loads(files["journal"].read_text())
+        temps = {k: Path(v) for k, v in journal["temps"].items()}
+    except FileNotFoundError:
+        return
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        files["journal"].unlink(missing_ok=True)  # unreadable: it names nothing we may touch
+        return
+    if journal.get("phase") == "committing":
+        _commit(files, temps)
+    for t in temps.values():
+        t.unlink(missing_ok=True)
+    files["journal"].unlink(missing_ok=True)
+
+
+def _commit(files: dict[str, Path], temps: dict[str, Path]) -> None:
+    """Put the three files in place as one: the old record goes first (no record may describe
+    other data), then .bin, .idx, and the new record last. Each step can be repeated, so a
+    run killed half-way is finished by the next one (_recover)."""
+    if temps["json"].exists():
+        files["json"].unlink(missing_ok=True)
+    for kind in ("bin", "idx", "json"):
+        if temps[kind].exists():
+            os.replace(temps[kind], files[kind])
+
+
+def _write_journal(files: dict[str, Path], temps: dict[str, Path], phase: str) -> None:
+    write_atomic(files["journal"], json.dumps({"phase": phase, "temps": {k: str(v) for k, v in temps.items()}}))
 
 
 def run(req: dict, ctx: Context) -> dict[str, Any]:
-    _check(req)
+    prefix = _check(req)
     tokenizer = load_tokenizer(req["tokenizer"])  # fails here, before any work, on a bad tokenizer
-    prefix = Path(req["output_prefix"]).resolve()
     files = _paths(prefix)
     rid = ctx.request_id  # type: ignore[attr-defined]
-    record = json.loads(files["json"].read_text()) if files["json"].exists() else None
-    complete = files["bin"].exists() and files["idx"].exists()
-    if record and complete and record.get("request_id") == rid:
-        ctx.progress(f"prepare-data: {prefix} was made by this same request; nothing to do")
-        return {**record["result"], "already_done": True}
-    if (complete or files["bin"].exists()) and not req["overwrite"]:
-        raise ToolError("conflict", f"a dataset exists at {prefix} (made by another request)",
-                        where="/output_prefix", fix="choose another output_prefix, or set overwrite true")
     workers = req.get("workers") or min(16, os.cpu_count() or 1)
     if ctx.dry_run:
+        _decide(req, files, rid, ctx, dry_run=True)
         return {"dry_run": True, "output_prefix": str(prefix), "tokenizer": tokenizer.describe(),
                 "actions": [f"read {', '.join(req['input'])}",
                             f"tokenize with {workers} worker process(es)",
-                            f"write {files['bin']}, {files['idx']} (temporary names, renamed at the end)",
-                            f"write {files['json']}"]}
+                            f"write {files['bin']}, {files['idx']}, {files['json']} under temporary names, "
+                            "then rename them into place together (the record last)"]}
     try:
-        from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+        from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
         import numpy as np
         import torch
     except ImportError as e:
         raise ToolError("environment", f"megatron-core is not importable: {e}", where="megatron.core",
                         fix="run tools/setup.sh (Python 3.12, torch, megatron-core)")
-    dtype = np.uint16 if tokenizer.vocab_size < 65500 else np.int32
     prefix.parent.mkdir(parents=True, exist_ok=True)
-    tmp = {k: files[k].with_name(f"{files[k].name}.tmp{os.getpid()}") for k in ("bin", "idx")}
-    for stale in prefix.parent.glob(prefix.name + ".*.tmp*"):
-        stale.unlink(missing_ok=True)  # left by a killed run: never a dataset
+    try:
+        lock = FileLock(files["lock"]).acquire()
+    except Busy:
+        raise ToolError("conflict", f"another prepare-data run is writing {prefix}", where="/output_prefix",
+                        fix="wait for it to finish, or choose another output_prefix") from None
+    try:
+        _recover(files)
+        done = _decide(req, files, rid, ctx, dry_run=False)
+        if done is not None:
+            return done
+        return _build(req, ctx, tokenizer, files, workers, rid, DType.optimal_dtype(tokenizer.vocab_size),
+                      IndexedDatasetBuilder, np, torch)
+    finally:
+        lock.release()
+
+
+def _decide(req: dict, files: dict[str, Path], rid: str, ctx: Context, dry_run: bool) -> dict[str, Any] | None:
+    """The recorded result when this same request made the dataset; an error when another
+    request's dataset (or a file that is not ours) is in the way; None to go ahead."""
+    record, status = _read_record(files)
+    complete = files["bin"].exists() and files["idx"].exists()
+    if status == "ok" and complete and record.get("request_id") == rid:  # type: ignore[union-attr]
+        ctx.progress(f"prepare-data: {files['bin'].with_suffix('')} was made by this same request; nothing to do")
+        return {**record["result"], "already_done": True}  # type: ignore[index]
+    if status == "foreign":
+        raise ToolError("conflict", f"{files['json']} exists and was not written by prepare-data",
+                        where="/output_prefix", fix="choose another output_prefix (that file is left as it is)")
+    if (complete or files["bin"].exists() or files["idx"].exists()) and not req["overwrite"]:
+        why = "its record no longer matches its files" if status == "stale" else "made by another request"
+        raise ToolError("conflict", f"a dataset exists at {files['bin'].with_suffix('')} ({why})",
+                        where="/output_prefix", fix="choose another output_prefix, or set overwrite true")
+    return None
+
+
+def _build(req, ctx, tokenizer, files, workers, rid, dtype, IndexedDatasetBuilder, np, torch) -> dict[str, Any]:
+    token = f"{os.getpid()}-{os.urandom(4).hex()}"
+    temps = {k: files[k].with_name(f".{files[k].name}.{token}.tmp") for k in ("bin", "idx", "json")}
+    _write_journal(files, temps, "writing")  # first: whatever is made next can be found and removed
     counts = {"blank": 0}
     docs_in = docs_out = tokens = 0
     bad: list[dict[str, Any]] = []
     started = last = time.time()
     try:
-        builder = IndexedDatasetBuilder(str(tmp["bin"]), dtype=dtype)
-        pool = get_context("spawn").Pool(workers, _init_worker,
-                                         (req["tokenizer"], req["text_key"], req["append_eod"]))
+        builder = IndexedDatasetBuilder(str(temps["bin"]), dtype=dtype)
+        pool = get_context("spawn").Pool(workers, _init_worker, (req["tokenizer"], req["text_key"],
+                                                                  req["append_eod"], np.dtype(dtype).name))
         with pool:
             for results in pool.imap(_encode_batch, _batches(req["input"], counts)):
                 for name, lineno, item in results:
@@ -225,40 +348,71 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
                     last = time.time()
                     ctx.progress(f"prepare-data: {docs_in:,} documents, {tokens:,} tokens "
                                  f"({docs_in / (last - started):,.0f} docs/s)")
-        builder.finalize(str(tmp["idx"]))
-        if files["idx"].exists():
-            files["idx"].unlink()  # the index goes first: a .bin without .idx is not a dataset
-        os.replace(tmp["bin"], files["bin"])
-        os.replace(tmp["idx"], files["idx"])
-    finally:
-        for t in tmp.values():
-            t.unlink(missing_ok=True)
-    assert docs_in == docs_out + len(bad)
-    desc = tokenizer.describe()
-    training: dict[str, Any] = {"data_path": [str(prefix)]}
-    if desc["type"] == "huggingface":
-        training["tokenizer_model"] = desc["path"]
-    result = {"output_prefix": str(prefix), "files": [str(files["bin"]), str(files["idx"]), str(files["json"])],
-              "documents_in": docs_in, "documents_out": docs_out, "bad_line_count": len(bad),
-              "bad_lines": bad[:MAX_REPORTED], "blank_lines": counts["blank"], "tokens": tokens,
-              "tokenizer": desc, "dtype": np.dtype(dtype).name, "seconds": round(time.time() - started, 2),
-              "training": training}
-    files["json"].write_text(json.dumps({"request_id": rid, "request": req, "result": result}, indent=1))
-    ctx.progress(f"prepare-data: {docs_out:,} documents, {tokens:,} tokens -> {prefix}.bin/.idx"
+        builder.finalize(str(temps["idx"]))
+        assert docs_in == docs_out + len(bad)
+        desc = tokenizer.describe()
+        training: dict[str, Any] = {"data_path": [str(files["bin"].with_suffix(""))]}
+        if desc["type"] == "huggingface":
+            training["tokenizer_model"] = desc["path"]
+        result = {"output_prefix": str(files["bin"].with_suffix("")),
+                  "files": [str(files["bin"]), str(files["idx"]), str(files["json"])],
+                  "documents_in": docs_in, "documents_out": docs_out, "bad_line_count": len(bad),
+                  "bad_lines": bad[:MAX_REPORTED], "blank_lines": counts["blank"], "tokens": tokens,
+                  "tokenizer": desc, "dtype": np.dtype(dtype).name, "seconds": round(time.time() - started, 2),
+                  "training": training}
+        facts = _file_facts({"bin": temps["bin"], "idx": temps["idx"]})
+        write_atomic(temps["json"], json.dumps({"made_by": MADE_BY, "request_id": rid, "request": req,
+                                                "files": facts, "result": result}, indent=1))
+        _write_journal(files, temps, "committing")  # from here on the dataset is done: roll forward
+        _commit(files, temps)
+        files["journal"].unlink(missing_ok=True)
+    except BaseException:
+        if json.loads(files["journal"].read_text()).get("phase") != "committing":
+            for t in temps.values():
+                t.unlink(missing_ok=True)
+            files["journal"].unlink(missing_ok=True)
+        raise
+    ctx.progress(f"prepare-data: {docs_out:,} documents, {tokens:,} tokens -> {result['output_prefix']}.bin/.idx"
                  + (f"; {len(bad)} bad line(s) skipped" if bad else ""))
     return result
 
 
-def dataset_record(prefix: str) -> dict[str, Any] | None:
-    """What prepare-data recorded about a dataset (PREFIX.json), or None for other datasets
-    (and for a prefix with no file name of its own, such as "/" or ".")."""
+def check_datasets(training: dict[str, Any]) -> None:
+    """Every data_path prefix (weights aside) has its .bin and .idx: a missing dataset is
+    reported here, not by a rank inside torchrun minutes later."""
+    for i, entry in enumerate(training.get("data_path") or []):
+        if is_weight(entry):
+            continue
+        missing = [ext for ext in (".bin", ".idx") if not Path(entry + ext).is_file()]
+        if missing:
+            raise ToolError("not_found", f"dataset {entry}: no {' or '.join(entry + m for m in missing)}",
+                            where=f"/training/data_path/{i}",
+                            fix="give the prefix of an indexed dataset (PREFIX.bin and PREFIX.idx); "
+                                "launch.py prepare-data makes one from JSONL")
+
+
+def is_weight(entry: str) -> bool:
+    """A blend weight in Megatron's data path ('0.3 PREFIX_A 0.7 PREFIX_B'), not a prefix."""
+    try:
+        float(entry)
+        return True
+    except ValueError:
+        return False
+
+
+def dataset_record(prefix: str, where: str = "/training/data_path") -> dict[str, Any] | None:
+    """What prepare-data recorded about a dataset (PREFIX.json), or None for datasets made
+    elsewhere (and for a prefix with no file name of its own, such as "/" or "."). A record
+    that no longer matches its .bin / .idx is an error: its tokenizer may not be theirs."""
     if not Path(prefix).name:
         return None
-    p = _paths(Path(prefix))["json"]
-    try:
-        return json.loads(p.read_text())["result"]
-    except (OSError, ValueError, KeyError):
-        return None
+    files = _paths(Path(prefix))
+    record, status = _read_record(files)
+    if status == "stale" and files["bin"].exists() and files["idx"].exists():
+        raise ToolError("bad_request", f"{files['json']} no longer describes {prefix}.bin / .idx "
+                        "(they changed after prepare-data wrote it)", where=where,
+                        fix="run prepare-data again for this dataset (with overwrite true)")
+    return record["result"] if status == "ok" else None  # type: ignore[index]
 
 
 def match_tokenizer(training: dict[str, Any], model_vocab: int) -> dict[str, Any]:
@@ -267,7 +421,7 @@ def match_tokenizer(training: dict[str, Any], model_vocab: int) -> dict[str, Any
     vocabulary 257 (end of document 256).  Datasets made elsewhere are left as they are."""
     out = dict(training)
     for i, entry in enumerate(training.get("data_path") or []):
-        rec = dataset_record(entry)
+        rec = dataset_record(entry, where=f"/training/data_path/{i}")
         if rec is None:
             continue
         tok = rec["tokenizer"]

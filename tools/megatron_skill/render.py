@@ -22,7 +22,7 @@ from .layout import RULES, Layout, check_layout
 from .memory import GIB
 from .planner import cost, rank, search
 from .prepare_data import match_tokenizer
-from .resolve import default_global_batch, default_seq_length, resolve_cluster, resolve_model
+from .resolve import DEFAULT_TRAIN_ITERS, default_global_batch, default_seq_length, resolve_cluster, resolve_model
 
 TEMPLATES = ROOT / "templates"
 LAUNCHERS = {"torchrun": "torchrun.sh.j2", "torchrun-multinode": "torchrun_multinode.sh.j2",
@@ -43,10 +43,11 @@ def _comment(value: object) -> str:
 
 
 def _quote(value: object) -> str:
-    """shlex.quote, and quotes around commas too (bash does not need them; shellcheck's
-    SC2054 reads a bare comma in an array as a mistake)."""
+    """shlex.quote, and quotes around commas and equals signs too (bash does not need them;
+    in an array shellcheck reads a bare comma as a mistake, SC2054, and a bare '=' as a
+    mistaken index assignment, SC2191)."""
     text = shlex.quote(str(value))
-    return f"'{text}'" if "," in text and not text.startswith("'") else text
+    return f"'{text}'" if ("," in text or "=" in text) and not text.startswith("'") else text
 
 
 def _path(value: str) -> str:
@@ -155,6 +156,8 @@ def _fake_rank_args(fake: int | None, model) -> list[str]:
 
 def build(req: dict, ctx: Context) -> dict[str, Any]:
     """Everything render would write, without writing it."""
+    training = req.get("training") or {}
+    req = {**req, "training": {**training, "train_iters": training.get("train_iters") or DEFAULT_TRAIN_ITERS["gpu"]}}
     _check_values(req)
     model = resolve_model(req)
     gpu, n_gpus, per_node = resolve_cluster(req)

@@ -50,6 +50,11 @@ def resolve_cluster(req: dict[str, Any]) -> tuple[GPUSpec, int, int]:
     return gpu, n, per_node
 
 
+# Iterations when a request names none: a real run on GPUs; on CPU, what the tiny model
+# finishes in about a minute on a 2-core machine (references/benchmarks.md, "CPU runs").
+DEFAULT_TRAIN_ITERS = {"gpu": 1000, "cpu": 50}
+
+
 def default_seq_length(model: ModelSpec) -> int:
     return model.default_seq_length or min(8192, model.max_position_embeddings)
 

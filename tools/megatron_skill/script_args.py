@@ -100,6 +100,7 @@ def extract(text: str) -> Extracted:
     entry = entry_line = None
     nproc = nnodes = None
     pending_array: tuple[str, bool, int, str] | None = None
+    array_state = (0, None)  # parenthesis depth and open quote of the array being read
     for lineno, line in _logical_lines(text):
         stripped = line.strip()
         m = SBATCH.match(stripped)
@@ -109,7 +110,8 @@ def extract(text: str) -> Extracted:
         if pending_array:
             name, append, start, body = pending_array
             body += "\n" + line
-            if _closes(body):
+            array_state = _scan("\n" + line, *array_state)
+            if array_state[0] <= 0:
                 _set_array(v, name, append, body)
                 pending_array = None
             else:
@@ -121,7 +123,8 @@ def extract(text: str) -> Extracted:
         if am and not stripped.startswith(("if ", "for ", "while ")):
             name, append, value = am.group(1), am.group(2) == "+", am.group(3)
             if value.startswith("("):
-                if _closes(value):
+                array_state = _scan(value)
+                if array_state[0] <= 0:
                     _set_array(v, name, append, value)
                 else:
                     pending_array = (name, append, lineno, value)
@@ -156,9 +159,10 @@ def extract(text: str) -> Extracted:
                      nproc_per_node=nproc, nnodes=nnodes, sbatch=sbatch, unresolved=v.unresolved)
 
 
-def _closes(body: str) -> bool:
-    depth, quote = 0, None
-    for ch in body:
+def _scan(text: str, depth: int = 0, quote: str | None = None) -> tuple[int, str | None]:
+    """Parenthesis depth and open quote after text, starting from a state: an array that
+    spans many lines is scanned once, line by line, not again from its start."""
+    for ch in text:
         if quote:
             if ch == quote:
                 quote = None
@@ -168,7 +172,7 @@ def _closes(body: str) -> bool:
             depth += 1
         elif ch == ")":
             depth -= 1
-    return depth <= 0
+    return depth, quote
 
 
 def _set_array(v: _Vars, name: str, append: bool, body: str) -> None:

@@ -11,6 +11,7 @@ when the request says resume, and refused otherwise.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shlex
@@ -24,6 +25,8 @@ from . import megatron_log, render
 from .catalog import gpu_by_device_name
 from .contract import Context, Tool, register
 from .errors import ToolError
+from .prepare_data import check_datasets
+from .resolve import DEFAULT_TRAIN_ITERS
 from .runs import RunLock, latest_checkpoint, read_state, write_state
 
 
@@ -58,16 +61,48 @@ def _progress_line(rec: dict, started: float, seq: int | None) -> str:
     return "train: " + " | ".join(parts) + f" ({time.time() - started:.0f}s)"
 
 
+# Runs in its own small process: when train's process dies (even by SIGKILL) the pipe it holds
+# closes, and the job's process group is stopped, so no trainer outlives the tool that owns it.
+WATCHDOG = """
+import os, signal, sys, time
+sys.stdin.buffer.read()
+group = int(sys.argv[1])
+for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 0)):
+    try:
+        os.killpg(group, sig)
+    except ProcessLookupError:
+        break
+    end = time.time() + wait
+    while time.time() < end:
+        try:
+            os.killpg(group, 0)
+        except ProcessLookupError:
+            sys.exit(0)
+        time.sleep(0.2)
+"""
+
+
 def stream(cmd: list[str], log_path: Path | None, ctx: Context, seq: int | None, env: dict | None = None,
-           cwd: Path | None = None) -> int:
+           cwd: Path | None = None, keep_fds: tuple[int, ...] = ()) -> int:
     """Run cmd, show progress from Megatron's iteration lines; append its output to log_path
-    (None when the command keeps its own log, as the rendered scripts do)."""
+    (None when the command keeps its own log, as the rendered scripts do).
+
+    The job runs in a process group of its own, watched by a process that stops the group
+    when this one dies; keep_fds (the run lock) are inherited, so the lock stays held for as
+    long as any process of the job lives."""
     import os
+    import signal
 
     started = time.time()
     with (open(log_path, "a") if log_path else open(os.devnull, "w")) as log:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env={**os.environ, **(env or {})}, cwd=cwd, bufsize=1)
+                                env={**os.environ, **(env or {})}, cwd=cwd, bufsize=1,
+                                start_new_session=True, pass_fds=keep_fds)
+        read_end, write_end = os.pipe()
+        watchdog = subprocess.Popen([sys.executable, "-c", WATCHDOG, str(proc.pid)], stdin=read_end,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                    start_new_session=True)
+        os.close(read_end)
         try:
             for line in proc.stdout:  # type: ignore[union-attr]
                 log.write(line)
@@ -75,62 +110,73 @@ def stream(cmd: list[str], log_path: Path | None, ctx: Context, seq: int | None,
                 rec = megatron_log.parse_iteration(line) if "iteration" in line else None
                 if rec and "loss" in rec:
                     ctx.progress(_progress_line(rec, started, seq))
+            return proc.wait()
         except KeyboardInterrupt:
-            proc.terminate()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait()
             raise
-        return proc.wait()
+        finally:
+            os.close(write_end)  # the job is over (or being stopped): the watchdog sees the pipe close
+            watchdog.wait()
 
 
 def run(req: dict, ctx: Context) -> dict[str, Any]:
     backend = _backend(req)
+    req = {**req, "python": req.get("python") or sys.executable}
+    _check_runtime(req, backend)
     if req.get("num_gpus") is None and req.get("nodes") is None:
         req = {**req, "num_gpus": max(1, detect_gpus()[0])}
+    req = {**req, "training": {**req["training"], "train_iters": req["training"].get("train_iters")
+                               or DEFAULT_TRAIN_ITERS[backend]}}
     run_id = ctx.request_id  # type: ignore[attr-defined]
-    run_dir = (Path(req["runs_root"]) / run_id).resolve()
+    runs_root = Path(req["runs_root"])
+    if runs_root.exists() and not runs_root.is_dir():
+        raise ToolError("bad_request", f"runs_root {runs_root} is a file, not a folder", where="/runs_root",
+                        fix="give a folder (it is made when missing)")
+    run_dir = (runs_root / run_id).resolve()
+    check_datasets(req["training"])
     if backend == "cpu":
         from .train_cpu import plan_cpu_run
         plan = plan_cpu_run(req, run_dir, run_id)
     else:
         plan = _plan_gpu_run(req, ctx, run_dir)
-    state = read_state(run_dir)
-    actions = plan["actions"]
-    ckpt = latest_checkpoint(run_dir / "checkpoints")
-    if state and state.get("status") == "finished":
-        ctx.progress(f"train: run {run_id} already finished; returning its result (nothing launched)")
-        return {**state["result"], "already_finished": True}
-    if state and state.get("status") == "running":
-        lock_owner = RunLock(run_dir).owner()
-        if lock_owner:
-            RunLock(run_dir).acquire()  # raises conflict while the owner lives; clears a stale lock
-            RunLock(run_dir).release()
-    if state and state.get("status") in ("failed", "killed", "running") and not req["resume"]:
-        raise ToolError("conflict", f"run {run_id} exists (status {state.get('status')}, "
-                        f"last checkpoint {ckpt})", where=str(run_dir),
-                        fix="pass --resume to continue from its last checkpoint, or change the request")
     if ctx.dry_run:
+        if RunLock(run_dir).held_elsewhere():
+            raise RunLock(run_dir).running()
+        state, ckpt = read_state(run_dir), latest_checkpoint(run_dir / "checkpoints")
+        finished = bool(state and state.get("status") == "finished")
         return {"run_id": run_id, "run_dir": str(run_dir), "backend": backend, "dry_run": True,
-                "resume_from": ckpt if req["resume"] else None, "actions": actions,
+                "start": "finished" if finished else _start(state, ckpt), "resume_from": ckpt,
+                "train_iters": req["training"]["train_iters"], "estimated_seconds": plan.get("estimated_seconds"),
+                "actions": ["return the recorded result; nothing is launched"] if finished else plan["actions"],
                 "layout": plan.get("layout"), "prediction": plan.get("prediction")}
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    lock = RunLock(run_dir)
-    lock.acquire()
+    lock = RunLock(run_dir).acquire()  # conflict while another process runs this request
     try:
-        write_state(run_dir, status="running", run_id=run_id, backend=backend, request=req,
-                    resumed_from=ckpt if (state and req["resume"]) else None)
+        state, ckpt = read_state(run_dir), latest_checkpoint(run_dir / "checkpoints")
+        if state and state.get("status") == "finished":
+            ctx.progress(f"train: run {run_id} already finished; returning its result (nothing launched)")
+            return {**state["result"], "already_finished": True}
+        start = _start(state, ckpt)
+        write_state(run_dir, status="running", run_id=run_id, backend=backend, request=req, start=start,
+                    resumed_from=ckpt)
         plan["write"]()
         log_path = run_dir / "logs" / "train.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        ctx.progress(f"train: run {run_id} in {run_dir} ({backend}); log {log_path}")
+        ctx.progress(f"train: run {run_id} in {run_dir} ({backend}, {_START_TEXT[start].format(ckpt=ckpt)}); "
+                     f"{req['training']['train_iters']} iterations; log {log_path}")
         own_log = backend == "gpu" and req["launcher"] != "slurm"  # the script tees to logs/train.log
         rc = stream(plan["command"], None if own_log else log_path, ctx, plan["seq_length"],
-                    env=plan.get("env"), cwd=run_dir)
+                    env=plan.get("env"), cwd=run_dir, keep_fds=(lock.fd,))
         if req["launcher"] == "slurm" and backend == "gpu":
             for out in sorted(run_dir.glob("slurm-*.out")):
                 log_path.write_text(log_path.read_text() + out.read_text() if log_path.exists() else out.read_text())
         parsed = megatron_log.parse(log_path.read_text(errors="replace").splitlines())
         summary = megatron_log.summarize(parsed, plan["seq_length"], plan.get("peak_tflops"))
         result = {"run_id": run_id, "run_dir": str(run_dir), "backend": backend, "returncode": rc,
+                  "start": start, "resumed_from": ckpt if start == "resume" else None,
                   "log": str(log_path), "checkpoint_iteration": latest_checkpoint(run_dir / "checkpoints"),
                   "layout": plan.get("layout"), "prediction": plan.get("prediction"),
                   "summary": {k: v for k, v in summary.items() if k not in ("loss_curve", "lr_curve")},
@@ -140,8 +186,8 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
             failure = summary["failures"][0] if summary.get("failures") else None
             raise ToolError("runtime", f"training exited with status {rc}"
                             + (f": {failure['meaning']}" if failure else ""), where=str(log_path),
-                            fix=(failure["fix"] if failure else "read the end of the log; rerun with --resume "
-                                 "to continue from the last checkpoint"),
+                            fix=(failure["fix"] if failure else "read the end of the log; the same request "
+                                 "again continues from the last checkpoint (or starts over without one)"),
                             details={"result": result, "log_tail": _log_tail(log_path)})
         write_state(run_dir, status="finished", result=result)
         return result
@@ -150,6 +196,47 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
         raise
     finally:
         lock.release()
+
+
+_START_TEXT = {"new": "new run", "restart": "starting over: the earlier attempt saved no checkpoint",
+               "resume": "resuming from checkpoint {ckpt}"}
+
+
+def _start(state: dict | None, ckpt: int | None) -> str:
+    """How a run of this request begins: new; restart (an earlier attempt failed or was killed
+    before its first checkpoint); resume (from its last checkpoint)."""
+    if ckpt is not None:
+        return "resume"
+    return "restart" if state else "new"
+
+
+def _check_runtime(req: dict, backend: str) -> None:
+    """The Python that will run the job has torch and megatron-core: checked before anything
+    is planned or written, dry-run included (a Slurm job's Python lives on the cluster)."""
+    if backend == "gpu" and req["launcher"] == "slurm":
+        return
+    python = req["python"]
+    if python == sys.executable:
+        import importlib.util
+        missing = [m for m in ("torch", "megatron.core") if _find_spec(importlib.util, m) is None]
+    else:
+        try:
+            proc = subprocess.run([python, "-c", "import torch, megatron.core"], capture_output=True, timeout=120)
+            missing = [] if proc.returncode == 0 else ["torch / megatron.core"]
+        except (OSError, subprocess.TimeoutExpired):
+            missing = [f"the Python itself ({python})"]
+    if missing:
+        raise ToolError("environment", f"{python} cannot import {', '.join(missing)}: train runs Megatron-Core",
+                        where="/python" if python != sys.executable else "python",
+                        fix="run tools/setup.sh (Python 3.12 with torch and megatron-core in .venv), then "
+                            "python tools/launch.py train ... (it uses .venv's Python)")
+
+
+def _find_spec(util, name: str):
+    try:
+        return util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
 
 
 def _log_tail(path: Path, lines: int = 14) -> list[str]:
@@ -179,7 +266,7 @@ def _plan_gpu_run(req: dict, ctx: Context, run_dir: Path) -> dict[str, Any]:
     n, name = detect_gpus()
     if req["backend"] == "gpu" and n == 0 and not ctx.dry_run:
         raise ToolError("environment", "no CUDA GPU is visible here", where="/backend",
-                        fix="run on a GPU machine, or use backend cpu with a tiny model")
+                        fix="run on a GPU machine, or train with --backend cpu and a tiny model (--model tiny-gpt)")
     sub = {k: v for k, v in req.items() if k in render.RENDER_KEYS}
     sub.update(output_dir=str(run_dir), run_dir=str(run_dir))
     if "transformer_engine" not in sub:

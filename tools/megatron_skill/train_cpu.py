@@ -7,19 +7,23 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ToolError
-from .flops import padded_vocab_size
+from .flops import padded_vocab_size, training_flops
 from .resolve import default_global_batch, resolve_model
 
 CPU_MAX_PARAMS = 60e6  # enough for tests and demos; anything larger belongs on a GPU
 LOOP = Path(__file__).resolve().parent / "runtime" / "cpu_loop.py"
 
 
-def _is_weight(entry: str) -> bool:
-    try:
-        float(entry)
-        return True
-    except ValueError:
-        return False
+def estimate_seconds(step_flops: float, iters: int, procs: int) -> float:
+    """Wall time of a CPU run: start-up (imports, gloo, dataset indices) plus, per iteration,
+    a fixed cost (Python and gloo) and the step's FLOPs at the measured CPU rate. Measured on
+    the 2-core CI machine class (catalog/calibration.json, cpu_loop); a faster machine finishes
+    sooner."""
+    from .catalog import CATALOG_DIR
+
+    cal = json.loads((CATALOG_DIR / "calibration.json").read_text())["cpu_loop"]
+    per_iter = cal["iteration_overhead_s"] + step_flops / (cal["gflops"] * 1e9 * min(procs, cal["cores"]))
+    return round(cal["startup_s"] + iters * per_iter, 1)
 
 
 def plan_cpu_run(req: dict, run_dir: Path, run_id: str) -> dict[str, Any]:
@@ -47,7 +51,7 @@ def plan_cpu_run(req: dict, run_dir: Path, run_id: str) -> dict[str, Any]:
     if gbs % (mbs * dp):
         raise ToolError("bad_request", f"global batch {gbs} is not divisible by micro-batch {mbs} x DP {dp}",
                         where="/global_batch_size", fix="make it a multiple of micro-batch x DP")
-    from .prepare_data import match_tokenizer
+    from .prepare_data import is_weight, match_tokenizer
     t = match_tokenizer(req["training"], model.vocab_size)
     iters = t["train_iters"]
     warm = t.get("lr_warmup_iters")
@@ -61,7 +65,7 @@ def plan_cpu_run(req: dict, run_dir: Path, run_id: str) -> dict[str, Any]:
         "global_batch_size": gbs, "micro_batch_size": mbs, "log_interval": t["log_interval"],
         "save_interval": t["save_interval"], "save": str(run_dir / "checkpoints"),
         # The loop runs in the run directory: dataset prefixes become absolute (weights stay).
-        "data_path": [p if _is_weight(p) else str(Path(p).resolve()) for p in t["data_path"]]
+        "data_path": [p if is_weight(p) else str(Path(p).resolve()) for p in t["data_path"]]
         if t.get("data_path") else None,
         "data_cache": str(run_dir / "data_cache"),
     }
@@ -72,6 +76,8 @@ def plan_cpu_run(req: dict, run_dir: Path, run_id: str) -> dict[str, Any]:
     def write() -> None:
         cfg_path.write_text(json.dumps(config, indent=1))
 
+    padded = padded_vocab_size(model.vocab_size, tp)
     return {"actions": [f"write {cfg_path}", " ".join(command)], "write": write, "command": command,
+            "estimated_seconds": estimate_seconds(training_flops(model, seq, gbs, padded), iters, procs),
             "seq_length": seq, "env": {"OMP_NUM_THREADS": "1"},
             "layout": {"tp": tp, "pp": pp, "dp": dp, "mbs": mbs, "gbs": gbs, "seq_length": seq}, "prediction": None}

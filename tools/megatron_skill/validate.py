@@ -11,6 +11,7 @@ planner predicts will not fit in memory.  Every finding names its fix.
 from __future__ import annotations
 
 import argparse
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,7 @@ RULE_FIXES = {
     "expert_folding": "make EP x expert-TP divide TP x CP x DP",
     "moe_needs_sp": "add --sequence-parallel (MoE with TP > 1 requires it)",
     "pp_layers": "choose a PP that divides --num-layers, or add --account-for-embedding-in-pipeline-split "
-                 "--account-for-loss-in-pipeline-split, or set --decoder-first/last-pipeline-num-layers",
+                 "--account-for-loss-in-pipeline-split, or set --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers",
     "vp_layers": "choose virtual stages that divide the layers per pipeline rank",
     "vp_needs_pp": "drop the virtual pipeline flags, or use PP > 1",
     "vp_microbatches": "make global batch / (micro-batch x DP) a multiple of PP",
@@ -208,12 +209,37 @@ def check_args(args: list[str], text: str, world: int | None, env: dict[str, str
                                      "them and fail)", severity="warning"))
     if world is not None and megatron_parser.available() and not any(f["severity"] == "error" for f in findings):
         try:
-            megatron_parser.parse(clean, world_size=world, env={"CUDA_DEVICE_MAX_CONNECTIONS":
+            megatron_parser.check(clean, world_size=world, env={"CUDA_DEVICE_MAX_CONNECTIONS":
                                                                   env.get("CUDA_DEVICE_MAX_CONNECTIONS", "1")})
         except ToolError as e:
             findings.append(_finding("megatron_validate_args", e.message, "fix the combination Megatron names"))
     result["findings"] = findings
     return result
+
+
+MAX_SCRIPT_BYTES = 1 << 20  # launch scripts are kilobytes; more is not a launch script
+MAX_ARGS = 4096  # Megatron's parser (argparse) slows down with the square of the argument count
+
+
+def read_script(path: Path) -> str:
+    """A launch script's text: a regular file of at most MAX_SCRIPT_BYTES, without NUL bytes
+    (a binary file is not a script). Read, never run."""
+    fix = "give the path of a launch script (bash, as text)"
+    try:
+        info = path.stat()
+        if not stat.S_ISREG(info.st_mode):
+            raise ToolError("bad_request", f"{path} is not a regular file", where="/script", fix=fix)
+        if info.st_size > MAX_SCRIPT_BYTES:
+            raise ToolError("bad_request", f"{path} is {info.st_size:,} bytes, more than a launch script "
+                            f"({MAX_SCRIPT_BYTES:,} at most)", where="/script", fix=fix)
+        with open(path, "rb") as f:
+            data = f.read(MAX_SCRIPT_BYTES + 1)
+    except OSError as e:
+        raise ToolError("not_found", f"cannot read {path}: {e.strerror}", where="/script", fix=fix)
+    if b"\0" in data:
+        raise ToolError("bad_request", f"{path} holds NUL bytes: a binary file, not a script", where="/script",
+                        fix=fix)
+    return data.decode("utf-8", errors="replace")
 
 
 def run(req: dict, ctx: Context) -> dict[str, Any]:
@@ -224,12 +250,7 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
     if req.get("render_request") is not None:
         return _validate_request(req["render_request"], ctx)
     if req.get("script"):
-        path = Path(req["script"])
-        try:
-            text = path.read_text(errors="replace")
-        except OSError as e:
-            raise ToolError("not_found", f"cannot read {path}: {e.strerror}", where="/script",
-                            fix="give the path of a launch script")
+        text = read_script(Path(req["script"]))
     elif req.get("script_text") is not None:
         text = req["script_text"]
     else:
@@ -244,6 +265,10 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
         args, env = ex.args, {**ex.env, **(req.get("env") or {})}
         world = req.get("num_gpus") or script_args.world_size(ex)
         info = script_args.summary(ex)
+    if len(args) > MAX_ARGS:
+        raise ToolError("bad_request", f"{len(args):,} arguments reach Megatron; a launch passes a few hundred "
+                        f"(at most {MAX_ARGS:,} are checked)", where="/args" if req.get("args") else "/script",
+                        fix="give the launch script itself, not a generated or repeated one")
     result = check_args(args, text, world, env, req.get("gpu"))
     errors = [f for f in result["findings"] if f["severity"] == "error"]
     warnings = [f for f in result["findings"] if f["severity"] == "warning"]
