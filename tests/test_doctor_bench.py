@@ -1,7 +1,7 @@
 """doctor on a machine without a GPU, the unrelated PyPI 'apex', and bench without a GPU."""
 import json
 
-from conftest import ROOT
+from conftest import ROOT, run_cli
 
 
 def test_doctor_without_gpu(cli):
@@ -16,11 +16,11 @@ def test_doctor_without_gpu(cli):
     assert "GPUs:" in err  # the short human summary
 
 
-def test_doctor_recognises_the_pypi_apex_impostor(cli, tmp_path):
+def test_doctor_recognises_the_pypi_apex_impostor(tmp_path):
     fake = tmp_path / "apex"
     fake.mkdir()
     (fake / "__init__.py").write_text("# a web toolkit that happens to be called apex\n")
-    rc, out, _ = cli("doctor", env={"PYTHONPATH": str(tmp_path)})
+    rc, out, _ = run_cli("doctor", env={"PYTHONPATH": str(tmp_path)})  # a process of its own: its own path
     apex = out["result"]["packages"]["apex"]
     assert apex["installed"] is False and apex.get("impostor") is True
     assert "github.com/NVIDIA/apex" in apex["howto"]

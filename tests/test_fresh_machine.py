@@ -67,12 +67,14 @@ def test_train_checks_the_jobs_python_before_anything_dry_run_included(tmp_path)
 def test_a_cpu_dry_run_states_iterations_and_time(tmp_path):
     env = call("train", {"model": "tiny-gpt", "backend": "cpu", "dry_run": True, "runs_root": str(tmp_path)})
     res = env["result"]
-    assert res["train_iters"] == 50 and 10 < res["estimated_seconds"] < 180 and res["start"] == "new"
+    # About a minute by default (measured: 65.7 s for these 50 iterations on 2 cores).
+    assert res["train_iters"] == 50 and 30 < res["estimated_seconds"] < 120 and res["start"] == "new"
     longer = call("train", {"model": "tiny-gpt", "backend": "cpu", "dry_run": True, "runs_root": str(tmp_path),
                             "training": {"train_iters": 1000}})["result"]
-    assert longer["estimated_seconds"] > 10 * (res["estimated_seconds"] - longer["estimated_seconds"] / 1000 * 50)
+    assert longer["train_iters"] == 1000 and longer["estimated_seconds"] > 10 * res["estimated_seconds"]
 
 
+@pytest.mark.slow
 def test_library_warnings_stay_off_the_terminal_unless_asked(tmp_path):
     args = ["render", "--model", "llama3.2-1b", "--num-gpus", "8", "--output-dir", str(tmp_path / "r")]
     rc, out, err = run_cli(*args)
@@ -143,3 +145,37 @@ def test_bench_without_a_gpu_names_a_command_that_exists(tmp_path):
     assert "train --backend cpu --model tiny-gpt" in fix
     dry = call("train", {"backend": "cpu", "model": "tiny-gpt", "dry_run": True, "runs_root": str(tmp_path)})
     assert dry["ok"]
+
+
+def test_a_missing_system_tool_skips_here_and_fails_in_ci(monkeypatch):
+    import conftest
+
+    monkeypatch.setattr(conftest, "REQUIRE_ALL", False)
+    with pytest.raises(pytest.skip.Exception, match="apt-get install nothing"):
+        conftest.system_tool("no-such-tool-here", "apt-get install nothing")
+    monkeypatch.setattr(conftest, "REQUIRE_ALL", True)
+    with pytest.raises(pytest.fail.Exception, match="required"):
+        conftest.system_tool("no-such-tool-here", "apt-get install nothing")
+
+
+@pytest.mark.slow
+def test_the_suite_collects_without_torch_or_megatron():
+    """The planning-only install: test modules that need the runtime skip themselves instead of
+    failing at import (run with torch, numpy and megatron made unimportable)."""
+    code = ("import sys; [sys.modules.__setitem__(m, None) for m in ('torch', 'numpy', 'megatron', 'megatron.core')];"
+            "import pytest; sys.exit(pytest.main(['--collect-only', '-q', '-n', '0', '-p', 'no:cacheprovider', sys.argv[1]]))")
+    proc = subprocess.run([sys.executable, "-c", code, str(ROOT / "tests")], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT, env={**os.environ, "MEGATRON_SKILL_REQUIRE_SYSTEM": "0"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "error" not in proc.stdout.lower().split("collected")[-1]
+
+
+@pytest.mark.slow
+def test_quickstart_says_what_it_trained_and_where_its_answers_are(tmp_path):
+    proc = subprocess.run(["bash", str(ROOT / "tools" / "quickstart.sh"), str(tmp_path / "qs")], capture_output=True,
+                          text=True, timeout=600, cwd=ROOT, env={**os.environ, "PYTHON": sys.executable})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("files:") and "plan.json" in lines[0]
+    assert any(ln.startswith("train:  tiny-gpt on cpu") for ln in lines), proc.stdout
+    assert "training the catalog's tiny-gpt" in proc.stderr

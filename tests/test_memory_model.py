@@ -9,7 +9,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT
+
+pytestmark = pytest.mark.slow  # each test runs a real layer in a process of its own
 
 # Shared by the counting scripts: the bytes of the tensors autograd saves inside the block,
 # each storage once, leaving out the storages in ``skip`` (parameters, the inputs).

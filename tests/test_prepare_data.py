@@ -111,6 +111,7 @@ def _wait_for(predicate, proc, seconds=60):
     assert predicate(), "the run finished (or hung) before the moment the test needs"
 
 
+@pytest.mark.slow
 def test_a_killed_run_leaves_no_half_written_dataset(tmp_path):
     prefix = tmp_path / "big"
     proc = _start("--input", _big_input(tmp_path / "input.jsonl"), "--output-prefix", prefix, "--workers", "2")
@@ -173,6 +174,7 @@ def test_a_prefix_being_written_is_refused_not_shared(tmp_path):
         holder.kill()
 
 
+@pytest.mark.slow
 def test_identical_requests_at_once_write_one_dataset(tmp_path):
     """Three identical requests started together: one writes, the others are refused or find
     it done; nobody crashes, and the dataset is whole."""
@@ -260,6 +262,7 @@ tok.save(sys.argv[2])
 """
 
 
+@pytest.mark.slow
 def test_local_hugging_face_tokenizer(tmp_path, cli):
     folder = tmp_path / "tok"
     folder.mkdir()
@@ -293,6 +296,7 @@ def test_errors_before_any_work(tmp_path, cli):
     assert rc == 0 and out["result"]["dry_run"] and _dataset_files(tmp_path / "x") == []
 
 
+@pytest.mark.slow
 def test_train_uses_the_dataset_with_matching_tokenizer_flags(tmp_path, cli):
     prefix = tmp_path / "corpus"
     assert cli("prepare-data", "--input", str(CORPUS), "--output-prefix", str(prefix))[0] == 0

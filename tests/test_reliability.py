@@ -211,9 +211,39 @@ def test_killing_only_the_tool_stops_the_trainer_it_started(tmp_path):
             except OSError:
                 pass
         return found
+    from megatron_skill.runs import RunLock
+
+    # A dying process gives up its command line before its files: wait for both.
     deadline = time.time() + 60
-    while trainers() and time.time() < deadline:
+    while (trainers() or RunLock(run_dir).held_elsewhere()) and time.time() < deadline:
         time.sleep(0.5)
     assert trainers() == []
-    from megatron_skill.runs import RunLock
     assert not RunLock(run_dir).held_elsewhere()
+
+
+# ---- files that are not ours ---------------------------------------------------------------
+def test_render_never_overwrites_a_script_it_did_not_write(tmp_path):
+    theirs = tmp_path / "launch.sh"
+    theirs.write_text("#!/bin/bash\necho my own launcher\n")
+    env = call("render", {"model": "llama3.2-1b", "num_gpus": 8, "output_dir": str(tmp_path)})
+    assert env["error"]["code"] == "conflict" and theirs.read_text().endswith("my own launcher\n")
+    mine = tmp_path / "mine"
+    first = call("render", {"model": "llama3.2-1b", "num_gpus": 8, "output_dir": str(mine)})
+    again = call("render", {"model": "llama3.2-1b", "num_gpus": 8, "output_dir": str(mine)})
+    assert first["ok"] and again["ok"] and sorted(p.name for p in mine.iterdir()) == ["launch.sh"]
+
+
+def test_render_warns_of_datasets_it_cannot_see_and_train_refuses_them(tmp_path):
+    training = {"data_path": [str(tmp_path / "absent")], "train_iters": 10}
+    env = call("render", {"model": "tiny-gpt", "num_gpus": 1, "gpu": "h100-sxm", "output_dir": str(tmp_path / "o"),
+                          "training": training, "dry_run": True})
+    assert env["ok"] and "absent" in env["result"]["warnings"][0]
+    env = call("train", {"model": "tiny-gpt", "backend": "cpu", "training": training, "dry_run": True,
+                         "runs_root": str(tmp_path / "runs")})
+    assert env["error"]["code"] == "not_found" and env["error"]["where"] == "/training/data_path/0"
+
+
+def test_a_runs_root_that_is_a_file_is_a_bad_request(tmp_path):
+    (tmp_path / "f").write_text("x")
+    env = call("train", {"model": "tiny-gpt", "backend": "cpu", "runs_root": str(tmp_path / "f"), "dry_run": True})
+    assert env["error"]["code"] == "bad_request" and env["error"]["where"] == "/runs_root"

@@ -122,6 +122,7 @@ HOSTILE = st.text(alphabet=string.ascii_letters + string.digits + " $()`;&|<>\\\
                   max_size=24)
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(name=HOSTILE, value=HOSTILE, data=HOSTILE)
 @example(name="0", value="0", data="=")  # once found at random: a bare '=' in the array (shellcheck SC2191)
@@ -159,7 +160,7 @@ def test_hostile_strings_render_as_inert_text(tmp_path, name, value, data):
     shutil.rmtree(work, ignore_errors=True)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def slurm():
     for name in ("sbatch", "slurmctld", "slurmd", "munged"):
         system_tool(name, "tools/setup.sh installs Slurm as root with apt (apt-get install slurmctld slurmd munge)")
@@ -167,7 +168,9 @@ def slurm():
     return True
 
 
+@pytest.mark.slow
 @pytest.mark.slurm
+@pytest.mark.xdist_group("slurm")
 def test_rendered_sbatch_runs_under_slurm_with_the_right_rendezvous(tmp_path, slurm):
     run_dir = tmp_path / "run"
     res, _ = _render(tmp_path, model="llama3.2-1b", num_gpus=2, gpus_per_node=2, seq_length=1024,
@@ -192,7 +195,7 @@ def test_rendered_sbatch_runs_under_slurm_with_the_right_rendezvous(tmp_path, sl
     assert "--transformer-impl" in probe["argv"]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def catalog_jobs(slurm, tmp_path_factory):
     """Each catalog model's script for its real cluster, all submitted at once to the one-node
     test cluster (--nodes=1 on the sbatch command line overrides the script's node count, so
@@ -222,20 +225,25 @@ def catalog_jobs(slurm, tmp_path_factory):
         return dict(zip(models, pool.map(submit, enumerate(rendered))))
 
 
+@pytest.mark.slow
 @pytest.mark.slurm
-@pytest.mark.parametrize("model", sorted(CLUSTERS))
-def test_top_plan_scripts_of_catalog_models_run_under_slurm(catalog_jobs, model):
-    # The 8 ranks of the job's torchrun each received exactly the rendered Megatron arguments,
-    # with torchrun's rendezvous id being the Slurm job.
-    res, run_dir, proc, logs = catalog_jobs[model]
-    assert proc.returncode == 0, proc.stderr + logs[-3000:]
-    ranks = [json.loads((run_dir / f"probe-{r}.json").read_text()) for r in range(8)]
-    assert {r["WORLD_SIZE"] for r in ranks} == {"8"} and sorted(int(r["LOCAL_RANK"]) for r in ranks) == list(range(8))
-    assert {r["TORCHELASTIC_RUN_ID"] for r in ranks} == {ranks[0]["SLURM_JOB_ID"]} != {None}
-    for r in ranks:
-        assert r["argv"][:len(res["megatron_args"])] == res["megatron_args"]
+@pytest.mark.xdist_group("slurm")
+def test_top_plan_scripts_of_catalog_models_run_under_slurm(catalog_jobs):
+    # One test for all the models, as their jobs run together: for each, the 8 ranks of the
+    # job's torchrun received exactly the rendered Megatron arguments, with torchrun's
+    # rendezvous id being the Slurm job.
+    assert sorted(catalog_jobs) == sorted(CLUSTERS)
+    for model, (res, run_dir, proc, logs) in sorted(catalog_jobs.items()):
+        assert proc.returncode == 0, model + ": " + proc.stderr + logs[-3000:]
+        ranks = [json.loads((run_dir / f"probe-{r}.json").read_text()) for r in range(8)]
+        assert {r["WORLD_SIZE"] for r in ranks} == {"8"}, model
+        assert sorted(int(r["LOCAL_RANK"]) for r in ranks) == list(range(8)), model
+        assert {r["TORCHELASTIC_RUN_ID"] for r in ranks} == {ranks[0]["SLURM_JOB_ID"]} != {None}, model
+        for r in ranks:
+            assert r["argv"][:len(res["megatron_args"])] == res["megatron_args"], model
 
 
+@pytest.mark.slow
 def test_multinode_script_rendezvous_on_localhost(tmp_path):
     # Two "nodes" on one machine: the same script started twice, meeting at MASTER_ADDR.
     run_dir = tmp_path / "run"

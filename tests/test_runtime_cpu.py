@@ -145,6 +145,7 @@ def test_entry_loss_func_sums_masked_tokens():
     assert report["lm loss"].tolist() == [7.0, 3.0]
 
 
+@pytest.mark.slow
 def test_tiny_gpt_trains_and_resumes_from_checkpoint_exactly(tmp_path):
     straight = _run_loop(_config(tmp_path / "a" if (tmp_path / "a").mkdir() is None else tmp_path))
     assert len(straight) == 6 and straight[6] < straight[1]  # real optimizer steps lower the loss
@@ -165,6 +166,7 @@ def test_tiny_gpt_trains_and_resumes_from_checkpoint_exactly(tmp_path):
             torch.testing.assert_close(value, b[key], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_tensor_parallel_two_ranks_matches_one(tmp_path):
     one, two = tmp_path / "tp1", tmp_path / "tp2"
     one.mkdir(), two.mkdir()
@@ -202,6 +204,7 @@ def test_gpt_dataset_over_an_indexed_dataset(tmp_path):
     assert len(train) >= 20 and valid is not None
 
 
+@pytest.mark.slow
 def test_train_tool_cpu_run_is_never_started_twice(tmp_path, cli):
     req = ["--model", "tiny-gpt", "--seq-length", "64", "--global-batch-size", "4",
            "--training", '{"train_iters": 4, "log_interval": 1, "save_interval": 2}', "--runs-root", str(tmp_path)]
@@ -241,6 +244,7 @@ def test_cpu_train_refuses_large_models(cli, tmp_path):
     assert rc == 5 and out["error"]["code"] == "environment" and "tiny-gpt" in out["error"]["fix"]
 
 
+@pytest.mark.slow
 def test_fused_linear_cross_entropy_trains_like_megatrons_output_layer(tmp_path):
     """Through GPTModel's output_processor hook, with the vocabulary split over two TP ranks:
     the same losses over optimizer steps as Megatron's own output layer and loss on one rank."""
@@ -254,6 +258,7 @@ def test_fused_linear_cross_entropy_trains_like_megatrons_output_layer(tmp_path)
         assert fused[it] == pytest.approx(plain[it], rel=2e-4)
 
 
+@pytest.mark.slow
 def test_pipeline_parallel_two_stages_match_one(tmp_path):
     """Megatron-Core's own stage split (pre_process / post_process, layer offsets,
     set_input_tensor), two gloo ranks passing activations and gradients: the same losses as
@@ -268,6 +273,7 @@ def test_pipeline_parallel_two_stages_match_one(tmp_path):
         assert l2[it] == pytest.approx(l1[it], rel=2e-4)
 
 
+@pytest.mark.slow
 def test_fp8_linear_layers_train_like_bf16(tmp_path):
     """A tiny GPT with its attention and MLP linears in FP8 (emulated on CPU: the same quantised
     values torch._scaled_mm multiplies on a GPU) follows the full-precision losses closely."""
@@ -297,6 +303,7 @@ def test_a_failed_run_reports_the_ranks_error_not_torchruns(tmp_path):
     assert tail[0] == "Traceback (most recent call last):" and tail[-1].startswith("AssertionError: One or both")
 
 
+@pytest.mark.slow
 def test_compiled_rope_and_native_gqa_train_like_the_plain_layers(tmp_path):
     """The element-wise fused paths inside a real GPTModel run (gloo, two TP ranks): the same
     losses over optimizer steps as Megatron's eager RoPE with expanded keys and values."""

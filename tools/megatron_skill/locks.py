@@ -91,7 +91,7 @@ class FileLock:
         self.release()
 
 
-def write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str, mode: int | None = None) -> None:
     """Write path so that a reader sees the old content or the new, never half of it (a
     temporary of a name only this process uses, fsynced, renamed over path)."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -99,4 +99,6 @@ def write_atomic(path: Path, text: str) -> None:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
+    if mode is not None:
+        os.chmod(tmp, mode)
     os.replace(tmp, path)
