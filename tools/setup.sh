@@ -38,7 +38,8 @@ fi
 have_all() {
   .venv/bin/python - <<'PY'
 import importlib.util, sys
-mods = ("megatron.core", "torch", "numpy", "jinja2", "jsonschema", "pytest", "xdist", "hypothesis", "tokenizers")
+mods = ("megatron.core", "torch", "numpy", "jinja2", "jsonschema", "pytest", "xdist", "hypothesis", "tokenizers",
+        "skills_ref", "skillsaw")
 sys.exit(0 if all(importlib.util.find_spec(m) for m in mods) else 1)
 PY
   [ -x .venv/bin/shellcheck ]

@@ -111,17 +111,20 @@ RULES = {
     "vp_microbatches": "with VP > 1 the number of micro-batches must be a multiple of PP",
     "cp_sequence": "seq_length must be divisible by 2 x CP (load-balanced causal context parallel)",
     "gbs_divisible": "global batch must be divisible by micro-batch x DP",
-    "fp8_arch": "FP8 needs Hopper (sm_90) or newer",
+    "fp8_arch": "FP8 needs FP8 tensor cores: Ada (sm_89), Hopper (sm_90) or newer",
     "sp_needs_tp": "sequence parallel needs TP > 1",
     "recompute_layers": "full recompute of N layers needs 1 <= N <= layers per (virtual) stage",
     "seq_positions": "seq_length exceeds the learned position embeddings",
     "out_of_memory": "predicted peak memory exceeds the GPU",
     "cp_needs_te": "context parallelism needs Transformer Engine's attention (the local SDPA path has none)",
+    "qk_norm_sp_needs_te": "without Transformer Engine, Megatron's torch norm refuses sequence parallelism, and a "
+                           "QK-layernorm model's attention uses it: TE's norm, or TP without sequence parallel",
 }
 
 
-def check_layout(lay: Layout, model: ModelSpec, gpu: GPUSpec, n_gpus: int) -> str | None:
-    """The name of the first rule the layout breaks, or None."""
+def check_layout(lay: Layout, model: ModelSpec, gpu: GPUSpec, n_gpus: int, te: bool = True) -> str | None:
+    """The name of the first rule the layout breaks, or None; te: whether the job's layers are
+    Transformer Engine's (plan, render, validate and train ask the same question here)."""
     if lay.world_size != n_gpus:
         return "world_size"
     if model.num_attention_heads % lay.tp:
@@ -152,6 +155,10 @@ def check_layout(lay: Layout, model: ModelSpec, gpu: GPUSpec, n_gpus: int) -> st
             return "vp_microbatches"
     if lay.seq_length % (2 * lay.cp) and lay.cp > 1:
         return "cp_sequence"
+    if lay.cp > 1 and not te:
+        return "cp_needs_te"
+    if model.qk_layernorm and lay.sequence_parallel and not te:
+        return "qk_norm_sp_needs_te"
     if lay.gbs % (lay.mbs * lay.dp):
         return "gbs_divisible"
     if lay.precision == "fp8" and not gpu.supports_fp8:

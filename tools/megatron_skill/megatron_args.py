@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .catalog import GPUSpec
 from .layout import Layout
 from .model import ModelSpec
 
@@ -147,7 +148,15 @@ def model_args(m: ModelSpec, seq_length: int | None = None) -> list[str]:
     return [str(x) for x in a]
 
 
-def layout_args(lay: Layout, model: ModelSpec) -> list[str]:
+def fp8_recipe(gpu: GPUSpec | None) -> str:
+    """Megatron's --fp8-recipe for a GPU: Blackwell's tensor cores scale FP8 per block of 32
+    values in hardware (MXFP8), so that recipe costs nothing extra there; on Hopper and Ada
+    per-tensor current scaling ("tensorwise") needs no amax history, unlike "delayed"
+    (references/runtime.md, "FP8")."""
+    return "mxfp8" if gpu is not None and gpu.arch == "blackwell" else "tensorwise"
+
+
+def layout_args(lay: Layout, model: ModelSpec, gpu: GPUSpec | None = None) -> list[str]:
     a: list[Any] = ["--tensor-model-parallel-size", lay.tp, "--pipeline-model-parallel-size", lay.pp,
                     "--context-parallel-size", lay.cp,
                     "--micro-batch-size", lay.mbs, "--global-batch-size", lay.gbs,
@@ -172,7 +181,7 @@ def layout_args(lay: Layout, model: ModelSpec) -> list[str]:
               "--recompute-num-layers", lay.recompute_layers]
     a += ["--bf16"]
     if lay.precision == "fp8":
-        a += ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"]
+        a += ["--fp8-format", "hybrid", "--fp8-recipe", fp8_recipe(gpu)]
     return [str(x) for x in a]
 
 

@@ -45,7 +45,7 @@ def _plan_json(rank: int, c: Candidate, gpu, model, include_args: bool) -> dict[
         "mfu": round(c.mfu, 4),
     }
     if include_args:
-        out["megatron_args"] = megatron_args.model_args(model, lay.seq_length) + megatron_args.layout_args(lay, model)
+        out["megatron_args"] = megatron_args.model_args(model, lay.seq_length) + megatron_args.layout_args(lay, model, gpu)
     return out
 
 

@@ -8,7 +8,10 @@ than the least that fits only adds time.  They are reported as 'dominated'.
 """
 from __future__ import annotations
 
+import collections
+import copy
 import dataclasses
+import json
 import math
 from typing import Any, Iterable
 
@@ -18,7 +21,7 @@ from .flops import padded_vocab_size, training_flops
 from .layout import RULES, Layout, check_layout
 from .memory import GIB, memory_report
 from .model import ModelSpec
-from .timing import step_time
+from .timing import calibration, step_time
 
 RULES_EXTRA = {
     "dominated": "costed no further: another variant of the same layout is as fast with less memory "
@@ -101,11 +104,32 @@ def _allowed(constraints: dict, key: str, values: Iterable) -> list:
     return [v for v in fixed]
 
 
+_SEARCHES: "collections.OrderedDict[str, SearchResult]" = collections.OrderedDict()
+_SEARCHES_KEPT = 32
+
+
 def search(model: ModelSpec, gpu: GPUSpec, n_gpus: int, seq_length: int, gbs: int,
            precisions: list[str], constraints: dict[str, Any] | None = None,
            headroom_gib: float = 0.0, te: bool = True, runtime: dict[str, Any] | None = None) -> SearchResult:
     """Every layout that fits, costed; ``runtime``: the skill entry's fused paths the run
-    will take without TE (schemas/common.json runtime; defaults where absent)."""
+    will take without TE (schemas/common.json runtime; defaults where absent).
+
+    The search is a pure function of its inputs and the calibration: the same search in one
+    process (plan, then render, then validate of one request) is done once and copied."""
+    key = json.dumps([dataclasses.asdict(model), dataclasses.asdict(gpu), n_gpus, seq_length, gbs, list(precisions),
+                      constraints, headroom_gib, te, runtime, calibration(gpu.key)], sort_keys=True, default=str)
+    if key not in _SEARCHES:
+        _SEARCHES[key] = _search(model, gpu, n_gpus, seq_length, gbs, precisions, constraints, headroom_gib, te,
+                                 runtime)
+        if len(_SEARCHES) > _SEARCHES_KEPT:
+            _SEARCHES.popitem(last=False)
+    _SEARCHES.move_to_end(key)
+    return copy.deepcopy(_SEARCHES[key])
+
+
+def _search(model: ModelSpec, gpu: GPUSpec, n_gpus: int, seq_length: int, gbs: int,
+            precisions: list[str], constraints: dict[str, Any] | None, headroom_gib: float, te: bool,
+            runtime: dict[str, Any] | None) -> SearchResult:
     c = constraints or {}
     rej = _Rejections()
     out: list[Candidate] = []
@@ -183,9 +207,9 @@ def _search_stage(model: ModelSpec, gpu: GPUSpec, n_gpus: int, lay: Layout, c: d
                 for mbs in mbss:
                     cand = dataclasses.replace(lay, vp=vp, ep=ep, etp=etp, mbs=mbs,
                                                distributed_optimizer=c.get("distributed_optimizer", True))
-                    if c.get("sequence_parallel") is False and lay.tp > 1:
+                    if lay.tp > 1 and (c.get("sequence_parallel") is False or (model.qk_layernorm and not te)):
                         cand = dataclasses.replace(cand, sequence_parallel=False)
-                    rule = check_layout(cand, model, gpu, n_gpus)
+                    rule = check_layout(cand, model, gpu, n_gpus, te)
                     if rule:
                         rej.add(rule, cand.label())
                         continue

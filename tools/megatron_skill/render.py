@@ -19,6 +19,7 @@ from .contract import ROOT, Context, Tool, register
 from .errors import ToolError
 from .flops import padded_vocab_size
 from .layout import RULES, Layout, check_layout
+from .locks import write_atomic
 from .memory import GIB
 from .planner import cost, rank, search
 from .prepare_data import match_tokenizer
@@ -84,7 +85,7 @@ def _layout_from_request(req: dict, model, gpu, n_gpus: int, seq: int, gbs: int)
         fields.setdefault("dp", max(1, n_gpus // (fields.get("tp", 1) * fields.get("pp", 1) * fields.get("cp", 1))))
         fields.setdefault("sequence_parallel", fields.get("tp", 1) > 1)
         lay = Layout(**fields)
-        rule = check_layout(lay, model, gpu, n_gpus)
+        rule = check_layout(lay, model, gpu, n_gpus, req["transformer_engine"])
         if rule:
             raise ToolError("infeasible", f"the layout {lay.label()} breaks the rule {rule!r}: {RULES[rule]}",
                             where="/layout", fix="run plan and take one of its layouts")
@@ -188,7 +189,7 @@ def build(req: dict, ctx: Context) -> dict[str, Any]:
     if training.get("tokenizer_model"):
         training["tokenizer_model"] = _path(training["tokenizer_model"])
     training["tensorboard_dir"] = f"{run_dir}/tensorboard"
-    argv = (megatron_args.model_args(model, lay.seq_length) + megatron_args.layout_args(lay, model)
+    argv = (megatron_args.model_args(model, lay.seq_length) + megatron_args.layout_args(lay, model, gpu)
             + megatron_args.training_args(training) + _fake_rank_args(fake, model))
     # Both variants the script may run, with and without Transformer Engine, must parse.  FP8
     # without TE is the skill entry's own linear layers (Megatron-LM's entry has none).
@@ -235,19 +236,35 @@ def build(req: dict, ctx: Context) -> dict[str, Any]:
     }
 
 
+RENDERED_MARK = "# Rendered by the megatron-core-training skill"
+
+
+def _unseen_datasets(req: dict) -> list[str]:
+    """Dataset prefixes whose .bin / .idx this machine cannot see: a warning, not an error (the
+    job may run where other paths hold); train, which launches here, refuses them."""
+    from .prepare_data import is_weight
+
+    entries = (req.get("training") or {}).get("data_path") or []
+    return [e for e in entries if not is_weight(e) and not (Path(e + ".bin").is_file() and Path(e + ".idx").is_file())]
+
+
 def run(req: dict, ctx: Context) -> dict[str, Any]:
     out = build(req, ctx)
     text = out.pop("_text")
     path = Path(out["files"][0]["path"])
+    unseen = _unseen_datasets(req)
+    if unseen:
+        out["warnings"] = [f"dataset {e}: no .bin / .idx on this machine; the job stops at start-up unless they "
+                           "exist where it runs" for e in unseen]
+    if path.exists() and RENDERED_MARK not in path.read_text(errors="replace")[:2000]:
+        raise ToolError("conflict", f"{path} exists and was not written by render", where="/output_dir",
+                        fix="choose another output_dir (the file is left as it is)")
     if ctx.dry_run:
         out["dry_run"] = True
         out["actions"] = [f"mkdir -p {path.parent}", f"write {path} ({len(text)} bytes, mode 0755)"]
         return out
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.chmod(tmp, 0o755)
-    tmp.replace(path)  # atomic: a reader never sees half a script
+    write_atomic(path, text, mode=0o755)  # a reader never sees half a script
     ctx.progress(f"render: wrote {path} ({out['label']})")
     return out
 

@@ -41,7 +41,11 @@ RULE_FIXES = {
     "vp_microbatches": "make global batch / (micro-batch x DP) a multiple of PP",
     "cp_sequence": "make --seq-length divisible by 2 x CP",
     "gbs_divisible": "make --global-batch-size a multiple of --micro-batch-size x DP",
-    "fp8_arch": "drop --fp8-format (FP8 needs Hopper or newer)",
+    "fp8_arch": "drop --fp8-format (FP8 needs Ada, Hopper or newer)",
+    "cp_needs_te": "install Transformer Engine (or run in an NGC PyTorch container), or set "
+                   "--context-parallel-size 1",
+    "qk_norm_sp_needs_te": "use Transformer Engine's layers (--transformer-impl transformer_engine), or drop "
+                           "--sequence-parallel",
     "sp_needs_tp": "drop --sequence-parallel, or use TP > 1",
     "recompute_layers": "set --recompute-num-layers between 1 and the layers per stage",
     "seq_positions": "raise --max-position-embeddings or lower --seq-length",
@@ -175,7 +179,8 @@ def check_args(args: list[str], text: str, world: int | None, env: dict[str, str
                                      f"CP {lay.cp} (DP would be {world / (lay.tp * lay.pp * lay.cp):.2f})",
                                      RULE_FIXES["world_size"]))
         elif gpu is not None or world is not None:
-            rule = check_layout(lay, model, gpu or get_gpu("h100-sxm"), lay.world_size)
+            impls = {args[i + 1] for i, a in enumerate(args[:-1]) if a == "--transformer-impl"}
+            rule = check_layout(lay, model, gpu or get_gpu("h100-sxm"), lay.world_size, te=impls != {"local"})
             if rule and rule != "world_size" and not (rule == "fp8_arch" and gpu is None):
                 findings.append(_finding(rule, RULES[rule], RULE_FIXES.get(rule, "see the rule")))
         if (lay.tp > 1 or lay.cp > 1) and env.get("CUDA_DEVICE_MAX_CONNECTIONS") != "1" and \
