@@ -177,3 +177,28 @@ def test_errors_of_the_past_do_not_come_back():
         assert "1,979 TFLOP/s" not in text or "sparsity" in text or "fp8" in text.lower()
     moe = (ROOT / "references" / "production-examples.md").read_text()
     assert "Nemotron-4 340B (dense, not MoE)" in moe and "not 8 x 7B = 56B" in moe
+
+
+# Flags in the prose that are not Megatron's or a launcher's: pip's, and the lab scripts'
+# (tools/run_levers.py --set, --iters).
+OTHER_PROGRAMS = {"--no-build-isolation", "--set", "--iters"}
+
+
+def test_every_flag_in_inline_code_is_real_or_named_obsolete():
+    """`--flag` spans in the prose, not only code blocks: each is a Megatron, launcher or tool flag,
+    or one the validate tool reports as obsolete (so the text can say what replaced it)."""
+    from megatron_skill.contract import build_parser, tools
+    from megatron_skill.megatron_flags import OBSOLETE
+
+    known = megatron_option_strings() | launcher_option_strings() | OTHER_PROGRAMS | set(OBSOLETE)
+    for tool in tools().values():
+        known |= {opt for action in build_parser(tool)._actions for opt in action.option_strings}
+    unknown, seen = [], 0
+    for doc in DOCS:
+        for span in re.findall(r"`([^`\n]+)`", doc.read_text()):
+            for flag in FLAG.findall(span.replace("--no-*-", "")):
+                seen += 1
+                if flag not in known:
+                    unknown.append(f"{doc.name}: {flag}")
+    assert not unknown, unknown
+    assert seen > 50

@@ -72,3 +72,25 @@ def test_frontier_gpus_plan():
     h800 = call("plan", {"model": "llama3-70b", "gpu": "h800", "num_gpus": 64, "top": 1,
                          "constraints": {"tp": 8, "pp": 2, "mbs": 1}})["result"]["plans"][0]
     assert h800["time"]["tp_comm_ms"] > 2 * h100["time"]["tp_comm_ms"]  # NVLink 200 GB/s against 450
+
+
+def test_a_config_file_names_its_model_by_its_contents_not_its_folder(tmp_path):
+    import json
+
+    from conftest import ROOT
+
+    cfg = json.loads((ROOT / "tests" / "fixtures" / "hf" / "llama3-8b" / "config.json").read_text())
+    cache = tmp_path / "snapshots" / "3f2a9c"  # a hub cache folder: its name says nothing
+    cache.mkdir(parents=True)
+    (cache / "config.json").write_text(json.dumps({**cfg, "_name_or_path": ""}))
+    env = call("plan", {"hf_config": str(cache), "num_gpus": 8, "top": 1})
+    assert env["result"]["model"]["name"] == cfg["architectures"][0]
+    (cache / "config.json").write_text(json.dumps({**cfg, "_name_or_path": "meta-llama/Meta-Llama-3-8B"}))
+    assert call("plan", {"hf_config": str(cache), "num_gpus": 8, "top": 1})["result"]["model"]["name"] == \
+        "Meta-Llama-3-8B"
+
+
+def test_an_infeasible_plan_still_says_what_the_model_is():
+    env = call("plan", {"model": "llama3.1-405b", "gpu": "a100-40gb", "num_gpus": 8})
+    assert env["error"]["code"] == "infeasible"
+    assert env["error"]["details"]["model"]["params_b"] > 400

@@ -99,9 +99,9 @@ def test_obsolete_flags_name_their_replacements():
     fixes = {e["message"].split()[0]: e["fix"] for e in res["errors"] if e["code"] == "obsolete_flag"}
     assert "--fp8-format hybrid" in fixes["--fp8-hybrid"]
     assert "drop" in fixes["--use-mcore-models"]
-    for flag, fix in [("--cpu-optimizer-type", "--optimizer-cpu-offload"),
-                      ("--virtual-pipeline-model-parallel-size", "--num-layers-per-virtual-pipeline-stage"),
-                      ("--use-flash-attn", "--attention-backend")]:
+    for flag, fix in [("--cpu-optimizer-type", "--optimizer-cpu-offload together with --use-precision-aware-optimizer"),
+                      ("--virtual-pipeline-model-parallel-size", "--num-virtual-stages-per-pipeline-rank"),
+                      ("--use-flash-attn", "drop it")]:
         res = _validate(GOOD.replace("pretrain_gpt.py", f"pretrain_gpt.py {flag} 4" if "size" in flag or "type" in flag
                                      else f"pretrain_gpt.py {flag}"))
         assert any(fix in e["fix"] for e in res["errors"]), res["errors"]

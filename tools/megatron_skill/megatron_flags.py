@@ -23,10 +23,12 @@ MANIFEST_PATH = CATALOG_DIR / "megatron_flags.json"
 OBSOLETE = {
     "--fp8-hybrid": "--fp8-format hybrid",
     "--fp8-e4m3": "--fp8-format e4m3",
-    "--use-flash-attn": "--attention-backend flash (or auto)",
-    "--cpu-optimizer-type": "--optimizer-cpu-offload",
-    "--virtual-pipeline-model-parallel-size": "--num-layers-per-virtual-pipeline-stage N "
-                                              "(or --num-virtual-stages-per-pipeline-rank V)",
+    "--use-flash-attn": "nothing: a no-op in 0.19, drop it (--attention-backend chooses the kernel)",
+    "--cpu-optimizer-type": "--optimizer-cpu-offload together with --use-precision-aware-optimizer "
+                            "(0.19 asserts the pair)",
+    # The same number: virtual stages per pipeline rank (--num-layers-per-virtual-pipeline-stage
+    # counts layers, another quantity).
+    "--virtual-pipeline-model-parallel-size": "--num-virtual-stages-per-pipeline-rank with the same value",
     "--use-mcore-models": "nothing: Megatron-Core models are the default; drop the flag",
     "--use-legacy-models": "nothing: legacy models were removed; drop the flag",
     "--no-async-tensor-model-parallel-allreduce": "nothing: removed; drop the flag",

@@ -331,7 +331,11 @@ def from_hf_config(path: str | Path) -> ModelSpec:
     except KeyError as e:
         raise ToolError("bad_model", f"config.json of model_type {mtype!r} lacks {e.args[0]!r}",
                         where=f"{where}.{e.args[0]}", fix="give a complete Hugging Face config.json")
-    name = cfg.get("_name_or_path") or p.parent.name or mtype
+    # What the config says it is; a folder's name is often a cache hash (snapshots/3f2a...).
+    archs = cfg.get("architectures")
+    name = (str(cfg.get("_name_or_path") or "").rstrip("/").rsplit("/", 1)[-1]
+            or (p.stem if p.name != "config.json" else "")
+            or (str(archs[0]) if isinstance(archs, list) and archs else "") or str(mtype))
     return build_spec(str(name), fields, where=where)
 
 

@@ -67,7 +67,7 @@ def run(req: dict[str, Any], ctx: Context) -> dict[str, Any]:
                         where="/num_gpus",
                         fix="change the GPU count (a multiple of the divisors the rules need), the global "
                             "batch, or the sequence length; rejected: " + reasons,
-                        details={"rejected": rejected})
+                        details={"model": model.summary(), "rejected": rejected})
     top = ranked[: req["top"]]
     best = top[0]
     elapsed = time.perf_counter() - started
