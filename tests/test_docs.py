@@ -179,9 +179,9 @@ def test_errors_of_the_past_do_not_come_back():
     assert "Nemotron-4 340B (dense, not MoE)" in moe and "not 8 x 7B = 56B" in moe
 
 
-# Flags in the prose that are not Megatron's or a launcher's: pip's, and the lab scripts'
+# Flags in the prose that are not Megatron's or a launcher's: pip's, skillsaw's and the lab scripts'
 # (tools/run_levers.py --set, --iters).
-OTHER_PROGRAMS = {"--no-build-isolation", "--set", "--iters"}
+OTHER_PROGRAMS = {"--no-build-isolation", "--set", "--iters", "--strict"}
 
 
 def test_every_flag_in_inline_code_is_real_or_named_obsolete():

@@ -32,7 +32,9 @@ class Layout:
     distributed_optimizer: bool = True
     sequence_parallel: bool = False
     precision: str = "bf16"
-    pipeline_split: str = "even"  # even | embedding_loss: the embedding and the loss count as layers
+    pipeline_split: str = "even"  # even | embedding_loss (they count as layers) | uneven (first / last below)
+    first_stage_layers: int = 0   # uneven: transformer layers of the first pipeline rank
+    last_stage_layers: int = 0    # uneven: of the last; the middle ranks share the rest evenly
 
     @property
     def world_size(self) -> int:
@@ -47,16 +49,44 @@ class Layout:
         """Data-parallel size of the expert weights (Megatron's MoE parallel folding)."""
         return self.world_size // (self.etp * self.ep * self.pp)
 
+    def rank_layer_counts(self, num_layers: int) -> list[int] | None:
+        """Transformer layers of each pipeline rank under Megatron's split (the uneven one of
+        --decoder-first/last-pipeline-num-layers: the middle ranks share what is left evenly);
+        None when the split is not whole."""
+        L, p = num_layers, self.pp
+        if self.pipeline_split == "uneven":
+            first, last, middle = self.first_stage_layers, self.last_stage_layers, p - 2
+            rest = L - first - last
+            if p < 2 or rest < 0 or (middle == 0 and rest) or (middle > 0 and rest % middle):
+                return None
+            return [first] + [rest // middle] * middle + [last] if middle > 0 else [first, last]
+        sizes = self.chunk_sizes(L)
+        if sizes is None:
+            return None
+        return [sum(sizes[c] for c in range(r, len(sizes), p)) for r in range(p)]
+
+    def chunk_sizes(self, num_layers: int) -> list[int] | None:
+        """Transformer layers of each model chunk, chunk c on pipeline rank c % PP; None when the
+        split is not whole."""
+        L, n = num_layers, self.pp * self.vp
+        if self.pipeline_split == "uneven":
+            counts = self.rank_layer_counts(L)
+            if counts is None or any(c % self.vp for c in counts):
+                return None
+            return [counts[c % self.pp] // self.vp for c in range(n)]
+        if self.pipeline_split == "embedding_loss" and n > 1:
+            if (L + 2) % n:
+                return None
+            sizes = [(L + 2) // n] * n
+            sizes[0] -= 1
+            sizes[-1] -= 1
+            return sizes
+        return [L // n] * n if L % n == 0 else None
+
     def stage_layers(self, model: ModelSpec) -> tuple[int, int]:
         """Transformer layers on the first and on the last pipeline rank."""
-        L, p, v = model.num_layers, self.pp, self.vp
-        if self.pipeline_split == "embedding_loss":
-            per_chunk = (L + 2) // (p * v)
-            per_rank = per_chunk * v
-            if p == 1:
-                return L, L
-            return per_rank - 1, per_rank - 1
-        return L // p, L // p
+        counts = self.rank_layer_counts(model.num_layers) or [model.num_layers // self.pp]
+        return counts[0], counts[-1]
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -73,6 +103,8 @@ class Layout:
 
     def label(self) -> str:
         parts = [f"TP{self.tp}", f"PP{self.pp}"]
+        if self.pipeline_split == "uneven":
+            parts[-1] += f"({self.first_stage_layers}+..+{self.last_stage_layers})"
         if self.vp > 1:
             parts.append(f"VP{self.vp}")
         if self.cp > 1:
@@ -106,6 +138,8 @@ RULES = {
     "expert_folding": "TP x CP x DP must be divisible by EP x expert-TP (Megatron's MoE parallel folding)",
     "moe_needs_sp": "an MoE model with TP > 1 needs --sequence-parallel",
     "pp_layers": "num_layers must be divisible by PP (or by PP after counting the embedding and loss as layers)",
+    "pp_uneven": "with --decoder-first/last-pipeline-num-layers every pipeline rank needs a layer and the "
+                 "middle ranks must share the rest evenly (and each rank's layers divide by the virtual stages)",
     "vp_layers": "layers per pipeline rank must be divisible by the virtual stages",
     "vp_needs_pp": "the interleaved schedule (VP > 1) needs PP > 1",
     "vp_microbatches": "with VP > 1 the number of micro-batches must be a multiple of PP",
@@ -143,13 +177,18 @@ def check_layout(lay: Layout, model: ModelSpec, gpu: GPUSpec, n_gpus: int, te: b
         return "sp_needs_tp"
     if model.is_moe and lay.tp > 1 and not lay.sequence_parallel:
         return "moe_needs_sp"
-    layers = model.num_layers + (2 if lay.pipeline_split == "embedding_loss" else 0)
-    if layers % lay.pp:
-        return "pp_layers"
+    if lay.pipeline_split == "uneven":
+        counts = lay.rank_layer_counts(model.num_layers)
+        if counts is None or min(counts) < 1:
+            return "pp_uneven"
+    else:
+        layers = model.num_layers + (2 if lay.pipeline_split == "embedding_loss" else 0)
+        if layers % lay.pp:
+            return "pp_layers"
     if lay.vp > 1:
         if lay.pp == 1:
             return "vp_needs_pp"
-        if (layers // lay.pp) % lay.vp:
+        if lay.chunk_sizes(model.num_layers) is None:
             return "vp_layers"
         if lay.num_microbatches % lay.pp:
             return "vp_microbatches"
@@ -164,8 +203,7 @@ def check_layout(lay: Layout, model: ModelSpec, gpu: GPUSpec, n_gpus: int, te: b
     if lay.precision == "fp8" and not gpu.supports_fp8:
         return "fp8_arch"
     if lay.recompute == "full":
-        per_chunk = lay.stage_layers(model)[0] // lay.vp if lay.pipeline_split == "even" else \
-            (model.num_layers + 2) // (lay.pp * lay.vp)
+        per_chunk = min(lay.chunk_sizes(model.num_layers) or [1])
         if not 1 <= lay.recompute_layers <= max(per_chunk, 1):
             return "recompute_layers"
     if model.position_embedding_type == "learned_absolute" and lay.seq_length > model.max_position_embeddings:

@@ -165,6 +165,9 @@ def layout_args(lay: Layout, model: ModelSpec, gpu: GPUSpec | None = None) -> li
         a += ["--num-virtual-stages-per-pipeline-rank", lay.vp]
     if lay.pipeline_split == "embedding_loss":
         a += ["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"]
+    elif lay.pipeline_split == "uneven":
+        a += ["--decoder-first-pipeline-num-layers", lay.first_stage_layers,
+              "--decoder-last-pipeline-num-layers", lay.last_stage_layers]
     if model.is_moe:
         a += ["--expert-model-parallel-size", lay.ep, "--expert-tensor-parallel-size", lay.etp]
     if lay.sequence_parallel:

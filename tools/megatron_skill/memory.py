@@ -34,17 +34,13 @@ FRAGMENTATION = 0.05
 
 def chunk_layers(model: ModelSpec, lay: Layout) -> list[list[int]]:
     """Layer indices of each model chunk, chunk c living on pipeline rank c % PP."""
-    return _chunk_layers(model.num_layers, lay.pp * lay.vp, lay.pipeline_split)
+    return _chunk_layers(model.num_layers, lay.pp, lay.vp, lay.pipeline_split, lay.first_stage_layers,
+                         lay.last_stage_layers)
 
 
-def _chunk_layers(L: int, n_chunks: int, split: str) -> list[list[int]]:
-    if split == "embedding_loss" and n_chunks > 1:
-        per = (L + 2) // n_chunks
-        sizes = [per] * n_chunks
-        sizes[0] -= 1
-        sizes[-1] -= 1
-    else:
-        sizes = [L // n_chunks] * n_chunks
+def _chunk_layers(L: int, pp: int, vp: int, split: str, first: int, last: int) -> list[list[int]]:
+    shape = Layout(pp=pp, vp=vp, pipeline_split=split, first_stage_layers=first, last_stage_layers=last)
+    sizes = shape.chunk_sizes(L) or [L // (pp * vp)] * (pp * vp)
     out, start = [], 0
     for n in sizes:
         out.append(list(range(start, start + n)))
@@ -53,12 +49,13 @@ def _chunk_layers(L: int, n_chunks: int, split: str) -> list[list[int]]:
 
 
 def rank_layers(model: ModelSpec, lay: Layout, rank: int) -> list[int]:
-    return list(_rank_layers(model.num_layers, lay.pp, lay.vp, lay.pipeline_split, rank))
+    return list(_rank_layers(model.num_layers, lay.pp, lay.vp, lay.pipeline_split, lay.first_stage_layers,
+                             lay.last_stage_layers, rank))
 
 
 @functools.lru_cache(maxsize=4096)
-def _rank_layers(num_layers: int, pp: int, vp: int, split: str, rank: int) -> tuple[int, ...]:
-    chunks = _chunk_layers(num_layers, pp * vp, split)
+def _rank_layers(num_layers: int, pp: int, vp: int, split: str, first: int, last: int, rank: int) -> tuple[int, ...]:
+    chunks = _chunk_layers(num_layers, pp, vp, split, first, last)
     return tuple(i for c, layers in enumerate(chunks) if c % pp == rank for i in layers)
 
 

@@ -170,24 +170,40 @@ def _search(model: ModelSpec, gpu: GPUSpec, n_gpus: int, seq_length: int, gbs: i
                         if rest % pp or pp > model.num_layers:
                             continue
                         dp = rest // pp
-                        if model.num_layers % pp == 0:
-                            split = "even"
-                        elif (model.num_layers + 2) % pp == 0:
-                            split = "embedding_loss"
-                        else:
+                        splits = pipeline_splits(model.num_layers, pp)
+                        if not splits:
                             rej.add("pp_layers", f"PP{pp} for {model.num_layers} layers")
-                            continue
-                        _search_stage(model, gpu, n_gpus, dataclasses.replace(
-                            base, cp=cp, pp=pp, dp=dp, pipeline_split=split), c, mbss, capacity, rej, out, te,
-                            runtime or {})
+                        for split in splits:
+                            _search_stage(model, gpu, n_gpus, dataclasses.replace(base, cp=cp, pp=pp, dp=dp, **split),
+                                          c, mbss, capacity, rej, out, te, runtime or {})
     return SearchResult(candidates=out, rejected=rej.table, evaluated=len(out))
+
+
+def pipeline_splits(num_layers: int, pp: int) -> list[dict[str, Any]]:
+    """How Megatron can cut num_layers over PP ranks, as Layout fields: evenly; with the
+    embedding and the loss counted as layers; or, when neither divides, unevenly, the middle
+    ranks taking L // PP or one more each and the first and last rank sharing the rest, the
+    first (which holds the embedding) the smaller half."""
+    if num_layers % pp == 0:
+        return [{"pipeline_split": "even"}]
+    if (num_layers + 2) % pp == 0:
+        return [{"pipeline_split": "embedding_loss"}]
+    out = []
+    for per_middle in sorted({num_layers // pp, num_layers // pp + 1}):
+        rest = num_layers - per_middle * (pp - 2)
+        first = rest // 2
+        split = {"pipeline_split": "uneven", "first_stage_layers": first, "last_stage_layers": rest - first}
+        if pp >= 2 and first >= 1 and rest - first <= 2 * max(per_middle, 1) and split not in out:
+            out.append(split)
+    return out
 
 
 def _search_stage(model: ModelSpec, gpu: GPUSpec, n_gpus: int, lay: Layout, c: dict, mbss: list[int],
                   capacity: float, rej: _Rejections, out: list[Candidate], te: bool, runtime: dict) -> None:
-    layers = model.num_layers + (2 if lay.pipeline_split == "embedding_loss" else 0)
-    per_rank = layers // lay.pp
-    vps = [1] if lay.pp == 1 else [v for v in _divisors(per_rank) if v <= 16]
+    counts = lay.rank_layer_counts(model.num_layers) or [model.num_layers]
+    if lay.pipeline_split == "embedding_loss":
+        counts = [(model.num_layers + 2) // lay.pp]
+    vps = [1] if lay.pp == 1 else [v for v in _divisors(math.gcd(*counts)) if v <= 16]
     vps = _allowed(c, "vp", vps)
     if model.is_moe:
         eps = [e for e in _divisors(model.num_experts)]
@@ -223,8 +239,7 @@ def _recompute_options(model: ModelSpec, lay: Layout, allowed: list[str]) -> lis
     if "selective" in allowed:
         opts.append(dataclasses.replace(lay, recompute="selective"))
     if "full" in allowed:
-        layers = model.num_layers + (2 if lay.pipeline_split == "embedding_loss" else 0)
-        per_chunk = max(1, layers // (lay.pp * lay.vp) - (1 if lay.pipeline_split == "embedding_loss" else 0))
+        per_chunk = max(1, min(lay.chunk_sizes(model.num_layers) or [1]))
         for n in sorted({max(1, per_chunk // 2), per_chunk}):
             opts.append(dataclasses.replace(lay, recompute="full", recompute_layers=n))
     return opts

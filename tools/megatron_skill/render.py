@@ -77,6 +77,13 @@ def _group_args(argv: list[str]) -> list[list[str]]:
     return lines
 
 
+def _needs_te(lay: Layout, model, gpu) -> str:
+    """What of the layout only Transformer Engine's layers run, in words (the rule it breaks on
+    local layers); empty when the local layers run it too."""
+    rule = check_layout(lay, model, gpu, lay.world_size, te=False)
+    return RULES[rule] if rule in ("cp_needs_te", "qk_norm_sp_needs_te") else ""
+
+
 def _layout_from_request(req: dict, model, gpu, n_gpus: int, seq: int, gbs: int) -> tuple[Layout, Any]:
     if req.get("layout"):
         fields = {k: v for k, v in req["layout"].items() if k in {f.name for f in dataclasses.fields(Layout)}}
@@ -210,7 +217,7 @@ def build(req: dict, ctx: Context) -> dict[str, Any]:
         "run_id": run_id, "label": lay.label(), "model_name": model.name, "gpu": gpu.key, "num_gpus": n_gpus,
         "nodes": nodes, "gpus_per_node": gpus_here, "run_dir": run_dir, "python": req["python"],
         "entry": entry, "env": env, "arg_lines": _group_args(common_argv), "no_te_flags": local_flags,
-        "te_fp8_args": te_fp8, "fp8": lay.precision == "fp8", "fp8_local": fp8_local, "parser_check": parser_check, "master_port": req["master_port"],
+        "te_fp8_args": te_fp8, "needs_te": _needs_te(lay, model, gpu), "fp8": lay.precision == "fp8", "fp8_local": fp8_local, "parser_check": parser_check, "master_port": req["master_port"],
         "peak_gib": f"{cand.peak_gib:.1f}", "tokens_per_s": f"{cand.tokens_per_s:,.0f}",
         "mfu": f"{cand.mfu:.3f}", "slurm": slurm, "script_name": SCRIPT_NAMES[launcher],
         "fake_rank": fake, "world_size": lay.world_size,

@@ -11,6 +11,7 @@ planner predicts will not fit in memory.  Every finding names its fix.
 from __future__ import annotations
 
 import argparse
+import re
 import stat
 from pathlib import Path
 from typing import Any
@@ -119,8 +120,21 @@ def _model_and_layout(ns: argparse.Namespace, world: int | None) -> tuple[Any, L
                  distributed_optimizer=bool(ns.use_distributed_optimizer),
                  sequence_parallel=bool(ns.sequence_parallel),
                  precision="fp8" if ns.fp8 else "bf16",
-                 pipeline_split="embedding_loss" if ns.account_for_embedding_in_pipeline_split else "even")
+                 **_pipeline_split(ns, model.num_layers, pp))
     return model, lay, None
+
+
+def _pipeline_split(ns: argparse.Namespace, num_layers: int, pp: int) -> dict[str, Any]:
+    """Layout fields of the script's pipeline split. With only one of the first / last counts
+    given, Megatron spreads the rest evenly over the other ranks, the other end included."""
+    first, last = ns.decoder_first_pipeline_num_layers, ns.decoder_last_pipeline_num_layers
+    if first is None and last is None:
+        return {"pipeline_split": "embedding_loss" if ns.account_for_embedding_in_pipeline_split else "even"}
+    others = pp - (first is not None) - (last is not None)
+    rest = num_layers - (first or 0) - (last or 0)
+    share = rest // others if others > 0 and rest % others == 0 else 0  # 0: not whole, refused as pp_uneven
+    return {"pipeline_split": "uneven", "first_stage_layers": share if first is None else first,
+            "last_stage_layers": share if last is None else last}
 
 
 def check_args(args: list[str], text: str, world: int | None, env: dict[str, str], gpu_name: str | None) -> dict[str, Any]:
@@ -179,7 +193,10 @@ def check_args(args: list[str], text: str, world: int | None, env: dict[str, str
                                      f"CP {lay.cp} (DP would be {world / (lay.tp * lay.pp * lay.cp):.2f})",
                                      RULE_FIXES["world_size"]))
         elif gpu is not None or world is not None:
+            # Every --transformer-impl the script names, in any branch: one that picks TE where it
+            # imports runs TE's layers there.
             impls = {args[i + 1] for i, a in enumerate(args[:-1]) if a == "--transformer-impl"}
+            impls |= set(re.findall(r"--transformer-impl[= ]+(\w+)", text or ""))
             rule = check_layout(lay, model, gpu or get_gpu("h100-sxm"), lay.world_size, te=impls != {"local"})
             if rule and rule != "world_size" and not (rule == "fp8_arch" and gpu is None):
                 findings.append(_finding(rule, RULES[rule], RULE_FIXES.get(rule, "see the rule")))

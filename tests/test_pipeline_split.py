@@ -1,0 +1,80 @@
+"""Uneven pipelines: the planner's layer split is Megatron-Core's own, and a model whose layers do
+not divide by PP (DeepSeek-V3's 61 at PP16) is planned, rendered and accepted by Megatron."""
+import pytest
+
+from conftest import require_modules
+from megatron_skill.contract import call
+from megatron_skill.layout import Layout
+from megatron_skill.planner import pipeline_splits
+
+SPLITS = [  # (layers, PP, VP, Layout fields)
+    (61, 16, 1, {"pipeline_split": "uneven", "first_stage_layers": 2, "last_stage_layers": 3}),
+    (61, 4, 1, {"pipeline_split": "uneven", "first_stage_layers": 13, "last_stage_layers": 16}),
+    (30, 8, 1, {"pipeline_split": "embedding_loss"}),
+    (62, 4, 1, {"pipeline_split": "embedding_loss"}),
+    (32, 4, 2, {"pipeline_split": "even"}),
+    (58, 8, 2, {"pipeline_split": "uneven", "first_stage_layers": 6, "last_stage_layers": 4}),
+    (61, 2, 1, {"pipeline_split": "uneven", "first_stage_layers": 30, "last_stage_layers": 31}),
+]
+
+
+@pytest.mark.parametrize("layers,pp,vp,fields", SPLITS)
+def test_layers_per_chunk_are_megatrons(layers, pp, vp, fields):
+    require_modules("megatron.core")
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    import torch
+
+    lay = Layout(pp=pp, vp=vp, **fields)
+    cfg = TransformerConfig(
+        num_layers=layers, hidden_size=64, num_attention_heads=4, pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vp if vp > 1 else None, pipeline_dtype=torch.float32,
+        num_layers_in_first_pipeline_stage=lay.first_stage_layers or None,
+        num_layers_in_last_pipeline_stage=lay.last_stage_layers or None,
+        account_for_embedding_in_pipeline_split=lay.pipeline_split == "embedding_loss",
+        account_for_loss_in_pipeline_split=lay.pipeline_split == "embedding_loss")
+    theirs = [get_num_layers_to_build(cfg, vp_stage=c // pp if vp > 1 else None, pp_rank=c % pp)
+              for c in range(pp * vp)]
+    assert lay.chunk_sizes(layers) == theirs and sum(theirs) == layers
+
+
+def test_the_planner_proposes_uneven_splits_only_where_needed():
+    assert pipeline_splits(64, 8) == [{"pipeline_split": "even"}]
+    assert pipeline_splits(61, 16)[0] == {"pipeline_split": "uneven", "first_stage_layers": 2,
+                                          "last_stage_layers": 3}
+    for split in pipeline_splits(61, 16) + pipeline_splits(95, 8):
+        counts = Layout(pp=16 if split["first_stage_layers"] < 10 else 8, **split)
+        assert counts.rank_layer_counts(61 if counts.pp == 16 else 95) is not None
+
+
+def test_deepseek_v3_pipelined_at_pp16_ep64_on_1024_h100s(tmp_path):
+    req = {"model": "deepseek-v3", "gpu": "h100-sxm", "num_gpus": 1024, "seq_length": 4096,
+           "global_batch_size": 8192, "precision": "fp8"}
+    plan = call("plan", {**req, "constraints": {"tp": 1, "pp": 16, "ep": 64, "cp": 1}, "top": 1})
+    assert plan["ok"], plan
+    best = plan["result"]["plans"][0]
+    assert best["layout"]["pipeline_split"] == "uneven" and best["layout"]["pp"] == 16
+    mem = best["memory"]
+    assert {"first_stage", "middle_stage", "last_stage"} <= set(mem)
+    assert mem["first_stage"]["layers"] + 14 * mem["middle_stage"]["layers"] + mem["last_stage"]["layers"] == 61
+    # Rendered with the same layout and checked by Megatron's parser and validate_args at 1,024 ranks.
+    lay = {k: best["layout"][k] for k in ("tp", "pp", "ep", "cp", "mbs", "recompute", "recompute_layers",
+                                          "pipeline_split", "first_stage_layers", "last_stage_layers")}
+    env = call("render", {**req, "layout": lay, "launcher": "slurm", "output_dir": str(tmp_path)})
+    assert env["ok"], env
+    args = env["result"]["megatron_args"]
+    assert args[args.index("--decoder-first-pipeline-num-layers") + 1] == str(lay["first_stage_layers"])
+    require_modules("megatron.core")
+    from megatron_skill import megatron_parser
+    megatron_parser.parse(args, world_size=1024)
+    # validate reads the split back from the flags: no pp_layers error.
+    found = call("validate", {"args": args, "num_gpus": 1024, "gpu": "h100-sxm"})["result"]
+    assert not [e for e in found["errors"] if e["code"] in ("pp_layers", "pp_uneven")], found["errors"]
+
+
+def test_an_uneven_split_that_does_not_add_up_is_refused(tmp_path):
+    env = call("render", {"model": "deepseek-v3", "gpu": "h100-sxm", "num_gpus": 1024, "dry_run": True,
+                          "launcher": "slurm", "output_dir": str(tmp_path),
+                          "layout": {"tp": 1, "pp": 16, "ep": 64, "pipeline_split": "uneven",
+                                     "first_stage_layers": 3, "last_stage_layers": 3}})
+    assert env["error"]["code"] == "infeasible" and "pp_uneven" in env["error"]["message"]
