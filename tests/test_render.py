@@ -205,8 +205,9 @@ def catalog_jobs(slurm, tmp_path_factory):
     def render(i, model):
         work = tmp_path_factory.mktemp(f"job{i}")
         seq = 2048 if model == "gpt3-175b" else 4096
+        # Planned for the layers this machine has (no TE): a layout that needs TE stops at start-up.
         res, _ = _render(work, model=model, num_gpus=CLUSTERS[model], seq_length=seq, launcher="slurm",
-                         run_dir=str(work / "run"), python=sys.executable,
+                         run_dir=str(work / "run"), python=sys.executable, transformer_engine=False,
                          slurm={"gpus": False, "exclusive": False, "time": "00:10:00"})
         return work, res
 

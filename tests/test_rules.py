@@ -94,3 +94,20 @@ def test_an_infeasible_plan_still_says_what_the_model_is():
     env = call("plan", {"model": "llama3.1-405b", "gpu": "a100-40gb", "num_gpus": 8})
     assert env["error"]["code"] == "infeasible"
     assert env["error"]["details"]["model"]["params_b"] > 400
+
+
+def test_a_script_whose_layout_needs_te_stops_where_te_is_missing(tmp_path):
+    """Asked is what runs: a CP layout planned for TE does not fall back to local layers, which
+    cannot run it; the script stops before launching anything, saying why."""
+    import os
+    import subprocess
+    import sys
+
+    env = call("render", {"model": "llama3-8b", "gpu": "h100-sxm", "num_gpus": 8, "layout": {"tp": 2, "cp": 2},
+                          "python": sys.executable, "output_dir": str(tmp_path), "run_dir": str(tmp_path / "run")})
+    assert env["ok"], env
+    script = env["result"]["files"][0]["path"]
+    proc = subprocess.run(["bash", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "MEGATRON_SKILL_ENTRY": "/bin/false"})
+    assert proc.returncode == 5 and "needs Transformer Engine" in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "run" / "logs").exists() or not list((tmp_path / "run" / "logs").iterdir())
