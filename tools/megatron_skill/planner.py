@@ -90,9 +90,10 @@ def rank(candidates: list, speed=lambda c: c.tokens_per_s, peak=lambda c: c.peak
     out: list = []
     while left and len(out) < RANKED_BY_TIES:
         floor = (1 - TIE) * speed(left[0])
-        pick = min((c for c in left if speed(c) >= floor), key=peak)
-        out.append(pick)
-        left.remove(pick)
+        tied = 1  # left is fastest first: the tied ones are a prefix of it
+        while tied < len(left) and speed(left[tied]) >= floor:
+            tied += 1
+        out.append(left.pop(min(range(tied), key=lambda i: peak(left[i]))))
     return out + left
 
 
@@ -124,7 +125,9 @@ def search(model: ModelSpec, gpu: GPUSpec, n_gpus: int, seq_length: int, gbs: in
         if len(_SEARCHES) > _SEARCHES_KEPT:
             _SEARCHES.popitem(last=False)
     _SEARCHES.move_to_end(key)
-    return copy.deepcopy(_SEARCHES[key])
+    found = _SEARCHES[key]  # candidates are never changed after costing: a new list of the same ones
+    return SearchResult(candidates=list(found.candidates), rejected=copy.deepcopy(found.rejected),
+                        evaluated=found.evaluated)
 
 
 def _search(model: ModelSpec, gpu: GPUSpec, n_gpus: int, seq_length: int, gbs: int,
