@@ -61,3 +61,78 @@ def test_not_a_log(tmp_path, cli):
     assert rc == 7 and out["error"]["code"] == "invalid_script"
     rc, out, _ = cli("logs", "--log", str(tmp_path / "missing.log"))
     assert rc == 3
+
+
+# ---- the log alone: its argument dump, where an OOM happened, divergence against noise ----
+ARGUMENTS = """------------------------ arguments ------------------------
+  global_batch_size ............................... 32
+  micro_batch_size ................................ 4
+  seq_length ...................................... 4096
+  tensor_model_parallel_size ...................... 1
+  world_size ...................................... 1
+  transformer_impl ................................ local
+-------------------- end of arguments ---------------------
+"""
+GRAD_LINE = (" [2026-12-04 10:00:00] iteration {it:8d}/    1000 | elapsed time per iteration (ms): 2000.0 | "
+             "global batch size:    32 | lm loss: {loss:E} | grad norm: {norm:.3f} |")
+
+
+def _schema_valid(envelope):
+    import jsonschema
+
+    from megatron_skill.contract import load_schema, schema_registry
+    jsonschema.Draft202012Validator(load_schema("logs", "response"), registry=schema_registry()).validate(envelope)
+
+
+def test_tokens_per_s_from_the_logs_own_argument_dump(tmp_path):
+    log = tmp_path / "train.log"
+    log.write_text("[rank0]: " + ARGUMENTS.replace("\n", "\n[rank0]: ") + "\n"
+                   + "\n".join(GRAD_LINE.format(it=i, loss=3.0 - i / 100, norm=1.0) for i in range(1, 11)) + "\n")
+    env = call("logs", {"log": str(log)})
+    _schema_valid(env)
+    res = env["result"]
+    assert res["arguments"]["seq_length"] == 4096 and res["arguments"]["transformer_impl"] == "local"
+    assert res["tokens_per_s"] == 32 * 4096 / 2.0
+    # A flag still overrides what the log says.
+    assert call("logs", {"log": str(log), "seq_length": 2048})["result"]["tokens_per_s"] == 32 * 2048 / 2.0
+
+
+def test_out_of_memory_advice_follows_the_traceback(tmp_path):
+    frames = {
+        "unfused_attention": ['  File "megatron/core/transformer/dot_product_attention.py", line 160, in forward',
+                              "    matmul_result = torch.baddbmm("],
+        "logits": ['  File "megatron/core/models/common/language_module/language_module.py", line 90, in '
+                   'compute_language_model_loss', "    loss = tensor_parallel.vocab_parallel_cross_entropy(logits)"],
+    }
+    for site, stack in frames.items():
+        log = tmp_path / f"{site}.log"
+        log.write_text("\n".join([_line(1), "Traceback (most recent call last):", *stack,
+                                  "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 8.00 GiB."]) + "\n")
+        res = call("logs", {"log": str(log)})["result"]
+        oom = next(f for f in res["failures"] if f["code"] == "out_of_memory")
+        assert oom["site"] == site, oom
+        assert ("flash" if site == "unfused_attention" else "cross-entropy") in oom["fix"]
+    res = call("logs", {"log": str(tmp_path / "unfused_attention.log")})["result"]
+    assert any("SDPA" in h or "flash" in h for h in res["hints"])
+
+
+def test_a_tiny_wobbling_loss_is_not_divergence_but_a_real_rise_is(tmp_path):
+    import random
+
+    rnd = random.Random(0)
+    mock = [0.006 + rnd.uniform(-0.002, 0.004) for _ in range(1000)]  # memorised mock data
+    rising = [3.0 - i / 100 for i in range(60)] + [2.4 + i / 10 for i in range(20)]
+    for name, losses, diverging in (("mock", mock, False), ("rising", rising, True)):
+        log = tmp_path / f"{name}.log"
+        log.write_text("\n".join(GRAD_LINE.format(it=i + 1, loss=v, norm=1.0) for i, v in enumerate(losses)) + "\n")
+        kinds = [a["kind"] for a in call("logs", {"log": str(log)})["result"]["anomalies"]]
+        assert ("divergence" in kinds) is diverging, (name, kinds)
+
+
+def test_grad_norm_spikes_are_reported(tmp_path):
+    norms = [1.0] * 10 + [40.0] + [1.0] * 5
+    log = tmp_path / "spike.log"
+    log.write_text("\n".join(GRAD_LINE.format(it=i + 1, loss=2.0, norm=g) for i, g in enumerate(norms)) + "\n")
+    res = call("logs", {"log": str(log)})["result"]
+    spike = [a for a in res["anomalies"] if a["kind"] == "grad_norm_spike"]
+    assert [a["iteration"] for a in spike] == [11] and any("grad-norm spike" in h for h in res["hints"])

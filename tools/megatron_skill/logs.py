@@ -47,7 +47,12 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
         parsed = megatron_log.parse(read_lines(path, ctx))
     except OSError as e:
         raise ToolError("not_found", f"cannot read {path}: {e.strerror}", where="/log", fix=fix)
-    summary = megatron_log.summarize(parsed, req.get("seq_length"), peak)
+    # The log's own argument dump gives the sequence length and layout; flags only override.
+    dumped = parsed.get("arguments", {})
+    seq = req.get("seq_length") or (dumped.get("seq_length") if isinstance(dumped.get("seq_length"), int) else None)
+    summary = megatron_log.summarize(parsed, seq, peak)
+    if dumped:
+        summary["arguments"] = dumped
     if not summary.get("logged_iterations") and not summary.get("failures"):
         raise ToolError("invalid_script", f"no Megatron iteration lines in {path}", where="/log",
                         fix="give the log of a Megatron run with --log-interval set (and --log-throughput for TFLOP/s)")
@@ -63,6 +68,9 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
                          "lower the learning rate or raise warm-up; check the data around that step")
         elif a["kind"] == "nan":
             hints.append("NaN loss: lower the learning rate, check --clip-grad, and the data; with FP8 try BF16")
+        elif a["kind"] == "grad_norm_spike":
+            hints.append(f"grad-norm spike at iteration {a['iteration']} ({a['before']:.3g} -> {a['grad_norm']:.3g}): "
+                         "watch the loss after it; keep --clip-grad 1.0, lower the learning rate if spikes repeat")
         elif a["kind"] == "divergence":
             hints.append(f"loss rising at the end (best {a['best']:.3g}, now {a['loss']:.3g}): lower the learning "
                          "rate or resume from an earlier checkpoint")

@@ -75,12 +75,60 @@ def parse_iteration(line: str) -> dict[str, Any] | None:
     return rec
 
 
+# Megatron prints its arguments at start-up, one "  name ....... value" line each, between
+# "---- arguments ----" and "---- end of arguments ----" (rank prefixes such as "[rank0]:" aside).
+ARG_LINE = re.compile(r"^(?:\[\w*rank\d+\]:\s?)?\s+(\w+) \.{3,} (.*?)\s*$")
+ARGS_READ = ("seq_length", "micro_batch_size", "global_batch_size", "world_size", "data_parallel_size",
+             "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+             "expert_model_parallel_size", "num_layers", "hidden_size", "num_attention_heads", "transformer_impl",
+             "attention_backend", "fp8", "recompute_granularity", "sequence_parallel")
+
+# Where an out-of-memory error happened, read from the traceback's frames just above it: the
+# frame names what to change.
+OOM_SITES = [
+    ("unfused_attention", re.compile(r"baddbmm|dot_product_attention\.py|attention_scores|scaled_masked_softmax"),
+     "the S x S attention scores of unfused attention (Megatron's local DotProductAttention keeps them)",
+     "use flash / cuDNN attention: Transformer Engine with --attention-backend flash (or auto), or the skill's "
+     "entry script, whose local layers run torch SDPA ('launch.py render' writes it)"),
+    ("logits", re.compile(r"cross_entropy|output_layer|vocab_parallel|compute_language_model_loss|logits"),
+     "the output layer's logits or the cross-entropy over them",
+     "--cross-entropy-loss-fusion (TE) or the skill's fused output layer + cross-entropy, a smaller "
+     "--micro-batch-size, or more TP (the vocabulary is split over TP)"),
+    ("optimizer", re.compile(r"optimizer\.py|distrib_optimizer|\.step\(|adam", re.I),
+     "the optimizer's state (fp32 master weights and Adam moments)",
+     "--use-distributed-optimizer (shards it over data parallel), or more PP / EP"),
+]
+
+
+def _arg_value(text: str) -> Any:
+    if text in ("True", "False"):
+        return text == "True"
+    if text == "None":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        return _num(text) if re.fullmatch(r"[-+0-9.eE]+", text) else text
+
+
 def parse(lines: Iterable[str]) -> dict[str, Any]:
     iterations: dict[int, dict] = {}
     memory: dict[int, dict] = {}
     failures: list[dict] = []
+    arguments: dict[str, Any] = {}
+    in_args = False
+    recent: list[str] = []  # the lines just above the current one (a traceback's frames)
     unreadable = 0
     for n, line in enumerate(lines, 1):
+        if "-- arguments --" in line:
+            in_args = True
+        elif "-- end of arguments --" in line:
+            in_args = False
+        elif in_args:
+            a = ARG_LINE.match(line)
+            if a and a.group(1) in ARGS_READ and a.group(1) not in arguments:
+                arguments[a.group(1)] = _arg_value(a.group(2))
+        recent = (recent + [line])[-80:]
         m = MEMORY.search(line)
         if m:
             rank = int(m.group(1))
@@ -95,9 +143,21 @@ def parse(lines: Iterable[str]) -> dict[str, Any]:
                 unreadable += 1
         for code, rx, meaning, fix in FAILURES:
             if rx.search(line) and not any(f["code"] == code for f in failures):
-                failures.append({"code": code, "line": n, "text": line.strip()[:300], "meaning": meaning, "fix": fix})
+                failure = {"code": code, "line": n, "text": line.strip()[:300], "meaning": meaning, "fix": fix}
+                if code == "out_of_memory":
+                    failure.update(_oom_site(recent))
+                failures.append(failure)
     return {"iterations": [iterations[k] for k in sorted(iterations)], "memory": memory,
-            "failures": failures, "unreadable_lines": unreadable}
+            "failures": failures, "unreadable_lines": unreadable, "arguments": arguments}
+
+
+def _oom_site(frames: list[str]) -> dict[str, str]:
+    """The innermost recognised frame of the traceback above an out-of-memory error."""
+    for line in reversed(frames):
+        for site, rx, meaning, fix in OOM_SITES:
+            if rx.search(line):
+                return {"site": site, "meaning": f"out of GPU memory in {meaning}", "fix": fix}
+    return {}
 
 
 def summarize(parsed: dict[str, Any], seq_length: int | None = None, peak_tflops: float | None = None,
@@ -143,7 +203,32 @@ def summarize(parsed: dict[str, Any], seq_length: int | None = None, peak_tflops
             anomalies.append({"kind": "loss_spike", "iteration": losses[k][0], "loss": vals[k], "before": base})
     if any(not math.isfinite(v) for v in vals) or out["nan_iterations"]:
         anomalies.append({"kind": "nan", "iteration": next((i for i, v in losses if not math.isfinite(v)), None)})
-    if len(vals) >= 6 and math.isfinite(vals[-1]) and vals[-1] > 1.2 * min(vals) and vals[-1] > vals[len(vals) // 2]:
-        anomalies.append({"kind": "divergence", "iteration": losses[-1][0], "loss": vals[-1], "best": min(vals)})
+    rise = _divergence(vals)
+    if rise:
+        anomalies.append({"kind": "divergence", "iteration": losses[-1][0], "loss": rise[0], "best": rise[1]})
+    norms = [(r["iteration"], r["grad_norm"]) for r in its if math.isfinite(r.get("grad_norm", math.nan))]
+    for k in range(5, len(norms)):
+        before = sorted(g for _, g in norms[k - 5:k])[2]
+        if norms[k][1] > 5 * before and norms[k][1] > 1.0:
+            anomalies.append({"kind": "grad_norm_spike", "iteration": norms[k][0], "grad_norm": norms[k][1],
+                              "before": before})
     out["anomalies"] = anomalies
     return out
+
+
+def _divergence(vals: list[float]) -> tuple[float, float] | None:
+    """(recent mean, best before) when the loss has risen beyond its own noise: the mean of the
+    last tenth of the logged values (three at least) stands above the best value before them by
+    more than five times the typical step-to-step change and by 0.1 nats and 10 % at least.
+    Needs 20 logged values; a loss near zero that wobbles is noise, not divergence."""
+    finite = [v for v in vals if math.isfinite(v)]
+    if len(finite) < 20:
+        return None
+    tail_n = max(3, len(finite) // 10)
+    tail, head = finite[-tail_n:], finite[:-tail_n]
+    steps = sorted(abs(b - a) for a, b in zip(finite, finite[1:]))
+    noise = steps[len(steps) // 2]
+    recent, best = sum(tail) / len(tail), min(head)
+    if recent - best > max(5 * noise, 0.1, 0.1 * best):
+        return round(recent, 4), best
+    return None
