@@ -157,3 +157,21 @@ def test_cli_exit_codes(tmp_path):
     assert run(bad).returncode == 7
     missing = run(tmp_path / "nope.sh")
     assert missing.returncode == 3 and '"not_found"' in missing.stdout
+
+
+def test_flag_fragments_and_argument_strings_are_read_as_flags(tmp_path):
+    """Notes and conf snippets hold only flags: each obsolete one is named with its full fix, as
+    for --args given as several words or as one shell-quoted string."""
+    from conftest import run_cli
+
+    snippet = tmp_path / "fp8.conf"
+    snippet.write_text("# from an old recipe\n--fp8-hybrid \\\n  --bf16\n--cpu-optimizer --cpu-optimizer-type ADAM\n")
+    res = call("validate", {"script": str(snippet)})["result"]
+    fixes = {e["message"].split()[0]: e["fix"] for e in res["errors"] if e["code"] == "obsolete_flag"}
+    assert set(fixes) == {"--fp8-hybrid", "--cpu-optimizer", "--cpu-optimizer-type"}
+    assert "--use-precision-aware-optimizer" in fixes["--cpu-optimizer"] and res["script"] == {"fragment": True}
+    for argv in (["--args", "--fp8-hybrid", "--bf16"], ["--args", "--fp8-hybrid --bf16"]):
+        rc, out, _ = run_cli("validate", *argv, "--gpu", "h100-sxm")
+        assert rc == 7 and [e["code"] for e in out["result"]["errors"]] == ["obsolete_flag"], out
+    # A real script is still a script: a fragment needs every line to be flags.
+    assert call("validate", {"script_text": "echo hi\n--bf16\n"})["error"]["code"] == "invalid_script"

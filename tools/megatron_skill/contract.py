@@ -370,6 +370,20 @@ def _stdout_to_stderr():
         os.close(saved)
 
 
+def _take_arg_vector(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[list[str], list[str] | None]:
+    """A tool's --args takes a whole Megatron argument vector, whose items are flags themselves
+    (--args --fp8-hybrid --bf16): everything after it up to the tool's own next option. argparse
+    alone would refuse the first item for starting with '--'."""
+    if "--args" not in argv or "--args" not in parser._option_string_actions:
+        return argv, None
+    own = set(parser._option_string_actions)
+    start = argv.index("--args") + 1
+    end = start
+    while end < len(argv) and argv[end].split("=", 1)[0] not in own:
+        end += 1
+    return argv[:start - 1] + argv[end:], argv[start:end]
+
+
 def main_for(tool: Tool, argv: list[str]) -> int:
     # argparse prints usage and exits 2 on bad flags; turn that into the JSON error too.
     def fail(message: str) -> None:
@@ -378,6 +392,7 @@ def main_for(tool: Tool, argv: list[str]) -> int:
     try:
         parser = build_parser(tool)
         parser.error = fail  # type: ignore[method-assign]
+        argv, vector = _take_arg_vector(parser, argv)
         args = parser.parse_args(argv)
         request: dict = {}
         if args.request:
@@ -389,6 +404,8 @@ def main_for(tool: Tool, argv: list[str]) -> int:
             if key in ("request", "pretty") or value is None:
                 continue
             request[key] = value
+        if vector is not None:
+            request["args"] = vector
         with _stdout_to_stderr():
             envelope = call(tool.name, request)
     except ToolError as e:

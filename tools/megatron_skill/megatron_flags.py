@@ -26,6 +26,8 @@ OBSOLETE = {
     "--use-flash-attn": "nothing: a no-op in 0.19, drop it (--attention-backend chooses the kernel)",
     "--cpu-optimizer-type": "--optimizer-cpu-offload together with --use-precision-aware-optimizer "
                             "(0.19 asserts the pair)",
+    "--cpu-optimizer": "--optimizer-cpu-offload together with --use-precision-aware-optimizer "
+                       "(0.19 asserts the pair)",
     # The same number: virtual stages per pipeline rank (--num-layers-per-virtual-pipeline-stage
     # counts layers, another quantity).
     "--virtual-pipeline-model-parallel-size": "--num-virtual-stages-per-pipeline-rank with the same value",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import shlex
 import stat
 from pathlib import Path
 from typing import Any
@@ -264,6 +265,34 @@ def read_script(path: Path) -> str:
     return data.decode("utf-8", errors="replace")
 
 
+def split_arg_strings(args: list[str]) -> list[str]:
+    """An argument vector, where an item holding several shell words (--args "--fp8-hybrid --bf16")
+    is split as the shell would split it."""
+    out: list[str] = []
+    for item in args:
+        if item.startswith("-") and any(c.isspace() for c in item):
+            try:
+                out += shlex.split(item)
+                continue
+            except ValueError:
+                pass
+        out.append(item)
+    return out
+
+
+def flag_fragment(text: str) -> list[str] | None:
+    """The flags of a text that holds nothing but flags and their values (comments, blank lines
+    and line continuations aside), as conf snippets and notes do; None for anything else."""
+    lines = [ln.split(" #")[0].strip() for ln in text.replace("\\\n", " ").splitlines()]
+    lines = [ln for ln in lines if ln and not ln.startswith("#")]
+    if not lines or not all(ln.startswith("--") for ln in lines):
+        return None
+    try:
+        return shlex.split(" ".join(lines))
+    except ValueError:
+        return None
+
+
 def run(req: dict, ctx: Context) -> dict[str, Any]:
     sources = [k for k in ("script", "script_text", "args", "render_request") if req.get(k) is not None]
     if len(sources) != 1:
@@ -277,8 +306,11 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
         text = req["script_text"]
     else:
         text = ""
+    fragment = flag_fragment(text) if req.get("args") is None else None
     if req.get("args") is not None:
-        args, env, world, info = list(req["args"]), dict(req.get("env") or {}), req.get("num_gpus"), {}
+        args, env, world, info = split_arg_strings(req["args"]), dict(req.get("env") or {}), req.get("num_gpus"), {}
+    elif fragment is not None:  # a file or text of flags only (a conf snippet): the flags themselves
+        args, env, world, info = fragment, dict(req.get("env") or {}), req.get("num_gpus"), {"fragment": True}
     else:
         ex = script_args.extract(text)
         if not ex.args and ex.entry is None:
