@@ -96,7 +96,7 @@ def test_each_error_kind_is_found_with_its_fix(kind):
 
 def test_obsolete_flags_name_their_replacements():
     res = _validate(BROKEN["obsolete_flag"])
-    fixes = {e["message"].split()[0]: e["fix"] for e in res["errors"] if e["code"] == "obsolete_flag"}
+    fixes = {e["message"].split()[0]: e["fix"] for e in res["errors"] + res["warnings"] if e["code"] == "obsolete_flag"}
     assert "--fp8-format hybrid" in fixes["--fp8-hybrid"]
     assert "drop" in fixes["--use-mcore-models"]
     for flag, fix in [("--cpu-optimizer-type", "--optimizer-cpu-offload together with --use-precision-aware-optimizer"),
@@ -104,7 +104,7 @@ def test_obsolete_flags_name_their_replacements():
                       ("--use-flash-attn", "drop it")]:
         res = _validate(GOOD.replace("pretrain_gpt.py", f"pretrain_gpt.py {flag} 4" if "size" in flag or "type" in flag
                                      else f"pretrain_gpt.py {flag}"))
-        assert any(fix in e["fix"] for e in res["errors"]), res["errors"]
+        assert any(fix in e["fix"] for e in res["errors"] + res["warnings"]), res["errors"]
     res = _validate(BROKEN["unknown_flag"])
     assert any("--pipeline-model-parallel-size" in e["fix"] for e in res["errors"])
     assert any(e.get("where", "").startswith("line ") for e in res["errors"])
@@ -175,3 +175,31 @@ def test_flag_fragments_and_argument_strings_are_read_as_flags(tmp_path):
         assert rc == 7 and [e["code"] for e in out["result"]["errors"]] == ["obsolete_flag"], out
     # A real script is still a script: a fragment needs every line to be flags.
     assert call("validate", {"script_text": "echo hi\n--bf16\n"})["error"]["code"] == "invalid_script"
+
+
+def test_obsolete_flags_are_errors_only_where_megatron_refuses_them():
+    """Megatron 0.19's own parser decides: a flag it still accepts (deprecated and ignored, or
+    translated, such as --use-mcore-models) is a warning; one it does not know is an error."""
+    import argparse
+
+    from megatron.training.arguments import add_megatron_arguments
+    from megatron_skill.megatron_flags import OBSOLETE
+
+    parser = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    accepted = {flag for flag in OBSOLETE if not parser.parse_known_args([flag] + (["2"] if "size" in flag else []))[1]}
+    assert {"--use-mcore-models", "--use-flash-attn", "--recompute-activations"} <= accepted
+    for flag in OBSOLETE:
+        argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", flag]
+        argv += ["2"] if "size" in flag else []
+        res = call("validate", {"args": argv, "num_gpus": 1})["result"]
+        found = [f for f in res["errors"] + res["warnings"] if f["code"] == "obsolete_flag"]
+        assert [f["severity"] for f in found] == ["warning" if flag in accepted else "error"], (flag, found)
+
+
+def test_sequence_parallel_at_tp1_is_a_warning_as_megatron_makes_it():
+    argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "128",
+            "--max-position-embeddings", "128", "--micro-batch-size", "1", "--global-batch-size", "8",
+            "--sequence-parallel"]
+    res = call("validate", {"args": argv, "num_gpus": 8, "gpu": "h100-sxm"})["result"]
+    assert "sp_needs_tp" not in [e["code"] for e in res["errors"]]
+    assert "sp_needs_tp" in [w["code"] for w in res["warnings"]]

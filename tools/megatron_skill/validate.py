@@ -11,6 +11,7 @@ planner predicts will not fit in memory.  Every finding names its fix.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 import shlex
 import stat
@@ -147,6 +148,13 @@ def check_args(args: list[str], text: str, world: int | None, env: dict[str, str
         if a.startswith("--"):
             flag = a.split("=", 1)[0]
             if flag in megatron_flags.OBSOLETE:
+                if flag in known:  # Megatron 0.19 still parses it: deprecated, ignored or translated
+                    findings.append(_finding("obsolete_flag", f"{flag} is deprecated: Megatron 0.19 accepts it and "
+                                             "ignores or translates it", f"use {megatron_flags.OBSOLETE[flag]}",
+                                             _line_of(text, flag), severity="warning"))
+                    skip_values = False
+                    clean.append(a)
+                    continue
                 findings.append(_finding("obsolete_flag", f"{flag} is obsolete or not a Megatron flag",
                                          f"use {megatron_flags.OBSOLETE[flag]}", _line_of(text, flag)))
                 skip_values = True
@@ -199,6 +207,11 @@ def check_args(args: list[str], text: str, world: int | None, env: dict[str, str
             impls = {args[i + 1] for i, a in enumerate(args[:-1]) if a == "--transformer-impl"}
             impls |= set(re.findall(r"--transformer-impl[= ]+(\w+)", text or ""))
             rule = check_layout(lay, model, gpu or get_gpu("h100-sxm"), lay.world_size, te=impls != {"local"})
+            if rule == "sp_needs_tp":  # Megatron's validate_args turns it off, with a warning
+                findings.append(_finding(rule, "sequence parallel at TP 1: Megatron switches it off (a warning, "
+                                         "not an error)", RULE_FIXES[rule], severity="warning"))
+                lay = dataclasses.replace(lay, sequence_parallel=False)
+                rule = check_layout(lay, model, gpu or get_gpu("h100-sxm"), lay.world_size, te=impls != {"local"})
             if rule and rule != "world_size" and not (rule == "fp8_arch" and gpu is None):
                 findings.append(_finding(rule, RULES[rule], RULE_FIXES.get(rule, "see the rule")))
         if (lay.tp > 1 or lay.cp > 1) and env.get("CUDA_DEVICE_MAX_CONNECTIONS") != "1" and \
