@@ -203,3 +203,16 @@ def test_sequence_parallel_at_tp1_is_a_warning_as_megatron_makes_it():
     res = call("validate", {"args": argv, "num_gpus": 8, "gpu": "h100-sxm"})["result"]
     assert "sp_needs_tp" not in [e["code"] for e in res["errors"]]
     assert "sp_needs_tp" in [w["code"] for w in res["warnings"]]
+
+
+def test_a_launch_inside_bash_c_with_its_entry_in_a_variable():
+    script = "\n".join([
+        "#!/bin/bash",
+        'ENTRY_SCRIPT=${ENTRY_SCRIPT:-"/opt/megatron/pretrain_gpt.py"}',
+        "NPROC=8",
+        'srun --nodes=1 bash -c "torchrun --nproc-per-node $NPROC $ENTRY_SCRIPT --num-layers 16 --hidden-size 2048 '
+        '--num-attention-heads 16 --seq-length 2048 --max-position-embeddings 2048 --micro-batch-size 1 '
+        '--global-batch-size 64 --use-mcore-models --bf16"', ""])
+    res = call("validate", {"script_text": script, "gpu": "h100-sxm"})["result"]
+    assert res["world_size"] == 8 and res["num_megatron_args"] == 16, res  # 7 flags with values, 2 alone
+    assert res["valid"] and [w["code"] for w in res["warnings"]].count("obsolete_flag") == 1

@@ -92,6 +92,18 @@ def _tokens(text: str) -> list[str]:
         return text.split()
 
 
+SHELLS = {"bash", "sh", "/bin/bash", "/bin/sh", "/usr/bin/bash", "/usr/bin/env"}
+
+
+def _shell_c(tokens: list[str]) -> list[str]:
+    """`srun bash -c "torchrun ... pretrain_gpt.py ..."`: the command inside the string, read
+    as the inner shell would (the words before the shell kept, for the launcher's options)."""
+    for i in range(len(tokens) - 2):
+        if tokens[i] in SHELLS and tokens[i + 1] in ("-c", "-lc", "-xc"):
+            return tokens[:i] + _shell_c(_tokens(tokens[i + 2]))
+    return tokens
+
+
 def extract(text: str) -> Extracted:
     v = _Vars()
     sbatch: dict[str, str] = {}
@@ -132,9 +144,11 @@ def extract(text: str) -> Extracted:
             words = [w for tok in _tokens(value) for w in v.expand_word(tok)]
             v.scalars[name] = (v.scalars.get(name, "") if append else "") + " ".join(words)
             continue
-        tokens = _tokens(stripped)
-        # The launch: the first word naming a Python script (or $ENTRY, as rendered scripts do).
-        py = next((i for i, t in enumerate(tokens) if t.endswith(".py") or "$ENTRY" in t or "${ENTRY" in t), None)
+        tokens = _shell_c(_tokens(stripped))
+        # The launch: the first word naming a Python script, directly or through a variable
+        # ("$PRETRAIN_SCRIPT_PATH"; $ENTRY, as rendered scripts do).
+        py = next((i for i, t in enumerate(tokens) if t.endswith(".py") or "$ENTRY" in t or "${ENTRY" in t
+                   or ("$" in t and any(w.endswith(".py") for w in v.expand_word(t)))), None)
         if py is None:
             continue
         expanded_head = [w for t in tokens[:py] for w in v.expand_word(t)]
