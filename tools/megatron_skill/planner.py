@@ -203,10 +203,9 @@ def pipeline_splits(num_layers: int, pp: int) -> list[dict[str, Any]]:
 
 def _search_stage(model: ModelSpec, gpu: GPUSpec, n_gpus: int, lay: Layout, c: dict, mbss: list[int],
                   capacity: float, rej: _Rejections, out: list[Candidate], te: bool, runtime: dict) -> None:
-    counts = lay.rank_layer_counts(model.num_layers) or [model.num_layers]
-    if lay.pipeline_split == "embedding_loss":
-        counts = [(model.num_layers + 2) // lay.pp]
-    vps = [1] if lay.pp == 1 else [v for v in _divisors(math.gcd(*counts)) if v <= 16]
+    # Virtual stages the layout's own split allows (Layout.chunk_sizes: whole chunks on every rank).
+    vps = [1] if lay.pp == 1 else [v for v in range(1, 17)
+                                   if dataclasses.replace(lay, vp=v).chunk_sizes(model.num_layers) is not None]
     vps = _allowed(c, "vp", vps)
     if model.is_moe:
         eps = [e for e in _divisors(model.num_experts)]
