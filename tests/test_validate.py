@@ -38,7 +38,7 @@ GOOD = script("--tensor-model-parallel-size 2 --sequence-parallel --micro-batch-
 
 BROKEN = {
     "obsolete_flag": script("--tensor-model-parallel-size 2 --sequence-parallel --micro-batch-size 1 "
-                            "--global-batch-size 64", "--fp8-hybrid --use-mcore-models"),
+                            "--global-batch-size 64 --use-distributed-optimizer", "--fp8-hybrid --use-mcore-models"),
     "unknown_flag": script("--tensor-model-parallel-size 2 --sequence-parallel --micro-batch-size 1 "
                            "--global-batch-size 64 --pipline-model-parallel-size 2"),
     "bad_value": script("--tensor-model-parallel-size two --micro-batch-size 1 --global-batch-size 64"),
@@ -65,8 +65,15 @@ BROKEN = {
                          head=HEAD.replace("--mock-data", "--mock-data --num-experts 8 --moe-router-topk 2"), nproc="6"),
     "moe_needs_sp": script("--tensor-model-parallel-size 2 --micro-batch-size 1 --global-batch-size 64",
                            head=HEAD.replace("--mock-data", "--mock-data --num-experts 8 --moe-router-topk 2")),
+    "overlap_param_gather_needs_grad_reduce": script("--tensor-model-parallel-size 2 --sequence-parallel "
+                                                     "--micro-batch-size 1 --global-batch-size 64 "
+                                                     "--use-distributed-optimizer --overlap-param-gather"),
+    "optimizer_cpu_offload_needs_precision_aware": script("--micro-batch-size 1 --global-batch-size 64 "
+                                                          "--use-distributed-optimizer --optimizer-cpu-offload"),
+    # a rule only Megatron's validate_args knows
     "megatron_validate_args": script("--tensor-model-parallel-size 2 --sequence-parallel --micro-batch-size 1 "
-                                     "--global-batch-size 64 --use-distributed-optimizer --overlap-param-gather"),
+                                     "--global-batch-size 64 --use-distributed-optimizer --overlap-grad-reduce "
+                                     "--overlap-param-gather-with-optimizer-step"),
 }
 FP8_ON_AMPERE = script("--tensor-model-parallel-size 2 --sequence-parallel --micro-batch-size 1 --global-batch-size 64 --use-distributed-optimizer",
                        "--fp8-format hybrid --fp8-recipe tensorwise")
@@ -94,20 +101,32 @@ def test_each_error_kind_is_found_with_its_fix(kind):
         assert e["fix"] and e["message"]
 
 
-def test_obsolete_flags_name_their_replacements():
+def test_obsolete_flags_name_their_exact_replacements_checked_again():
+    """Each fix is computed from the script's own value, and the vector with every fix applied is
+    validated again (fixed_args)."""
     res = _validate(BROKEN["obsolete_flag"])
     fixes = {e["message"].split()[0]: e["fix"] for e in res["errors"] + res["warnings"] if e["code"] == "obsolete_flag"}
-    assert "--fp8-format hybrid" in fixes["--fp8-hybrid"]
-    assert "drop" in fixes["--use-mcore-models"]
-    for flag, fix in [("--cpu-optimizer-type", "--optimizer-cpu-offload together with --use-precision-aware-optimizer"),
-                      ("--virtual-pipeline-model-parallel-size", "--num-virtual-stages-per-pipeline-rank"),
-                      ("--use-flash-attn", "drop it")]:
-        res = _validate(GOOD.replace("pretrain_gpt.py", f"pretrain_gpt.py {flag} 4" if "size" in flag or "type" in flag
-                                     else f"pretrain_gpt.py {flag}"))
-        assert any(fix in e["fix"] for e in res["errors"] + res["warnings"]), res["errors"]
+    assert fixes["--fp8-hybrid"].startswith("replace --fp8-hybrid with --fp8-format hybrid")
+    assert fixes["--use-mcore-models"].startswith("delete --use-mcore-models")
+    assert res["fixed_args"]["valid"] and "--fp8-hybrid" not in res["fixed_args"]["args"]
+    assert res["fixed_args"]["args"][-2:] == ["--fp8-format", "hybrid"]
+    cases = [("--cpu-optimizer-type ADAM", "replace --cpu-optimizer-type ADAM with --optimizer-cpu-offload "
+              "--use-precision-aware-optimizer"),
+             ("--virtual-pipeline-model-parallel-size 4", "replace --virtual-pipeline-model-parallel-size 4 with "
+              "--num-virtual-stages-per-pipeline-rank 4"),
+             ("--use-flash-attn", "delete --use-flash-attn")]
+    for flag, fix in cases:
+        res = _validate(GOOD.replace("pretrain_gpt.py", f"pretrain_gpt.py {flag}"))
+        found = [e for e in res["errors"] + res["warnings"] if e["code"] == "obsolete_flag"]
+        assert len(found) == 1 and found[0]["fix"].startswith(fix), found
+        assert "fixed_args" in res
+    # VP 4 at PP 1 is itself wrong: the fixed vector says so rather than passing
+    vp = _validate(GOOD.replace("pretrain_gpt.py", "pretrain_gpt.py --virtual-pipeline-model-parallel-size 4"))
+    assert not vp["fixed_args"]["valid"] and any("vp_needs_pp" in e for e in vp["fixed_args"]["remaining_errors"])
     res = _validate(BROKEN["unknown_flag"])
     assert any("--pipeline-model-parallel-size" in e["fix"] for e in res["errors"])
     assert any(e.get("where", "").startswith("line ") for e in res["errors"])
+    assert "--pipeline-model-parallel-size" in res["fixed_args"]["args"]
 
 
 def test_fp8_before_hopper():

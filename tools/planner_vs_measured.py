@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 from megatron_skill.catalog import get_gpu  # noqa: E402
 from megatron_skill.flops import padded_vocab_size  # noqa: E402
 from megatron_skill.layout import Layout  # noqa: E402
-from megatron_skill.memory import GIB, stage_memory  # noqa: E402
+from megatron_skill.memory import MemoryOptions, GIB, stage_memory  # noqa: E402
 from megatron_skill.planner import cost, rank  # noqa: E402
 from megatron_skill.resolve import resolve_model  # noqa: E402
 
@@ -99,7 +99,7 @@ def fake_ranks(results: Path) -> list[dict]:
             continue
         model, lay = model_of(res), layout_of(res)
         st = stage_memory(model, lay, res["pipeline_stage"], padded_vocab_size(model.vocab_size, lay.tp),
-                          fused_head=True)
+                          MemoryOptions(fused_head=True))
         out.append({"result": _ref(path), "label": f"{res['model']['name']} {lay.label()}",
                     "rank": res["fake_rank"], "stage": res["pipeline_stage"],
                     "gib": (round(st.allocated / GIB, 2), res["measured"]["max_allocated_gib"]),

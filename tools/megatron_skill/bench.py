@@ -22,7 +22,7 @@ from .errors import ToolError
 from .flops import padded_vocab_size
 from .layout import Layout
 from .megatron_args import uses_fp8_linear, uses_fused_head, uses_fused_wgrad
-from .memory import GIB
+from .memory import GIB, MemoryOptions, stage_memory
 from .planner import cost
 from .resolve import resolve_model
 
@@ -174,7 +174,6 @@ def _fake_rank_result(req: dict, result: dict, parsed: dict, model, gpu, run_id:
     """One rank of a larger layout, run alone: its peak memory against the planner's for its
     pipeline stage.  No NCCL buffers exist in a fake process group, and the planner's
     allocated figure leaves them out too (they are in its allowance, outside the allocator)."""
-    from .memory import stage_memory
     from .render import fake_rank, pipeline_stage
 
     lay_json = result["layout"]
@@ -187,8 +186,8 @@ def _fake_rank_result(req: dict, result: dict, parsed: dict, model, gpu, run_id:
     stage = pipeline_stage(rank, lay)
     te = _have_te()
     pred = stage_memory(model, lay, stage, padded_vocab_size(model.vocab_size, lay.tp),
-                        fused_head=uses_fused_head(te, req.get("runtime")),
-                        fp8_linear=uses_fp8_linear(te, req.get("runtime"), lay))
+                        MemoryOptions(fused_head=uses_fused_head(te, req.get("runtime")),
+                                      fp8_linear=uses_fp8_linear(te, req.get("runtime"), lay), te_fp8=te))
     measured = mem["max_allocated_mb"] / 1024
     out = {"run_id": run_id, "run_dir": result["run_dir"], "gpu": gpu.key, "num_gpus": lay.world_size,
            "model": model.summary(), "label": lay.label(), "layout": lay_json,

@@ -6,7 +6,7 @@ argument checks, so the planner can group what it rejects and validate can say w
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Iterator
 
 from .catalog import GPUSpec
 from .model import ModelSpec
@@ -156,56 +156,62 @@ RULES = {
 }
 
 
-def check_layout(lay: Layout, model: ModelSpec, gpu: GPUSpec, n_gpus: int, te: bool = True) -> str | None:
-    """The name of the first rule the layout breaks, or None; te: whether the job's layers are
-    Transformer Engine's (plan, render, validate and train ask the same question here)."""
+def broken_rules(lay: Layout, model: ModelSpec, gpu: GPUSpec, n_gpus: int, te: bool = True) -> Iterator[str]:
+    """The names of the rules the layout breaks, in the order they are checked; te: whether the
+    job's layers are Transformer Engine's (plan, render, validate and train ask the same
+    question here)."""
     if lay.world_size != n_gpus:
-        return "world_size"
+        yield "world_size"
     if model.num_attention_heads % lay.tp:
-        return "tp_heads"
+        yield "tp_heads"
     if not model.multi_latent_attention and model.query_groups % lay.tp:
-        return "tp_query_groups"
+        yield "tp_query_groups"
     if lay.tp > gpu.nvlink_domain:
-        return "tp_within_nvlink"
+        yield "tp_within_nvlink"
     if (lay.ep > 1 or lay.etp > 1) and not model.is_moe:
-        return "ep_without_moe"
+        yield "ep_without_moe"
     if model.is_moe and model.num_experts % lay.ep:
-        return "ep_experts"
+        yield "ep_experts"
     if (lay.tp * lay.cp * lay.dp) % (lay.ep * lay.etp):
-        return "expert_folding"
+        yield "expert_folding"
     if lay.sequence_parallel and lay.tp == 1:
-        return "sp_needs_tp"
+        yield "sp_needs_tp"
     if model.is_moe and lay.tp > 1 and not lay.sequence_parallel:
-        return "moe_needs_sp"
+        yield "moe_needs_sp"
+    pp_broken = None
     if lay.pipeline_split == "uneven":
         counts = lay.rank_layer_counts(model.num_layers)
         if counts is None or min(counts) < 1:
-            return "pp_uneven"
-    else:
-        layers = model.num_layers + (2 if lay.pipeline_split == "embedding_loss" else 0)
-        if layers % lay.pp:
-            return "pp_layers"
-    if lay.vp > 1:
+            pp_broken = "pp_uneven"
+    elif (model.num_layers + (2 if lay.pipeline_split == "embedding_loss" else 0)) % lay.pp:
+        pp_broken = "pp_layers"
+    if pp_broken:
+        yield pp_broken
+    if lay.vp > 1:   # the virtual stages split what the pipeline split gives each rank
         if lay.pp == 1:
-            return "vp_needs_pp"
-        if lay.chunk_sizes(model.num_layers) is None:
-            return "vp_layers"
-        if lay.num_microbatches % lay.pp:
-            return "vp_microbatches"
+            yield "vp_needs_pp"
+        elif not pp_broken and lay.chunk_sizes(model.num_layers) is None:
+            yield "vp_layers"
+        if lay.pp > 1 and lay.num_microbatches % lay.pp:
+            yield "vp_microbatches"
     if lay.seq_length % (2 * lay.cp) and lay.cp > 1:
-        return "cp_sequence"
+        yield "cp_sequence"
     if lay.cp > 1 and not te:
-        return "cp_needs_te"
+        yield "cp_needs_te"
     if model.qk_layernorm and lay.sequence_parallel and not te:
-        return "qk_norm_sp_needs_te"
+        yield "qk_norm_sp_needs_te"
     if lay.gbs % (lay.mbs * lay.dp):
-        return "gbs_divisible"
+        yield "gbs_divisible"
     if lay.precision == "fp8" and not gpu.supports_fp8:
-        return "fp8_arch"
+        yield "fp8_arch"
     if lay.recompute == "full":
         per_chunk = min(lay.chunk_sizes(model.num_layers) or [1])
         if not 1 <= lay.recompute_layers <= max(per_chunk, 1):
-            return "recompute_layers"
+            yield "recompute_layers"
     if model.position_embedding_type == "learned_absolute" and lay.seq_length > model.max_position_embeddings:
-        return "seq_positions"
-    return None
+        yield "seq_positions"
+
+
+def check_layout(lay: Layout, model: ModelSpec, gpu: GPUSpec, n_gpus: int, te: bool = True) -> str | None:
+    """The name of the first rule the layout breaks, or None."""
+    return next(broken_rules(lay, model, gpu, n_gpus, te), None)

@@ -8,37 +8,128 @@ installed parser when there is one and the manifest otherwise, and says which it
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
+import functools
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from .catalog import CATALOG_DIR
 from .errors import ToolError
 
 MANIFEST_PATH = CATALOG_DIR / "megatron_flags.json"
 
-# Flags that users carry over from old scripts and blog posts, with what replaced them.
-# Some still parse in 0.19 (deprecated and ignored, or renamed); all are reported.
+@dataclasses.dataclass(frozen=True)
+class Obsolete:
+    """A flag users carry over from old scripts and posts, and what replaces it in 0.19.
+    takes_value: it is followed by a value; becomes: the words that replace it, where
+    "{value}" is that value; why: said with the fix."""
+    takes_value: bool
+    becomes: tuple[str, ...]
+    why: str = ""
+
+    def replacement(self, value: str | None) -> list[str]:
+        return [w.replace("{value}", value or "") for w in self.becomes]
+
+    def fix_text(self, flag: str, value: str | None = None) -> str:
+        old = f"{flag} {value}" if self.takes_value and value is not None else flag
+        new = " ".join(self.replacement(value)) if value is not None or not self.takes_value else \
+            " ".join(self.becomes).replace("{value}", "N")
+        text = f"replace {old} with {new}" if self.becomes else f"delete {old}"
+        return text + (f" ({self.why})" if self.why else "")
+
+
+_PAIR = ("--optimizer-cpu-offload", "--use-precision-aware-optimizer")
+# Some still parse in 0.19 (deprecated and ignored, or renamed); all are reported, and the
+# severity comes from whether Megatron's parser still accepts them.
 OBSOLETE = {
-    "--fp8-hybrid": "--fp8-format hybrid",
-    "--fp8-e4m3": "--fp8-format e4m3",
-    "--use-flash-attn": "nothing: a no-op in 0.19, drop it (--attention-backend chooses the kernel)",
-    "--cpu-optimizer-type": "--optimizer-cpu-offload together with --use-precision-aware-optimizer "
-                            "(0.19 asserts the pair)",
-    "--cpu-optimizer": "--optimizer-cpu-offload together with --use-precision-aware-optimizer "
-                       "(0.19 asserts the pair)",
+    "--fp8-hybrid": Obsolete(False, ("--fp8-format", "hybrid")),
+    "--fp8-e4m3": Obsolete(False, ("--fp8-format", "e4m3")),
+    "--fp8": Obsolete(False, ("--fp8-format", "hybrid"), "with --fp8-recipe for the scaling"),
+    "--use-flash-attn": Obsolete(False, (), "a no-op in 0.19: --attention-backend chooses the kernel"),
+    "--cpu-optimizer-type": Obsolete(True, _PAIR, "0.19 asserts the pair; Adam is its only optimizer there"),
+    "--cpu-optimizer": Obsolete(False, _PAIR, "0.19 asserts the pair"),
     # The same number: virtual stages per pipeline rank (--num-layers-per-virtual-pipeline-stage
     # counts layers, another quantity).
-    "--virtual-pipeline-model-parallel-size": "--num-virtual-stages-per-pipeline-rank with the same value",
-    "--use-mcore-models": "nothing: Megatron-Core models are the default; drop the flag",
-    "--use-legacy-models": "nothing: legacy models were removed; drop the flag",
-    "--no-async-tensor-model-parallel-allreduce": "nothing: removed; drop the flag",
-    "--async-tensor-model-parallel-allreduce": "nothing: always on now; drop the flag",
-    "--recompute-activations": "--recompute-granularity selective",
-    "--use-te": "--transformer-impl transformer_engine",
-    "--fp8": "--fp8-format hybrid (with --fp8-recipe)",
+    "--virtual-pipeline-model-parallel-size": Obsolete(True, ("--num-virtual-stages-per-pipeline-rank", "{value}"),
+                                                       "the same number: virtual stages per pipeline rank"),
+    "--use-mcore-models": Obsolete(False, (), "Megatron-Core models are the default; 0.19 ignores the flag"),
+    "--use-legacy-models": Obsolete(False, (), "legacy models were removed"),
+    "--no-async-tensor-model-parallel-allreduce": Obsolete(False, (), "removed"),
+    "--async-tensor-model-parallel-allreduce": Obsolete(False, (), "always on now"),
+    "--recompute-activations": Obsolete(False, ("--recompute-granularity", "selective"),
+                                        "0.19 translates it so"),
+    "--use-te": Obsolete(False, ("--transformer-impl", "transformer_engine")),
 }
+
+
+def rewrite_obsolete(args: list[str]) -> tuple[list[str], list[dict[str, Any]]]:
+    """args with every obsolete flag replaced as its entry says (a replacement already present
+    is not added twice), and the changes: flag, its value, the words removed and added."""
+    out: list[str] = []
+    changes: list[dict[str, Any]] = []
+    i = 0
+    while i < len(args):
+        flag, _, inline = args[i].partition("=")
+        entry = OBSOLETE.get(flag) if args[i].startswith("--") else None
+        if entry is None:
+            out.append(args[i])
+            i += 1
+            continue
+        value = inline or None
+        removed = [args[i]]
+        if entry.takes_value and not inline and i + 1 < len(args) and not args[i + 1].startswith("--"):
+            value = args[i + 1]
+            removed.append(value)
+        added = entry.replacement(value)
+        present = [w for w in added if w.startswith("--") and (w in out or w in args)]
+        if present and len(present) == sum(w.startswith("--") for w in added):
+            added = []
+        out += added
+        changes.append({"flag": flag, "value": value, "removed": removed, "added": added,
+                        "fix": entry.fix_text(flag, value)})
+        i += len(removed)
+    return out, changes
+
+
+@dataclasses.dataclass(frozen=True)
+class Combination:
+    """A pair of settings Megatron 0.19's validate_args refuses (an assert), known to the skill
+    so that the planning-only install (no megatron-core) still catches it. Each is tested
+    against Megatron's own validate_args (tests/test_validate.py)."""
+    code: str
+    when: Callable[[argparse.Namespace], bool]
+    message: str
+    fix: str
+    flag: str
+
+
+COMBINATIONS = (
+    Combination("tp_comm_overlap_needs_sp", lambda ns: ns.tp_comm_overlap and not ns.sequence_parallel,
+                "--tp-comm-overlap without --sequence-parallel",
+                "add --sequence-parallel (Megatron overlaps TP communication only with it)", "--tp-comm-overlap"),
+    Combination("fp8_param_gather_needs_distopt",
+                lambda ns: ns.fp8_param_gather and not (ns.use_distributed_optimizer or ns.use_megatron_fsdp
+                                                        or ns.use_torch_fsdp2),
+                "--fp8-param-gather without the distributed optimizer", "add --use-distributed-optimizer",
+                "--fp8-param-gather"),
+    Combination("overlap_param_gather_needs_distopt",
+                lambda ns: ns.overlap_param_gather and not (ns.use_distributed_optimizer or ns.use_megatron_fsdp),
+                "--overlap-param-gather without the distributed optimizer",
+                "add --use-distributed-optimizer (or drop --overlap-param-gather)", "--overlap-param-gather"),
+    Combination("overlap_param_gather_needs_grad_reduce",
+                lambda ns: ns.overlap_param_gather and not ns.overlap_grad_reduce,
+                "--overlap-param-gather without --overlap-grad-reduce", "add --overlap-grad-reduce",
+                "--overlap-param-gather"),
+    Combination("optimizer_cpu_offload_needs_precision_aware",
+                lambda ns: ns.optimizer_cpu_offload and not ns.use_precision_aware_optimizer,
+                "--optimizer-cpu-offload without --use-precision-aware-optimizer",
+                "add --use-precision-aware-optimizer (the offloaded optimizer runs through its code path)",
+                "--optimizer-cpu-offload"),
+    Combination("fp4_and_fp8", lambda ns: bool(ns.fp4 and ns.fp8), "--fp4-format together with --fp8-format",
+                "choose one of the two", "--fp4-format"),
+)
 
 
 def _type_name(t: Any) -> str:
@@ -70,17 +161,27 @@ def build_manifest() -> dict[str, Any]:
     return {"megatron_core": version("megatron-core"), "flags": flags}
 
 
+@functools.lru_cache(maxsize=1)
 def load_manifest() -> dict[str, Any]:
     return json.loads(MANIFEST_PATH.read_text())
 
 
-def known_flags() -> set[str]:
-    return set(load_manifest()["flags"])
+@functools.lru_cache(maxsize=1)
+def known_flags() -> frozenset[str]:
+    return frozenset(load_manifest()["flags"])
+
+
+def arity(flag: str) -> int | None:
+    """How many values a known flag takes: 0 for a switch, None for a list (nargs + or *)."""
+    nargs = load_manifest()["flags"][flag].get("nargs")
+    if nargs in ("+", "*"):
+        return None
+    return 1 if nargs is None else int(nargs) if str(nargs).isdigit() else 1
 
 
 def suggest(flag: str) -> str | None:
     if flag in OBSOLETE:
-        return OBSOLETE[flag]
+        return OBSOLETE[flag].fix_text(flag)
     close = difflib.get_close_matches(flag, known_flags(), n=1, cutoff=0.75)
     return f"did you mean {close[0]}?" if close else None
 
@@ -140,3 +241,14 @@ def check(argv: list[str], world_size: int | None = None) -> str:
                         fix=hint or "remove it; see catalog/megatron_flags.json for the flags of megatron-core "
                         + load_manifest()["megatron_core"])
     return "manifest " + load_manifest()["megatron_core"]
+
+
+def check_values(argv: list[str]) -> str:
+    """The values of argv against the manifest (arity, types, choices): no import of Megatron,
+    so it answers at once. Returns what was used; raises ToolError on a refusal."""
+    try:
+        manifest_parser().parse_known_args(argv)
+    except (argparse.ArgumentError, ValueError) as e:
+        raise ToolError("invalid_script", f"Megatron's flags refuse the arguments: {e}", where="argv",
+                        fix="correct the value of the flag it names")
+    return "flag manifest of megatron-core " + load_manifest()["megatron_core"]

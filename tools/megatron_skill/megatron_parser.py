@@ -14,6 +14,7 @@ import io
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +34,11 @@ def available() -> bool:
 
 
 def check(argv: list[str], world_size: int | None = None, device_major: int = 9,
-          env: dict[str, str] | None = None) -> None:
-    """parse's verdict (None, or its ToolError raised), remembered on disk: importing Megatron's
-    parser takes about 9 s, and its verdict depends only on the arguments, the installed
-    megatron-core and the skill's own flags, all of which are in the key."""
+          env: dict[str, str] | None = None) -> list[str]:
+    """parse's verdict: the warnings Megatron's parser and validate_args emitted, or its
+    ToolError raised. Remembered on disk: importing Megatron's parser takes seconds, and its
+    verdict depends only on the arguments, the installed megatron-core and the skill's own
+    flags, all of which are in the key."""
     key = _verdict_key(argv, world_size, device_major, env)
     path = _cache_dir() / f"{key}.json"
     try:
@@ -45,8 +47,9 @@ def check(argv: list[str], world_size: int | None = None, device_major: int = 9,
         verdict = None
     if verdict is None:
         try:
-            parse(argv, world_size=world_size, device_major=device_major, env=env)
-            verdict = {"ok": True}
+            warned: list[str] = []
+            parse(argv, world_size=world_size, device_major=device_major, env=env, warnings_out=warned)
+            verdict = {"ok": True, "warnings": warned}
         except ToolError as e:
             verdict = {"ok": False, "error": e.to_json()}
         with contextlib.suppress(OSError):
@@ -55,6 +58,7 @@ def check(argv: list[str], world_size: int | None = None, device_major: int = 9,
     if not verdict.get("ok"):
         e = verdict["error"]
         raise ToolError(e["code"], e["message"], where=e.get("where"), fix=e.get("fix"))
+    return list(verdict.get("warnings", []))
 
 
 def _cache_dir() -> Path:
@@ -78,21 +82,51 @@ def _verdict_key(argv: list[str], world_size: int | None, device_major: int, env
 
 
 def _module():
+    """megatron.training.arguments, imported with torch.compile deferred: Megatron decorates its
+    fused kernels with torch.compile at import, which loads TorchDynamo and Inductor (about
+    2 s of a 4.5 s import here); the parser never runs a kernel, so the decoration is the
+    identity while it imports (in this process only, and restored after)."""
+    import torch
+
+    real = torch.compile
+
+    def deferred(model=None, **_kwargs):
+        return model if model is not None else (lambda fn: fn)
+
+    torch.compile = deferred
     try:
         import megatron.training.arguments as arguments
     except Exception as e:  # ImportError, or torch missing underneath
         raise ToolError("environment", f"megatron-core is not importable: {e}", where="megatron.training",
                         fix="pip install 'megatron-core==0.19.*' (Python 3.12) or use the parser manifest")
+    finally:
+        torch.compile = real
     return arguments
 
 
 def parse(argv: list[str], world_size: int | None = None, device_major: int = 9,
-          env: dict[str, str] | None = None) -> Any:
+          env: dict[str, str] | None = None, warnings_out: list[str] | None = None) -> Any:
     """The args namespace Megatron builds from argv; raises ToolError with Megatron's own message.
 
     env: the launch script's environment variables that validate_args reads
-    (CUDA_DEVICE_MAX_CONNECTIONS, NVTE_*); by default what a rendered script sets."""
+    (CUDA_DEVICE_MAX_CONNECTIONS, NVTE_*); by default what a rendered script sets.
+    warnings_out: receives the warnings Megatron's argument code emits (what it ignores,
+    switches off or changes), each once."""
     arguments = _module()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            return _parse(arguments, argv, world_size, device_major, env)
+        finally:
+            if warnings_out is not None:
+                for w in caught:  # only what Megatron's argument code says, not import-time notices
+                    text = str(w.message).strip()
+                    if "megatron/training" in w.filename.replace("\\", "/") and text not in warnings_out:
+                        warnings_out.append(text)
+
+
+def _parse(arguments: Any, argv: list[str], world_size: int | None, device_major: int,
+           env: dict[str, str] | None) -> Any:
     saved = sys.argv
     sys.argv = ["pretrain_gpt.py", *argv]
     err, out = io.StringIO(), io.StringIO()

@@ -9,7 +9,7 @@ Conventions (those of Megatron-Core with bf16 mixed precision):
   the distributed optimizer shards the 12 B over the data-parallel x context-parallel group
   (expert weights over the expert data-parallel group);
 - activations after Korthikanti et al. (arXiv 2205.05198), with flash attention (no s^2
-  terms), no dropout, sequence parallelism sharding what TP alone leaves replicated;
+  terms; unfused attention's are counted when asked: unfused_score_bytes), no dropout, sequence parallelism sharding what TP alone leaves replicated;
 - the loss keeps an fp32 copy of the logits (Megatron's vocab-parallel cross entropy),
   one micro-batch at a time.
 """
@@ -23,13 +23,29 @@ from .layout import Layout
 from .model import ModelSpec
 
 GIB = 2**30
-BF16, FP32 = 2, 4
+FP8, BF16, FP32 = 1, 2, 4
 # Outside torch's allocator, so never in max_memory_allocated: the CUDA context, cuBLAS
 # workspaces, and NCCL's buffers (~0.5 GiB for each kind of process group a rank talks on).
 CONTEXT_GIB = 1.0
 NCCL_GIB_PER_GROUP = 0.5
 # The caching allocator's fragmentation on top of the live tensors.
 FRAGMENTATION = 0.05
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryOptions:
+    """What a run does beyond its layout that changes its memory: the skill's runtime paths and
+    Megatron's memory flags, as data (read from a request's runtime by the planner, from a
+    script's flags by validate)."""
+    fused_head: bool = False            # the skill's fused output layer + cross-entropy
+    fp8_linear: bool = False            # the skill's FP8 linear layers (no TE)
+    te_fp8: bool = False                # TE's FP8 GEMMs: their inputs saved in FP8, FP8 weight copies
+    fp8_params: bool = False            # --fp8-param-gather: weights held in FP8 only
+    score_bytes: float = 0.0            # unfused attention's S x S scores kept (unfused_score_bytes)
+    grad_bytes: int = FP32              # main gradients: fp32, or bf16 (--grad-reduce-in-bf16)
+    fused_cross_entropy: bool = False   # Megatron's --cross-entropy-loss-fusion: no fp32 copy of the logits
+    fsdp_params: bool = False           # Megatron FSDP optim_grads_params: weights and gradients sharded too
+    recompute_modules: frozenset[str] | None = None   # --recompute-modules under selective; None: the skill's set
 
 
 def chunk_layers(model: ModelSpec, lay: Layout) -> list[list[int]]:
@@ -82,30 +98,63 @@ def attention_saved_bytes(model: ModelSpec) -> float:
     return BF16 * (q + kv / 2 + (q + kv) + q) + FP32 * model.num_attention_heads
 
 
-def layer_activation_bytes(model: ModelSpec, lay: Layout, moe: bool) -> float:
+# Megatron's unfused core attention (the local DotProductAttention) keeps, per head and per
+# element of the S x S score matrix, the softmax output in bf16; with the softmax in fp32 its
+# fp32 output too; with attention dropout, the dropout's mask and output. Counted on the real
+# layer with autograd's saved-tensor hooks (tests/test_memory_model.py), by
+# (softmax in fp32, dropout > 0):
+UNFUSED_SCORE_BYTES = {(False, False): 2, (False, True): 6, (True, False): 6, (True, True): 8}
+
+
+def unfused_score_bytes(softmax_in_fp32: bool, dropout: bool) -> float:
+    """Bytes per head and score element that unfused attention keeps (0 for flash / SDPA)."""
+    return UNFUSED_SCORE_BYTES[(bool(softmax_in_fp32), bool(dropout))]
+
+
+# What the skill's selective recompute re-runs (megatron_args renders the same list).
+SELECTIVE_MODULES = frozenset({"core_attn", "layernorm", "moe_act"})
+
+
+def recomputed_modules(lay: Layout, opts: "MemoryOptions") -> frozenset[str]:
+    """Megatron's --recompute-modules in force: none without selective recompute."""
+    if lay.recompute != "selective":
+        return frozenset()
+    return opts.recompute_modules if opts.recompute_modules is not None else SELECTIVE_MODULES
+
+
+def layer_activation_bytes(model: ModelSpec, lay: Layout, moe: bool, opts: "MemoryOptions | None" = None) -> float:
+    """Bytes per token one layer keeps for its backward."""
+    opts = opts or MemoryOptions()
     h, t = model.hidden_size, lay.tp
     sp = lay.sequence_parallel or t == 1
     rep = 1 / t if sp else 1.0     # what TP alone leaves replicated, SP shards
-    sel = lay.recompute == "selective"
+    re_run = recomputed_modules(lay, opts)
     # Two norms: their inputs (the residual stream) and outputs (inputs of QKV and FC1).
-    norms = 2 * BF16 * h * rep + (0 if sel else 2 * BF16 * h * rep)
+    norms = 2 * BF16 * h * rep + (0 if "layernorm" in re_run else 2 * BF16 * h * rep)
     if model.multi_latent_attention:
         a = model.num_attention_heads
         qk = model.qk_head_dim + model.qk_pos_emb_head_dim
         latent = BF16 * (2 * (model.q_lora_rank or 0) + 2 * model.kv_lora_rank + model.qk_pos_emb_head_dim)
-        attn = latent * rep + BF16 * a * (2 * qk + 2 * model.v_head_dim) / t
+        # Q, K and V from the up-projections (re-made in the backward under mla_up_proj), and O
+        qkv = 0 if "mla_up_proj" in re_run else BF16 * a * (2 * qk + model.v_head_dim) / t
+        attn = latent * rep + qkv + BF16 * a * model.v_head_dim / t
     else:
         attn = attention_saved_bytes(model) / t
+    if "core_attn" not in re_run:
+        # unfused attention: per token, a row of S scores (S / CP under context parallel) per head
+        attn += opts.score_bytes * model.num_attention_heads / t * lay.seq_length / lay.cp
+    if ("moe" if moe else "mlp") in re_run:   # the MLP re-runs from its input (kept with the norms)
+        return norms + attn
     if moe:
         k, fe, etp = model.moe_router_topk, model.expert_ffn, lay.etp
-        act_out = 0 if sel else BF16 * fe  # moe_act recompute drops the activation output
+        act_out = 0 if "moe_act" in re_run else BF16 * fe  # moe_act recompute drops the activation output
         up = BF16 * fe * (2 if model.gated else 1)
         # Each token visits k experts: permuted input and output (tokens gathered over ETP),
         # FC1 output and activation output (the FFN width split over ETP).
         routed = k * (2 * BF16 * h * etp + up + act_out) / t
         router = FP32 * 2 * model.num_experts * rep
         shared = 0.0
-        if model.moe_shared_expert_intermediate_size:
+        if model.moe_shared_expert_intermediate_size and "shared_experts" not in re_run:
             fs = model.moe_shared_expert_intermediate_size
             shared = BF16 * fs * ((2 if model.gated else 1) + 1) / t
         mlp = routed + router + shared
@@ -181,9 +230,8 @@ def fp8_linear_saved_bytes(model: ModelSpec, lay: Layout) -> float:
     return -(h + f) / lay.tp          # -h (QKV) - h (FC1) - f (FC2) + h (projection's copy)
 
 
-def stage_memory(model: ModelSpec, lay: Layout, rank: int, padded_vocab: int, fused_head: bool = False,
-                 fp8_linear: bool = False) -> StageMemory:
-    """fp8_linear: the skill's own FP8 linear layers (no TE), instead of TE's FP8."""
+def stage_memory(model: ModelSpec, lay: Layout, rank: int, padded_vocab: int,
+                 opts: MemoryOptions = MemoryOptions()) -> StageMemory:
     layers = rank_layers(model, lay, rank)
     first, last = rank == 0, rank == lay.pp - 1
     pattern = model.moe_pattern()
@@ -210,21 +258,38 @@ def stage_memory(model: ModelSpec, lay: Layout, rank: int, padded_vocab: int, fu
     expert_local = expert / (lay.ep * lay.etp)
     params = dense_local + expert_local
 
-    weights = BF16 * params
-    if fp8_linear:
-        # each dense layer's weights in FP8 and transposed, cast once and kept for the step
-        weights += 2 * param_split(model, len(layers) - n_moe, 0)[0] / lay.tp
-    elif lay.precision == "fp8":
-        weights += 1 * (tp_sharded / lay.tp + expert_local)  # cached FP8 copies of GEMM weights
-    gradients = FP32 * params
-    shard = (lay.dp * lay.cp) if lay.distributed_optimizer else 1
-    eshard = lay.expert_dp if lay.distributed_optimizer else 1
-    optimizer = 12 * (dense_local / shard + expert_local / eshard)
+    shard = (lay.dp * lay.cp) if lay.distributed_optimizer or opts.fsdp_params else 1
+    eshard = lay.expert_dp if lay.distributed_optimizer or opts.fsdp_params else 1
+    gemm_weights = tp_sharded / lay.tp + expert_local
+    if opts.fp8_params:   # TE's FP8 weights replace the bf16 ones (the fp32 master is the optimizer's)
+        weights = FP8 * gemm_weights + BF16 * (params - gemm_weights)
+    else:
+        weights = BF16 * params
+        if opts.fp8_linear:
+            # each dense layer's weights in FP8 and transposed, cast once and kept for the step
+            weights += 2 * FP8 * param_split(model, len(layers) - n_moe, 0)[0] / lay.tp
+        elif lay.precision == "fp8":
+            weights += FP8 * gemm_weights  # TE's cached FP8 copies of the GEMM weights
+    gradients = opts.grad_bytes * params
+    if opts.fsdp_params:
+        # Sharded over data parallel; a layer's weights are gathered while it runs (two layers'
+        # worth with Megatron FSDP's double buffer), its gradients reduced as they are made.
+        layer_w = max(param_split(model, 1, 0)[0] / lay.tp, param_split(model, 0, 1)[2] / (lay.ep * lay.etp)
+                      if model.is_moe else 0.0)
+        weights = weights * (dense_local / shard + expert_local / eshard) / max(params, 1) + 2 * BF16 * layer_w
+        gradients = opts.grad_bytes * (dense_local / shard + expert_local / eshard) + 2 * BF16 * layer_w
+    # fp32 master weights and two Adam moments; with bf16 main gradients, the optimizer's fp32
+    # copy of its gradient shard too
+    per_param = 12 + (FP32 if opts.grad_bytes < FP32 else 0)
+    optimizer = per_param * (dense_local / shard + expert_local / eshard)
 
     tokens = lay.mbs * lay.seq_length / lay.cp  # per micro-batch on this rank
-    act = {0: layer_activation_bytes(model, lay, False) + (fp8_linear_saved_bytes(model, lay) if fp8_linear else 0)}
+    fp8_inputs = (opts.fp8_linear or opts.te_fp8 and lay.precision == "fp8") \
+        and "mlp" not in recomputed_modules(lay, opts)
+    act = {0: layer_activation_bytes(model, lay, False, opts)
+           + (fp8_linear_saved_bytes(model, lay) if fp8_inputs else 0)}
     if model.is_moe:
-        act[1] = layer_activation_bytes(model, lay, True)
+        act[1] = layer_activation_bytes(model, lay, True, opts)
     per_layer = [act[pattern[i]] for i in layers]
     chunks = max(lay.vp, 1)
     n_inflight = inflight_chunks(lay, rank)
@@ -243,6 +308,11 @@ def stage_memory(model: ModelSpec, lay: Layout, rank: int, padded_vocab: int, fu
     else:
         per_chunk = sum(per_layer) / chunks
         transient = 0.0
+    if opts.score_bytes:
+        # The score matrix in flight while a layer's attention runs (forward, and its gradient
+        # in the backward): one layer's bf16 scores and their fp32 softmax input.
+        transient = max(transient, tokens * (BF16 + FP32) * model.num_attention_heads / lay.tp
+                        * lay.seq_length / lay.cp)
     activations = tokens * per_chunk * n_inflight
     if first:
         activations += 8 * tokens * n_inflight  # int64 token ids and position ids in flight
@@ -251,11 +321,15 @@ def stage_memory(model: ModelSpec, lay: Layout, rank: int, padded_vocab: int, fu
         sp = lay.sequence_parallel or lay.tp == 1
         activations += tokens * 2 * BF16 * h / (lay.tp if sp else 1)  # final norm in and out
         v = padded_vocab / lay.tp
-        if fused_head and not model.mtp_num_layers and tokens > 2 * FUSED_HEAD_CHUNK:
+        if opts.fused_head and not model.mtp_num_layers and tokens > 2 * FUSED_HEAD_CHUNK:
             # One chunk's fp32 logits and bf16 gradient at a time; the fp32 weight gradient the
             # forward accumulates (in place: addmm writes the GEMM's fp32 accumulator into it);
             # the hidden-state gradient kept for the backward.
             logits = min(tokens, FUSED_HEAD_CHUNK) * v * (FP32 + BF16) + v * h * FP32 + tokens * h * BF16
+        elif opts.fused_cross_entropy:
+            # Megatron's fused cross-entropy reads the bf16 logits in place: they and their bf16
+            # gradient, no fp32 copy
+            logits = tokens * v * (BF16 + BF16) * (1 + (model.mtp_num_layers or 0))
         else:
             # fp32 copy of the logits kept for the backward, plus the bf16 logits alive while it is made.
             logits = tokens * v * (FP32 + BF16) * (1 + (model.mtp_num_layers or 0))
@@ -273,8 +347,8 @@ def ranks_to_check(lay: Layout) -> list[int]:
     return sorted({0, lay.pp - 1} | ({1} if lay.pp > 2 else set()))
 
 
-def memory_report(model: ModelSpec, lay: Layout, padded_vocab: int, fused_head: bool = False,
-                  fp8_linear: bool = False) -> dict[str, StageMemory]:
+def memory_report(model: ModelSpec, lay: Layout, padded_vocab: int,
+                  opts: MemoryOptions = MemoryOptions()) -> dict[str, StageMemory]:
     """Memory of the first, last (and a middle) pipeline rank; one entry when PP = 1."""
     names = {0: "first_stage", lay.pp - 1: "last_stage", 1: "middle_stage"}
-    return {names[r]: stage_memory(model, lay, r, padded_vocab, fused_head, fp8_linear) for r in ranks_to_check(lay)}
+    return {names[r]: stage_memory(model, lay, r, padded_vocab, opts) for r in ranks_to_check(lay)}

@@ -19,7 +19,7 @@ from . import megatron_args
 from .catalog import GPUSpec
 from .flops import padded_vocab_size, training_flops
 from .layout import RULES, Layout, check_layout
-from .memory import GIB, memory_report
+from .memory import GIB, MemoryOptions, memory_report
 from .model import ModelSpec
 from .timing import calibration, step_time
 
@@ -253,7 +253,7 @@ def _try_recompute(model, gpu, lay, allowed, capacity, rej, out, te, runtime) ->
     fused_head = megatron_args.uses_fused_head(te, runtime)
     for i, opt in enumerate(options):
         fp8_linear = megatron_args.uses_fp8_linear(te, runtime, opt)
-        mem = memory_report(model, opt, padded, fused_head=fused_head, fp8_linear=fp8_linear)
+        mem = memory_report(model, opt, padded, MemoryOptions(fused_head=fused_head, fp8_linear=fp8_linear, te_fp8=te))
         peak = max(m.total for m in mem.values())
         if peak > capacity:
             rej.add("out_of_memory", f"{opt.label()}: {peak / GIB:.0f} GiB")
@@ -273,7 +273,7 @@ def cost(model: ModelSpec, gpu: GPUSpec, lay: Layout, padded: int, mem=None, te:
     stand-in: runtime.fused_wgrad_accumulation)."""
     fused = (not te) if fused_head is None else fused_head
     fp8_linear = megatron_args.uses_fp8_linear(te, {"fp8_linear": fp8_linear}, lay)
-    mem = mem or memory_report(model, lay, padded, fused_head=fused, fp8_linear=fp8_linear)
+    mem = mem or memory_report(model, lay, padded, MemoryOptions(fused_head=fused, fp8_linear=fp8_linear, te_fp8=te))
     t = step_time(model, lay, gpu, padded, te, fused_head=fused, fp8_linear=fp8_linear, fused_wgrad=fused_wgrad)
     step = t.total
     tokens = lay.gbs * lay.seq_length

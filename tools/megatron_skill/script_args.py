@@ -1,20 +1,21 @@
-"""Read the Megatron argument vector out of a launch script, without running it.
+"""The Megatron launches of a script, one per path through it, read by shell.py.
 
-Understands the bash that launch scripts are made of: continuation lines, variables set
-earlier (``X=1``, ``export X=...``, ``X=${X:-default}``), arrays (``ARGS=( ... )`` over
-several lines, ``ARGS+=( ... )``, ``"${ARGS[@]}"``), ``#SBATCH`` directives and the
-torchrun / srun / python line that starts ``*.py``.  Each argument keeps its line number.
+A path is one way through the script's undecided conditions (`if [[ $FP8 == 1 ]]` with FP8
+unset, `if python -c 'import transformer_engine'`); each path that starts a Python entry
+gives one Extracted: the entry, its argument vector with the line of each word, the
+launcher's world size, the environment the launch sees, and the choices that led there.
+Where a path starts several Python scripts (data preparation, then training), the Megatron
+one is the entry named pretrain_* / train*, else the one passing the most Megatron flags.
 """
 from __future__ import annotations
 
 import dataclasses
 import re
-import shlex
+from pathlib import Path
 from typing import Any
 
-ASSIGN = re.compile(r"^(?:export\s+|declare\s+(?:-a\s+)?|local\s+)?([A-Za-z_][A-Za-z0-9_]*)(\+?)=(.*)$", re.S)
-VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(\[@\]|\[\*\])?(?::?-([^}]*))?\}|\$([A-Za-z_][A-Za-z0-9_]*)")
-SBATCH = re.compile(r"^#SBATCH\s+(--?[A-Za-z-]+)(?:[= ]\s*(\S+))?")
+from . import shell
+from .errors import ToolError
 
 
 @dataclasses.dataclass
@@ -23,197 +24,165 @@ class Extracted:
     lines: list[int]                     # the script line of each argument
     entry: str | None                    # the *.py that receives them
     entry_line: int | None
-    env: dict[str, str]                  # variables exported or set before the launch
+    env: dict[str, str]                  # variables the launch sees (exported, or set on its command)
     nproc_per_node: int | None
     nnodes: int | None
     sbatch: dict[str, str]
     unresolved: list[str]                # variables we could not resolve
+    choices: list[str] = dataclasses.field(default_factory=list)   # the undecided conditions, and the way taken
+    where: str | None = None             # "line 188", or inside what (bash -c, a heredoc, a sourced file)
+    launcher: list[str] = dataclasses.field(default_factory=list)
+    other_entries: list[str] = dataclasses.field(default_factory=list)  # other Python scripts the path starts
+    world: int | None = None
 
 
-def _logical_lines(text: str) -> list[tuple[int, str]]:
-    """Join backslash continuations; keep the line number where each statement starts."""
-    out, buf, start = [], "", None
-    for n, raw in enumerate(text.splitlines(), 1):
-        line = raw.rstrip()
-        if start is None:
-            start = n
-        if line.endswith("\\") and not line.endswith("\\\\"):
-            buf += line[:-1] + " "
+@dataclasses.dataclass
+class Reading:
+    launches: list[Extracted]            # one per path that starts a Python entry
+    paths: int                           # paths through the script, with or without a launch
+    ended: list[str]                     # how the paths without a launch end
+    notes: list[str]                     # what the reader could not follow
+    flag_variables: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # variables holding flags
+
+
+def read(text: str, script_path: Path | None = None, env: dict[str, str] | None = None,
+         known_flags: frozenset[str] | set[str] | None = None, positional: list[str] | None = None) -> Reading:
+    try:
+        reading = shell.read(text, script_path, env, None if positional is None else tuple(positional))
+    except shell.ShellSyntax as e:
+        line = text.splitlines()[e.line - 1] if 0 < e.line <= len(text.splitlines()) else ""
+        placeholder = re.search(r"=\s*<[^>]*>", line)
+        fix = ("fill in the placeholder " + placeholder.group(0).lstrip("= ") + " (bash reads < and > as "
+               "redirections)") if placeholder else "fix the shell syntax there (bash -n script.sh shows the same error)"
+        raise ToolError("invalid_script", f"bash cannot parse the script: {e} (line {e.line})", where=f"line {e.line}",
+                        fix=fix)
+    launches, ended = [], []
+    for path in reading.paths:
+        if not path.launches:
+            ended.append(f"{'; '.join(path.choices) or 'the script'}: {path.ended or 'starts no Python entry'}")
             continue
-        buf += line
-        out.append((start, buf))
-        buf, start = "", None
-    if buf:
-        out.append((start or 0, buf))
+        chosen = _megatron_launch(path.launches, known_flags or set())
+        launches.append(_extracted(chosen, path, [la.entry for la in path.launches if la is not chosen]))
+    return Reading(launches=launches, paths=len(reading.paths), ended=ended, notes=reading.notes,
+                   flag_variables=_flag_variables(reading.paths, known_flags or set()))
+
+
+def _flag_variables(paths: list[shell.Path_], known: frozenset[str] | set[str]) -> dict[str, list[str]]:
+    """Variables (strings or arrays) that hold Megatron flags, as the first path leaves them: what
+    a configuration file sourced by a launch script defines."""
+    out: dict[str, list[str]] = {}
+    for name, value in (paths[0].vars.items() if paths else []):
+        words = list(value) if isinstance(value, tuple) else str(value).split()
+        if sum(w.split("=", 1)[0] in known for w in words) >= 2:
+            out[name] = [w for item in words for w in (item.split() if item.startswith("--") else [item])]
     return out
 
 
-class _Vars:
-    def __init__(self) -> None:
-        self.scalars: dict[str, str] = {}
-        self.arrays: dict[str, list[str]] = {}
-        self.unresolved: list[str] = []
-
-    def expand_word(self, word: str) -> list[str]:
-        """A token after shlex: arrays splice in, scalars substitute (and word-split when the
-        whole token is one unquoted variable)."""
-        m = VAR.fullmatch(word)
-        if m:
-            name = m.group(1) or m.group(4)
-            if name in self.arrays:
-                return list(self.arrays[name])
-            value = self._scalar(name, m.group(3))
-            return value.split() if value is not None else [word]
-        def sub(mm: re.Match) -> str:
-            name = mm.group(1) or mm.group(4)
-            if name in self.arrays:
-                return " ".join(self.arrays[name])
-            value = self._scalar(name, mm.group(3))
-            return value if value is not None else mm.group(0)
-        return [VAR.sub(sub, word)]
-
-    def _scalar(self, name: str, default: str | None) -> str | None:
-        if name in self.scalars:
-            return self.scalars[name]
-        if default is not None:
-            return self.expand_text(default)
-        if name not in self.unresolved:
-            self.unresolved.append(name)
-        return None
-
-    def expand_text(self, text: str) -> str:
-        return " ".join(w for tok in _tokens(text) for w in self.expand_word(tok))
+def _megatron_launch(launches: list[shell.Launch], known: set[str]) -> shell.Launch:
+    def score(la: shell.Launch) -> tuple[int, int]:
+        named = re.match(r"(pretrain|train)", entry_stem(la.entry)) is not None
+        return int(named), sum(a.split("=", 1)[0] in known for a in la.args if a.startswith("--"))
+    return max(launches, key=score)
 
 
-def _tokens(text: str) -> list[str]:
-    try:
-        return shlex.split(text, comments=True, posix=True)
-    except ValueError:
-        return text.split()
+def _extracted(la: shell.Launch, path: shell.Path_, others: list[str]) -> Extracted:
+    args = [a for a in la.args if a not in ('"$@"', "$@")]
+    lines = [ln for a, ln in zip(la.args, la.lines[la.entry_index + 1:]) if a not in ('"$@"', "$@")]
+    sbatch = dict(la.sbatch)
+    opts = _launcher_options(la.launcher)
+    for key in ("nodes", "ntasks-per-node", "gpus-per-node", "ntasks"):
+        if key in opts.get("srun", {}):
+            sbatch.setdefault(key, opts["srun"][key])
+    nproc = opts.get("nproc_per_node")
+    nnodes = opts.get("nnodes")
+    ex = Extracted(args=args, lines=lines, entry=la.entry, entry_line=la.lines[la.entry_index], env=dict(la.env),
+                   nproc_per_node=nproc, nnodes=nnodes, sbatch=sbatch, unresolved=list(path.unresolved),
+                   choices=list(path.choices), where=la.where, launcher=la.launcher, other_entries=others)
+    ex.world = _world(ex, opts)
+    return ex
 
 
-SHELLS = {"bash", "sh", "/bin/bash", "/bin/sh", "/usr/bin/bash", "/usr/bin/env"}
+def entry_stem(entry: str) -> str:
+    """pretrain_gpt for /x/pretrain_gpt.py, pretrain_mimo for examples.mimo.pretrain_mimo."""
+    name = Path(entry).name
+    return name[:-3] if name.endswith(".py") else name.rsplit(".", 1)[-1]
 
 
-def _shell_c(tokens: list[str]) -> list[str]:
-    """`srun bash -c "torchrun ... pretrain_gpt.py ..."`: the command inside the string, read
-    as the inner shell would (the words before the shell kept, for the launcher's options)."""
-    for i in range(len(tokens) - 2):
-        if tokens[i] in SHELLS and tokens[i + 1] in ("-c", "-lc", "-xc"):
-            return tokens[:i] + _shell_c(_tokens(tokens[i + 2]))
-    return tokens
+TORCHRUN = {"torchrun", "torch.distributed.run", "torch.distributed.launch"}
 
 
-def extract(text: str) -> Extracted:
-    v = _Vars()
-    sbatch: dict[str, str] = {}
-    args: list[str] = []
-    lines: list[int] = []
-    entry = entry_line = None
-    nproc = nnodes = None
-    pending_array: tuple[str, bool, int, str] | None = None
-    array_state = (0, None)  # parenthesis depth and open quote of the array being read
-    for lineno, line in _logical_lines(text):
-        stripped = line.strip()
-        m = SBATCH.match(stripped)
-        if m:
-            sbatch[m.group(1).lstrip("-")] = m.group(2) or ""
+def _launcher_options(words: list[str]) -> dict[str, Any]:
+    """torchrun's --nproc-per-node and --nnodes; srun's node and task counts."""
+    out: dict[str, Any] = {"torchrun": False, "srun": {}, "python": False}
+    current = None
+    for i, w in enumerate(words):
+        name = Path(w).name
+        if name in TORCHRUN or (w == "-m" and i + 1 < len(words) and words[i + 1] in TORCHRUN):
+            out["torchrun"], current = True, "torchrun"
             continue
-        if pending_array:
-            name, append, start, body = pending_array
-            body += "\n" + line
-            array_state = _scan("\n" + line, *array_state)
-            if array_state[0] <= 0:
-                _set_array(v, name, append, body)
-                pending_array = None
-            else:
-                pending_array = (name, append, start, body)
+        if name == "srun":
+            current = "srun"
             continue
-        if not stripped or stripped.startswith("#"):
+        if re.fullmatch(r"python[\d.]*", name):
+            out["python"] = True
             continue
-        am = ASSIGN.match(stripped)
-        if am and not stripped.startswith(("if ", "for ", "while ")):
-            name, append, value = am.group(1), am.group(2) == "+", am.group(3)
-            if value.startswith("("):
-                array_state = _scan(value)
-                if array_state[0] <= 0:
-                    _set_array(v, name, append, value)
-                else:
-                    pending_array = (name, append, lineno, value)
-                continue
-            words = [w for tok in _tokens(value) for w in v.expand_word(tok)]
-            v.scalars[name] = (v.scalars.get(name, "") if append else "") + " ".join(words)
-            continue
-        tokens = _shell_c(_tokens(stripped))
-        # The launch: the first word naming a Python script, directly or through a variable
-        # ("$PRETRAIN_SCRIPT_PATH"; $ENTRY, as rendered scripts do).
-        py = next((i for i, t in enumerate(tokens) if t.endswith(".py") or "$ENTRY" in t or "${ENTRY" in t
-                   or ("$" in t and any(w.endswith(".py") for w in v.expand_word(t)))), None)
-        if py is None:
-            continue
-        expanded_head = [w for t in tokens[:py] for w in v.expand_word(t)]
-        for i, t in enumerate(expanded_head):
-            key = t.split("=", 1)[0].replace("_", "-")
-            val = t.split("=", 1)[1] if "=" in t else (expanded_head[i + 1] if i + 1 < len(expanded_head) else None)
-            if key in ("--nproc-per-node", "--nproc_per_node") and val and val.isdigit():
-                nproc = int(val)
-            if key == "--nnodes" and val and val.split(":")[-1].isdigit():
-                nnodes = int(val.split(":")[-1])
-        entry, entry_line = " ".join(v.expand_word(tokens[py])), lineno
-        for t in tokens[py + 1:]:
-            if t in ("|", "||", "&&", ";", ">", "2>&1", "&") or t.startswith((">", "2>")):
-                break
-            for w in v.expand_word(t):
-                if w in ('"$@"', "$@"):
-                    continue
-                args.append(w)
-                lines.append(lineno)
-    env = dict(v.scalars)
-    return Extracted(args=args, lines=lines, entry=entry, entry_line=entry_line, env=env,
-                     nproc_per_node=nproc, nnodes=nnodes, sbatch=sbatch, unresolved=v.unresolved)
+        key, _, val = w.partition("=")
+        if not val and i + 1 < len(words) and not words[i + 1].startswith("-"):
+            val = words[i + 1]
+        key = key.replace("_", "-")
+        if current == "torchrun":
+            if key == "--nproc-per-node" and val.isdigit():
+                out["nproc_per_node"] = int(val)
+            elif key == "--nnodes" and val.split(":")[-1].isdigit():
+                out["nnodes"] = int(val.split(":")[-1])
+            elif key == "--standalone":
+                out.setdefault("nnodes", 1)
+        elif current == "srun":
+            aliases = {"-N": "nodes", "--nodes": "nodes", "-n": "ntasks", "--ntasks": "ntasks",
+                       "--ntasks-per-node": "ntasks-per-node", "--gpus-per-node": "gpus-per-node"}
+            if key in aliases:
+                out["srun"][aliases[key]] = val
+    return out
 
 
-def _scan(text: str, depth: int = 0, quote: str | None = None) -> tuple[int, str | None]:
-    """Parenthesis depth and open quote after text, starting from a state: an array that
-    spans many lines is scanned once, line by line, not again from its start."""
-    for ch in text:
-        if quote:
-            if ch == quote:
-                quote = None
-        elif ch in "'\"":
-            quote = ch
-        elif ch == "(":
-            depth += 1
-        elif ch == ")":
-            depth -= 1
-    return depth, quote
+def _int(value: str | None) -> int | None:
+    value = (value or "").split(":")[-1].split("(")[0]
+    return int(value) if value.isdigit() else None
 
 
-def _set_array(v: _Vars, name: str, append: bool, body: str) -> None:
-    inner = body.strip()[1:]
-    inner = inner[: inner.rfind(")")] if ")" in inner else inner
-    words = [w for tok in _tokens(inner) for w in v.expand_word(tok)]
-    v.arrays[name] = (v.arrays.get(name, []) if append else []) + words
+def _world(ex: Extracted, opts: dict[str, Any]) -> int | None:
+    """Ranks the launch starts: torchrun's processes per node x nodes; under srun without
+    torchrun, one rank per task; a bare python, one rank (or the WORLD_SIZE it is given)."""
+    nodes = ex.nnodes or _int(ex.sbatch.get("nodes"))
+    if opts["torchrun"]:
+        if ex.nproc_per_node is None:
+            return None
+        return ex.nproc_per_node * (nodes or 1)
+    if any(Path(w).name == "srun" for w in ex.launcher):
+        if _int(ex.sbatch.get("ntasks")):
+            return _int(ex.sbatch.get("ntasks"))
+        per_node = _int(ex.sbatch.get("ntasks-per-node"))
+        return per_node * (nodes or 1) if per_node else None
+    if _int(ex.env.get("WORLD_SIZE")):
+        return _int(ex.env.get("WORLD_SIZE"))
+    if ex.sbatch and _int(ex.sbatch.get("gpus-per-node")):   # an sbatch script that runs the launch itself
+        return _int(ex.sbatch["gpus-per-node"]) * (nodes or 1)
+    if all(Path(w).name in shell.WRAPPERS or re.fullmatch(r"python[\d.]*", Path(w).name) or w.startswith("-")
+           for w in ex.launcher):
+        return 1
+    return None
 
 
 def world_size(ex: Extracted) -> int | None:
-    """GPUs the script starts: torchrun's nproc x nnodes, or Slurm's nodes x GPUs per node."""
-    nodes = ex.nnodes
-    if nodes is None and ex.sbatch.get("nodes", "").isdigit():
-        nodes = int(ex.sbatch["nodes"])
-    per_node = ex.nproc_per_node
-    if per_node is None:
-        for key in ("gpus-per-node", "ntasks-per-node"):
-            val = ex.sbatch.get(key, "").split(":")[-1]
-            if val.isdigit():
-                per_node = int(val)
-                break
-    if per_node is None:
-        return None
-    return per_node * (nodes or 1)
+    return ex.world
 
 
 def summary(ex: Extracted) -> dict[str, Any]:
-    return {"entry": ex.entry, "entry_line": ex.entry_line, "num_args": len(ex.args),
-            "nproc_per_node": ex.nproc_per_node, "nnodes": ex.nnodes, "sbatch": ex.sbatch,
-            "unresolved_variables": ex.unresolved}
+    out = {"entry": ex.entry, "entry_line": ex.entry_line, "where": ex.where, "num_args": len(ex.args),
+           "nproc_per_node": ex.nproc_per_node, "nnodes": ex.nnodes, "sbatch": ex.sbatch,
+           "unresolved_variables": ex.unresolved}
+    if ex.choices:
+        out["choices"] = ex.choices
+    if ex.other_entries:
+        out["other_entries"] = ex.other_entries
+    return out

@@ -1,12 +1,14 @@
 """The validate tool: check a launch script (the skill's or anyone's) or a render request.
 
-For a script: the Megatron argument vector is read out of it (script_args), then checked
-for unknown and obsolete flags (each with its replacement or a "did you mean"), for values
-Megatron's parser refuses, and for the combinations Megatron or the hardware reject: world
-size against the parallel sizes, the divisibility rules, --tp-comm-overlap without
---sequence-parallel, --fp8-param-gather or --overlap-param-gather without the distributed
-optimizer, FP8 before Hopper, TP without CUDA_DEVICE_MAX_CONNECTIONS=1, and a layout the
-planner predicts will not fit in memory.  Every finding names its fix.
+A script is read as bash would read it, never run (script_args, shell): each way through its
+undecided conditions that starts Megatron gives one argument vector, checked on its own; a
+finding true of only some ways says which. Each vector is checked for unknown and obsolete
+flags (an exact replacement, computed from the script's values and checked again), values
+Megatron's parser refuses, the combinations Megatron's validate_args asserts, the layout
+rules (world size, divisibility, FP8 before Hopper, CUDA_DEVICE_MAX_CONNECTIONS), and memory
+for the layout and the attention path that will run. Where megatron-core is importable,
+Megatron's own parser and validate_args run too, and what they warn of is a warning; the
+answer's `checks` says how deep the check went.
 """
 from __future__ import annotations
 
@@ -23,9 +25,9 @@ from .catalog import get_gpu
 from .contract import Context, Tool, register
 from .errors import ToolError
 from .flops import padded_vocab_size
-from .layout import RULES, Layout, check_layout
-from .memory import GIB, memory_report
-from .model import build_spec
+from .layout import RULES, Layout, broken_rules
+from .memory import GIB, MemoryOptions, memory_report, unfused_score_bytes
+from .model import ModelSpec, build_spec
 
 # Layout rules that validate reports with a fix of its own words.
 RULE_FIXES = {
@@ -38,7 +40,9 @@ RULE_FIXES = {
     "expert_folding": "make EP x expert-TP divide TP x CP x DP",
     "moe_needs_sp": "add --sequence-parallel (MoE with TP > 1 requires it)",
     "pp_layers": "choose a PP that divides --num-layers, or add --account-for-embedding-in-pipeline-split "
-                 "--account-for-loss-in-pipeline-split, or set --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers",
+                 "--account-for-loss-in-pipeline-split, or set --decoder-first-pipeline-num-layers / "
+                 "--decoder-last-pipeline-num-layers",
+    "pp_uneven": "give first and last stage layer counts that leave the middle ranks an even share",
     "vp_layers": "choose virtual stages that divide the layers per pipeline rank",
     "vp_needs_pp": "drop the virtual pipeline flags, or use PP > 1",
     "vp_microbatches": "make global batch / (micro-batch x DP) a multiple of PP",
@@ -53,77 +57,138 @@ RULE_FIXES = {
     "recompute_layers": "set --recompute-num-layers between 1 and the layers per stage",
     "seq_positions": "raise --max-position-embeddings or lower --seq-length",
 }
+# What Megatron's validate_args warns of, by the rule the skill knows it as (so that a warning
+# is not said twice); anything else it says keeps the code megatron_warning.
+MEGATRON_WARNING_CODES = (("Disabling sequence parallelism", "sp_needs_tp"),)
 
 
-def _finding(code: str, message: str, fix: str, where: str | None = None, severity: str = "error") -> dict:
+def _finding(code: str, message: str, fix: str, where: str | None = None, severity: str = "error",
+             **extra: Any) -> dict:
     out = {"code": code, "severity": severity, "message": message, "fix": fix}
     if where:
         out["where"] = where
+    out.update({k: v for k, v in extra.items() if v is not None})
     return out
 
 
-def _line_of(text: str, needle: str) -> str | None:
-    for n, line in enumerate(text.splitlines(), 1):
-        if needle in line.split("#", 1)[0] or (needle in line and not line.lstrip().startswith("#")):
-            return f"line {n}"
-    return None
+@dataclasses.dataclass
+class Launch:
+    """One argument vector to check, with what the script says around it."""
+    args: list[str]
+    world: int | None
+    env: dict[str, str]
+    lines: list[int] | None = None       # the script line of each argument
+    entry: str | None = None
+    path: str | None = None              # the way through the script's conditions
+    script_text: str = ""                # the script, for what the vector alone does not show
+    info: dict[str, Any] = dataclasses.field(default_factory=dict)
+    notes: list[dict] = dataclasses.field(default_factory=list)   # warnings about how the vector was found
+
+    @property
+    def kind(self) -> str:
+        """gpt: Megatron's GPT entry (or the skill's), whose flags the manifest holds and whose model
+        the planner costs; training: another training entry (its own flags and model besides);
+        other: inference, conversion and the like."""
+        if self.entry is None:
+            return "gpt"
+        stem = script_args.entry_stem(self.entry)
+        if stem == "pretrain_gpt":
+            return "gpt"
+        return "training" if re.match(r"(pretrain|train|finetune|sft)", stem) else "other"
+
+    def where(self, flag: str) -> str | None:
+        if self.lines:
+            for a, line in zip(self.args, self.lines):
+                if a.split("=", 1)[0] == flag:
+                    return f"line {line}"
+        return None
 
 
+# ---- the model and layout a vector describes ------------------------------------------
 def _parse_values(args: list[str]) -> argparse.Namespace:
-    parser = megatron_flags.manifest_parser()
-    ns, _ = parser.parse_known_args(args)
+    ns, _ = megatron_flags.manifest_parser().parse_known_args(args)
     return ns
 
 
-def _model_and_layout(ns: argparse.Namespace, world: int | None) -> tuple[Any, Layout | None, str | None]:
+def _vocab_size(ns: argparse.Namespace, assumed: dict[str, str]) -> int:
+    """The vocabulary the run will have: --vocab-size where given; else the tokenizer decides at
+    run time, and a Llama-3-sized vocabulary is assumed (said in `assumed`)."""
+    if ns.vocab_size:
+        return ns.vocab_size
+    if ns.tokenizer_type == "GPT2BPETokenizer":
+        assumed["vocab_size"] = "50257, GPT-2's BPE vocabulary"
+        return 50257
+    assumed["vocab_size"] = (f"128256 (the script's tokenizer, {ns.tokenizer_type or 'unnamed'}, decides at run time; "
+                             "add --vocab-size or validate with the tokenizer's size for an exact figure)")
+    return 128256
+
+
+def model_from_flags(ns: argparse.Namespace, assumed: dict[str, str]) -> tuple[ModelSpec | None, str | None]:
+    """The model a Megatron argument vector describes, read whole with Megatron's own defaults for
+    what it leaves out (GELU, LayerNorm, learned positions, biases on, tied embeddings)."""
     required = ("num_layers", "hidden_size", "num_attention_heads")
     if any(getattr(ns, k, None) is None for k in required):
-        return None, None, "the script does not set " + ", ".join(f"--{k.replace('_', '-')}" for k in required)
+        missing = [f"--{k.replace('_', '-')}" for k in required if getattr(ns, k, None) is None]
+        return None, "the arguments do not set " + ", ".join(missing)
+    if ns.ffn_hidden_size is None:
+        # Megatron's own default: 4h, or 8h/3 rounded to 64 for SwiGLU (arguments.py)
+        ffn = int(4 * ns.hidden_size * 2 / 3 / 64) * 64 if ns.swiglu else 4 * ns.hidden_size
+        assumed["ffn_hidden_size"] = f"{ffn}, Megatron's default for this hidden size"
+    else:
+        ffn = ns.ffn_hidden_size
+    seq = ns.seq_length or ns.decoder_seq_length
     fields = {
-        "num_layers": ns.num_layers, "hidden_size": ns.hidden_size,
-        "ffn_hidden_size": ns.ffn_hidden_size or 4 * ns.hidden_size,
-        "num_attention_heads": ns.num_attention_heads, "vocab_size": ns.vocab_size or 32000,
+        "num_layers": ns.num_layers, "hidden_size": ns.hidden_size, "ffn_hidden_size": ffn,
+        "num_attention_heads": ns.num_attention_heads, "vocab_size": _vocab_size(ns, assumed),
         "num_query_groups": ns.num_query_groups if ns.group_query_attention else None,
         "kv_channels": ns.kv_channels,
-        "max_position_embeddings": ns.max_position_embeddings or ns.seq_length or 4096,
+        "max_position_embeddings": ns.max_position_embeddings or seq or 4096,
         "untie_embeddings_and_output_weights": bool(ns.untie_embeddings_and_output_weights),
         "activation": "swiglu" if ns.swiglu else ("squared_relu" if ns.squared_relu else "gelu"),
         "normalization": ns.normalization if ns.normalization in ("RMSNorm", "LayerNorm") else "LayerNorm",
-        "position_embedding_type": "rope" if ns.position_embedding_type in ("rope", "yarn", "mrope") else "learned_absolute",
-        "add_bias_linear": ns.add_bias_linear,
+        "position_embedding_type": "rope" if ns.position_embedding_type in ("rope", "yarn", "mrope")
+        else "learned_absolute",
+        "add_bias_linear": bool(ns.add_bias_linear), "add_qkv_bias": bool(ns.add_qkv_bias or ns.add_bias_linear),
+        "qk_layernorm": bool(ns.qk_layernorm),
         "num_experts": ns.num_experts, "moe_router_topk": ns.moe_router_topk or 2,
         "moe_ffn_hidden_size": ns.moe_ffn_hidden_size,
         "moe_shared_expert_intermediate_size": ns.moe_shared_expert_intermediate_size,
         "multi_latent_attention": bool(ns.multi_latent_attention),
+        "mtp_num_layers": ns.mtp_num_layers,
     }
     if ns.multi_latent_attention:
         fields.update(q_lora_rank=ns.q_lora_rank, kv_lora_rank=ns.kv_lora_rank, qk_head_dim=ns.qk_head_dim,
                       qk_pos_emb_head_dim=ns.qk_pos_emb_head_dim, v_head_dim=ns.v_head_dim)
     if ns.moe_layer_freq not in (None, 1):
-        fields["moe_layer_freq"] = ns.moe_layer_freq if isinstance(ns.moe_layer_freq, (int, list)) else str(ns.moe_layer_freq)
+        fields["moe_layer_freq"] = ns.moe_layer_freq if isinstance(ns.moe_layer_freq, (int, list)) \
+            else str(ns.moe_layer_freq)
     try:
-        model = build_spec("script", {k: v for k, v in fields.items() if v is not None}, where="script")
+        return build_spec("script", {k: v for k, v in fields.items() if v is not None}, where="script"), None
     except ToolError as e:
-        return None, None, e.message
+        return None, e.message
+
+
+def layout_from_flags(ns: argparse.Namespace, model: ModelSpec, world: int | None,
+                      assumed: dict[str, str]) -> Layout:
     tp, pp, cp = ns.tensor_model_parallel_size or 1, ns.pipeline_model_parallel_size or 1, ns.context_parallel_size or 1
     vp = ns.num_virtual_stages_per_pipeline_rank or 1
     if ns.num_layers_per_virtual_pipeline_stage:
-        per_rank = ns.num_layers // pp
-        vp = max(1, per_rank // ns.num_layers_per_virtual_pipeline_stage)
+        vp = max(1, (model.num_layers // pp) // ns.num_layers_per_virtual_pipeline_stage)
+    if world is None:
+        assumed["world_size"] = f"{tp * pp * cp} (TP x PP x CP: the GPU count is not known; pass num_gpus)"
     world = world or tp * pp * cp
     dp = max(1, world // (tp * pp * cp))
     mbs = ns.micro_batch_size or 1
-    gbs = ns.global_batch_size or mbs * dp
+    if ns.seq_length is None:
+        assumed["seq_length"] = "4096 (the script sets no --seq-length)"
     recompute = ns.recompute_granularity or "none"
-    lay = Layout(tp=tp, pp=pp, vp=vp, cp=cp, ep=ns.expert_model_parallel_size or 1,
-                 etp=ns.expert_tensor_parallel_size or 1, dp=dp, mbs=mbs, gbs=gbs,
-                 seq_length=ns.seq_length or 4096, recompute=recompute,
-                 recompute_layers=ns.recompute_num_layers or (0 if recompute != "full" else 1),
-                 distributed_optimizer=bool(ns.use_distributed_optimizer),
-                 sequence_parallel=bool(ns.sequence_parallel),
-                 precision="fp8" if ns.fp8 else "bf16",
-                 **_pipeline_split(ns, model.num_layers, pp))
-    return model, lay, None
+    return Layout(tp=tp, pp=pp, vp=vp, cp=cp, ep=ns.expert_model_parallel_size or 1,
+                  etp=ns.expert_tensor_parallel_size or 1, dp=dp, mbs=mbs, gbs=ns.global_batch_size or mbs * dp,
+                  seq_length=ns.seq_length or 4096, recompute=recompute,
+                  recompute_layers=ns.recompute_num_layers or (0 if recompute != "full" else 1),
+                  distributed_optimizer=bool(ns.use_distributed_optimizer),
+                  sequence_parallel=bool(ns.sequence_parallel),
+                  precision="fp8" if ns.fp8 else "bf16", **_pipeline_split(ns, model.num_layers, pp))
 
 
 def _pipeline_split(ns: argparse.Namespace, num_layers: int, pp: int) -> dict[str, Any]:
@@ -139,120 +204,290 @@ def _pipeline_split(ns: argparse.Namespace, num_layers: int, pp: int) -> dict[st
             "last_stage_layers": share if last is None else last}
 
 
-def check_args(args: list[str], text: str, world: int | None, env: dict[str, str], gpu_name: str | None) -> dict[str, Any]:
+def attention_path(launch: Launch, ns: argparse.Namespace) -> tuple[str, str]:
+    """The core attention the run will use, and why: the skill's entry runs SDPA; Megatron's
+    Transformer Engine layers run TE's fused / flash kernels; its local layers run the unfused
+    DotProductAttention, which keeps the S x S scores (memory.py counts them)."""
+    if any(a.startswith("--skill-") for a in launch.args):
+        return "sdpa", "the skill's entry: torch SDPA (flash / cuDNN / efficient kernels)"
+    impls = _transformer_impls(launch, ns)
+    if impls == {"local"}:
+        return "unfused", ("--transformer-impl local with Megatron's entry: the local DotProductAttention "
+                           "materialises the S x S attention scores")
+    return "flash", "Transformer Engine's layers: fused / flash attention (no S x S buffer)"
+
+
+def _transformer_impls(launch: Launch, ns: argparse.Namespace) -> set[str]:
+    """The --transformer-impl this launch passes (each way through a script that chooses it at
+    run time is a launch of its own), or Megatron's default, Transformer Engine."""
+    impls = {launch.args[i + 1] for i, a in enumerate(launch.args[:-1]) if a == "--transformer-impl"}
+    return impls or {ns.transformer_impl or "transformer_engine"}
+
+
+# ---- one vector ----------------------------------------------------------------------
+def _flag_findings(launch: Launch) -> tuple[list[dict], list[str]]:
+    """Unknown and obsolete flags, each with its exact fix; and the vector Megatron's parser can
+    read (unknown flags and their values left out)."""
     findings: list[dict] = []
     known = megatron_flags.known_flags()
+    _, changes = megatron_flags.rewrite_obsolete(launch.args)
+    fixes = {c["flag"]: c for c in changes}
     clean: list[str] = []
     skip_values = False
-    for a in args:
-        if a.startswith("--"):
-            flag = a.split("=", 1)[0]
-            if flag in megatron_flags.OBSOLETE:
-                if flag in known:  # Megatron 0.19 still parses it: deprecated, ignored or translated
-                    findings.append(_finding("obsolete_flag", f"{flag} is deprecated: Megatron 0.19 accepts it and "
-                                             "ignores or translates it", f"use {megatron_flags.OBSOLETE[flag]}",
-                                             _line_of(text, flag), severity="warning"))
-                    skip_values = False
-                    clean.append(a)
-                    continue
-                findings.append(_finding("obsolete_flag", f"{flag} is obsolete or not a Megatron flag",
-                                         f"use {megatron_flags.OBSOLETE[flag]}", _line_of(text, flag)))
-                skip_values = True
+    owner, room, stray = None, 0, []   # the flag whose values are being read, and how many it still takes
+    for a in launch.args:
+        if not a.startswith("--"):
+            if skip_values:
                 continue
-            if flag not in known:
-                hint = megatron_flags.suggest(flag)
+            if room == 0:
+                if "$" not in a:   # a variable the script leaves to its caller is not a stray word
+                    stray.append(a)
+                continue
+            if room > 0:
+                room -= 1
+            clean.append(a)
+            continue
+        flag = a.split("=", 1)[0]
+        skip_values = False
+        if flag in known:
+            owner = flag
+            n = megatron_flags.arity(flag)
+            room = (0 if "=" in a else n) if n is not None else -1   # -1: a list takes any number
+        else:
+            owner, room = None, 0
+        if flag in megatron_flags.OBSOLETE:
+            change = fixes.get(flag) or {"fix": megatron_flags.OBSOLETE[flag].fix_text(flag)}
+            if flag in known:  # Megatron 0.19 still parses it: deprecated, ignored or translated
+                findings.append(_finding("obsolete_flag", f"{flag} is deprecated: Megatron 0.19 accepts it and "
+                                         "ignores or translates it", change["fix"], launch.where(flag),
+                                         severity="warning"))
+                clean.append(a)
+            else:
+                findings.append(_finding("obsolete_flag", f"{flag} is obsolete: Megatron 0.19 does not know it",
+                                         change["fix"], launch.where(flag)))
+                skip_values = True
+            continue
+        if flag not in known:
+            hint = megatron_flags.suggest(flag)
+            if launch.kind == "gpt":
                 findings.append(_finding("unknown_flag", f"{flag} is not a flag of Megatron's pretrain_gpt.py",
-                                         hint or "remove it", _line_of(text, flag)))
-                skip_values = True
-                continue
-            skip_values = False
-        elif skip_values:
+                                         hint or "remove it", launch.where(flag)))
+            else:   # the entry may add it (extra_args_provider): not ours to refuse
+                findings.append(_finding("unknown_flag", f"{flag} is not a flag of Megatron's pretrain_gpt.py; "
+                                         f"{launch.entry} may add it itself", hint or "check it against "
+                                         f"{launch.entry}'s own arguments", launch.where(flag), severity="warning"))
+            skip_values = True
             continue
         clean.append(a)
+    if stray:
+        quoted = " ".join(stray[:6]) + (" ..." if len(stray) > 6 else "")
+        split = bool(re.search(r"(?<![\"'])\$\{\w+\[[@*]\]\}", launch.script_text or ""))
+        findings.append(_finding(
+            "stray_arguments", f"{len(stray)} word(s) that no flag takes ({quoted}): Megatron's parser refuses them "
+            "as unrecognized arguments" + (": an unquoted ${ARRAY[@]} expansion splits a quoted item such as "
+                                           "\"--flag 'a b'\" into several words" if split else ""),
+            "quote the array expansions (\"${ARGS[@]}\") so that each item stays one word, or give the value "
+            "as the flag expects", launch.where(owner) if owner else None))
+    return findings, clean
+
+
+def fixed_vector(args: list[str]) -> list[str]:
+    """args with every obsolete flag replaced and every unknown flag that is a clear misspelling
+    of a known one corrected; other unknown flags (and their values) kept for the user."""
+    out, _ = megatron_flags.rewrite_obsolete(args)
+    known = megatron_flags.known_flags()
+    fixed = []
+    for a in out:
+        flag, eq, value = a.partition("=")
+        if a.startswith("--") and flag not in known:
+            hint = megatron_flags.suggest(flag) or ""
+            m = re.fullmatch(r"did you mean (--[\w-]+)\?", hint)
+            if m:
+                a = m.group(1) + eq + value
+        fixed.append(a)
+    return fixed
+
+
+def check_launch(launch: Launch, gpu_name: str | None, recheck_fix: bool = True) -> dict[str, Any]:
+    flag_findings, clean = _flag_findings(launch)
+    findings = list(launch.notes) + flag_findings
+    checks: dict[str, str] = {}
+    assumed: dict[str, str] = {}
+    have_megatron = megatron_parser.available()
+    result: dict[str, Any] = {"megatron_args": launch.args, "checks": checks, "assumed": assumed,
+                              "layout": None, "predicted_peak_gib": None}
     try:
-        megatron_flags.check(clean)
+        checks["flags"] = megatron_flags.check_values(clean)
     except ToolError as e:
         findings.append(_finding("bad_value", e.message, e.fix or "correct the value"))
-        return {"findings": findings, "megatron_args": args}
+        checks["flags"] = "refused a value: the other checks need the values read"
+        result["memory"] = {"skipped": "a value could not be read (see the bad_value error)"}
+        return _close(result, findings, launch, gpu_name, recheck_fix)
     ns = _parse_values(clean)
-    model, lay, why = _model_and_layout(ns, world)
-    if ns.tp_comm_overlap and not ns.sequence_parallel:
-        findings.append(_finding("tp_comm_overlap_needs_sp", "--tp-comm-overlap without --sequence-parallel",
-                                 "add --sequence-parallel (Megatron overlaps TP communication only with it)",
-                                 _line_of(text, "--tp-comm-overlap")))
-    if ns.fp8_param_gather and not ns.use_distributed_optimizer:
-        findings.append(_finding("fp8_param_gather_needs_distopt", "--fp8-param-gather without the distributed optimizer",
-                                 "add --use-distributed-optimizer", _line_of(text, "--fp8-param-gather")))
-    if ns.overlap_param_gather and not ns.use_distributed_optimizer:
-        findings.append(_finding("overlap_param_gather_needs_distopt",
-                                 "--overlap-param-gather without the distributed optimizer",
-                                 "add --use-distributed-optimizer (or drop --overlap-param-gather)",
-                                 _line_of(text, "--overlap-param-gather")))
-    gpu = None
-    if gpu_name:
-        gpu = get_gpu(gpu_name, where="/gpu")
-    result: dict[str, Any] = {"megatron_args": args}
-    if lay is None:
+    for combo in megatron_flags.COMBINATIONS:
+        if combo.when(ns):
+            findings.append(_finding(combo.code, combo.message, combo.fix, launch.where(combo.flag)))
+    gpu = get_gpu(gpu_name, where="/gpu") if gpu_name else None
+    model, why = model_from_flags(ns, assumed)
+    if model is None:
         findings.append(_finding("incomplete", f"cannot check the layout: {why}", "set the model-size flags",
                                  severity="warning"))
+        result["memory"] = {"skipped": f"no model: {why}"}
     else:
-        result["layout"] = lay.to_json()
-        if world is not None and world % (lay.tp * lay.pp * lay.cp):
-            findings.append(_finding("world_size", f"{world} GPUs cannot be split into TP {lay.tp} x PP {lay.pp} x "
-                                     f"CP {lay.cp} (DP would be {world / (lay.tp * lay.pp * lay.cp):.2f})",
-                                     RULE_FIXES["world_size"]))
-        elif gpu is not None or world is not None:
-            # Every --transformer-impl the script names, in any branch: one that picks TE where it
-            # imports runs TE's layers there.
-            impls = {args[i + 1] for i, a in enumerate(args[:-1]) if a == "--transformer-impl"}
-            impls |= set(re.findall(r"--transformer-impl[= ]+(\w+)", text or ""))
-            rule = check_layout(lay, model, gpu or get_gpu("h100-sxm"), lay.world_size, te=impls != {"local"})
-            if rule == "sp_needs_tp":  # Megatron's validate_args turns it off, with a warning
-                findings.append(_finding(rule, "sequence parallel at TP 1: Megatron switches it off (a warning, "
-                                         "not an error)", RULE_FIXES[rule], severity="warning"))
-                lay = dataclasses.replace(lay, sequence_parallel=False)
-                rule = check_layout(lay, model, gpu or get_gpu("h100-sxm"), lay.world_size, te=impls != {"local"})
-            if rule and rule != "world_size" and not (rule == "fp8_arch" and gpu is None):
-                findings.append(_finding(rule, RULES[rule], RULE_FIXES.get(rule, "see the rule")))
-        if (lay.tp > 1 or lay.cp > 1) and env.get("CUDA_DEVICE_MAX_CONNECTIONS") != "1" and \
-                (gpu is None or float(gpu.compute_capability) < 10):
-            findings.append(_finding("cuda_device_max_connections",
-                                     "TP or CP > 1 without CUDA_DEVICE_MAX_CONNECTIONS=1 (Megatron refuses to start "
-                                     "on Hopper and older)", "export CUDA_DEVICE_MAX_CONNECTIONS=1 before the launch"))
-        if gpu is not None and lay.precision == "fp8" and not gpu.supports_fp8:
-            findings.append(_finding("fp8_arch", f"FP8 on {gpu.key} ({gpu.arch})", RULE_FIXES["fp8_arch"],
-                                     _line_of(text, "--fp8")))
-        if gpu is not None and not any(f["severity"] == "error" for f in findings):
-            padded = padded_vocab_size(model.vocab_size, lay.tp)
-            # A rendered script picks TE or the local layers at run time: the fused head counts
-            # only where the local path is the one it will run.
-            local_only = "--skill-linear-cross-entropy" in args and "transformer_engine" not in args
-            mem = memory_report(model, lay, padded, fused_head=local_only)
-            peak = max(m.total for m in mem.values()) / GIB
-            result["predicted_peak_gib"] = round(peak, 2)
-            if peak > gpu.memory_gib:
-                findings.append(_finding("out_of_memory", f"predicted {peak:.1f} GiB per GPU on {gpu.key} "
-                                         f"({gpu.memory_gib} GiB)",
-                                         "add recompute, lower --micro-batch-size, or raise TP/PP; "
-                                         "'launch.py plan' lists layouts that fit"))
+        _check_layout(launch, ns, model, gpu, findings, result, assumed, have_megatron)
     impl = getattr(ns, "transformer_impl", None)
     if impl == "local":
-        skill_entry = any(a.startswith("--skill-") for a in args)   # only the skill's entry knows them
-        missing = [f for f in megatron_args.no_te_flags_needed(skill_entry) if f not in args]
+        skill_entry = any(a.startswith("--skill-") for a in launch.args)   # only the skill's entry knows them
+        missing = [f for f in megatron_args.no_te_flags_needed(skill_entry) if f not in launch.args]
         if missing:
             findings.append(_finding("local_needs_no_fusion", "--transformer-impl local without " + " ".join(missing),
                                      "add them where Transformer Engine and apex are absent (the fused paths import "
                                      "them and fail)", severity="warning"))
-    if world is not None and megatron_parser.available() and not any(f["severity"] == "error" for f in findings):
-        try:
-            megatron_parser.check(clean, world_size=world, env={"CUDA_DEVICE_MAX_CONNECTIONS":
-                                                                  env.get("CUDA_DEVICE_MAX_CONNECTIONS", "1")})
-        except ToolError as e:
-            findings.append(_finding("megatron_validate_args", e.message, "fix the combination Megatron names"))
+    _megatron_checks(launch, clean, findings, checks, have_megatron)
+    return _close(result, findings, launch, gpu_name, recheck_fix)
+
+
+def _check_layout(launch: Launch, ns: argparse.Namespace, model: ModelSpec, gpu: Any, findings: list[dict],
+                  result: dict[str, Any], assumed: dict[str, str], have_megatron: bool) -> None:
+    world = launch.world
+    lay = layout_from_flags(ns, model, world, assumed)
+    result["layout"] = lay.to_json()
+    result["model"] = {"params_b": round(model.total_params() / 1e9, 3), "activation": model.activation,
+                       "num_layers": model.num_layers, "hidden_size": model.hidden_size}
+    if world is not None and world % (lay.tp * lay.pp * lay.cp):
+        findings.append(_finding("world_size", f"{world} GPUs cannot be split into TP {lay.tp} x PP {lay.pp} x "
+                                 f"CP {lay.cp} (DP would be {world / (lay.tp * lay.pp * lay.cp):.2f})",
+                                 RULE_FIXES["world_size"]))
+    te = _transformer_impls(launch, ns) != {"local"}
+    for rule in broken_rules(lay, model, gpu or get_gpu("h100-sxm"), lay.world_size, te=te):
+        if rule == "world_size" or (rule == "fp8_arch" and gpu is None):
+            continue
+        if rule == "sp_needs_tp":
+            if not have_megatron:  # where Megatron runs, its own warning says it
+                findings.append(_finding(rule, "sequence parallel at TP 1: Megatron switches it off (a warning, "
+                                         "not an error)", RULE_FIXES[rule], launch.where("--sequence-parallel"),
+                                         severity="warning"))
+            continue
+        findings.append(_finding(rule, RULES[rule], RULE_FIXES.get(rule, "see the rule")))
+    if lay.sequence_parallel and lay.tp == 1:
+        lay = dataclasses.replace(lay, sequence_parallel=False)
+    if (lay.tp > 1 or lay.cp > 1) and launch.env.get("CUDA_DEVICE_MAX_CONNECTIONS") != "1" and \
+            (gpu is None or float(gpu.compute_capability) < 10):
+        findings.append(_finding("cuda_device_max_connections",
+                                 "TP or CP > 1 without CUDA_DEVICE_MAX_CONNECTIONS=1 (Megatron refuses to start "
+                                 "on Hopper and older)", "export CUDA_DEVICE_MAX_CONNECTIONS=1 before the launch"))
+    if launch.kind == "gpt":
+        result["memory"] = _memory(launch, ns, model, lay, gpu, findings, assumed)
+    else:
+        result["memory"] = {"skipped": f"{launch.entry} is not Megatron's GPT training entry: its model and memory "
+                                       "are not the ones the planner costs"}
+    result["predicted_peak_gib"] = result["memory"].get("peak_gib")
+
+
+def _memory(launch: Launch, ns: argparse.Namespace, model: ModelSpec, lay: Layout, gpu: Any,
+            findings: list[dict], assumed: dict[str, str]) -> dict[str, Any]:
+    """The planner's memory for this layout and attention path, whatever else was found."""
+    opts = memory_options(launch, ns, model, assumed)
+    try:
+        mem = memory_report(model, lay, padded_vocab_size(model.vocab_size, lay.tp), opts)
+    except (ZeroDivisionError, ValueError) as e:   # a layout broken past costing (see its error)
+        return {"skipped": f"the layout cannot be costed: {e}"}
+    attention = "unfused" if opts.score_bytes else ("sdpa" if opts.fused_head else "flash")
+    peak = max(m.total for m in mem.values()) / GIB
+    out = {"peak_gib": round(peak, 2), "attention": attention,
+           "stages": {name: round(m.total / GIB, 2) for name, m in mem.items()}}
+    if gpu is None:
+        out["fit"] = "not checked: name the GPU (gpu) to compare with its memory"
+    elif peak > gpu.memory_gib:
+        out["fit"] = f"exceeds {gpu.key}'s {gpu.memory_gib} GiB"
+        fix = "add recompute, lower --micro-batch-size, or raise TP/PP; 'launch.py plan' lists layouts that fit"
+        if attention == "unfused":
+            fix = ("use attention that keeps no S x S scores: Transformer Engine's layers "
+                   "(--transformer-impl transformer_engine) or the skill's entry (SDPA); or " + fix)
+        findings.append(_finding("out_of_memory", f"predicted {peak:.1f} GiB per GPU on {gpu.key} "
+                                 f"({gpu.memory_gib} GiB) with {attention} attention", fix))
+    else:
+        out["fit"] = f"fits {gpu.key}'s {gpu.memory_gib} GiB"
+    return out
+
+
+def memory_options(launch: Launch, ns: argparse.Namespace, model: ModelSpec, assumed: dict[str, str]) -> MemoryOptions:
+    """The flags of a vector that change memory beyond its layout, as the planner's options;
+    each choice that is not read from a flag is named in `assumed`."""
+    attention, why = attention_path(launch, ns)
+    assumed["attention"] = f"{attention}: {why}"
+    score_bytes = 0.0
+    if attention == "unfused":
+        fp32 = bool(ns.attention_softmax_in_fp32 or ns.apply_query_key_layer_scaling)
+        dropout = (ns.attention_dropout if ns.attention_dropout is not None else 0.1) > 0  # Megatron's default 0.1
+        score_bytes = unfused_score_bytes(fp32, dropout)
+        assumed["attention"] += (f" ({score_bytes:g} bytes per head and score kept: softmax in "
+                                 f"{'fp32' if fp32 else 'bf16'}, attention dropout {'on' if dropout else 'off'})")
+    te = _transformer_impls(launch, ns) != {"local"}
+    # A rendered script picks TE or the local layers at run time: the fused head counts only
+    # where the local path is the one it will run.
+    fused_head = "--skill-linear-cross-entropy" in launch.args and not te
+    fsdp = bool(ns.use_megatron_fsdp) and (ns.data_parallel_sharding_strategy or "optim_grads_params") \
+        == "optim_grads_params"
+    bf16_grads = bool(ns.grad_reduce_in_bf16) or (bool(ns.use_megatron_fsdp)
+                                                   and ns.megatron_fsdp_main_grads_dtype in ("bf16", "bfloat16"))
+    return MemoryOptions(fused_head=fused_head, fp8_linear="--skill-fp8-linear" in launch.args and not te,
+                         te_fp8=te, fp8_params=bool(ns.fp8 and ns.fp8_param_gather and te), score_bytes=score_bytes,
+                         grad_bytes=2 if bf16_grads else 4, fused_cross_entropy=bool(ns.cross_entropy_loss_fusion),
+                         fsdp_params=fsdp,
+                         recompute_modules=frozenset(ns.recompute_modules or ["core_attn"]))   # Megatron's default
+
+
+def _megatron_checks(launch: Launch, clean: list[str], findings: list[dict], checks: dict[str, str],
+                     have_megatron: bool) -> None:
+    """Megatron's own parser and validate_args, where megatron-core imports: what they refuse is
+    an error, what they warn of a warning. Where they cannot run, the answer says so."""
+    if not have_megatron:
+        checks["megatron"] = "skipped: megatron-core is not importable here (the planning-only install)"
+        findings.append(_finding(
+            "megatron_checks_skipped", "Megatron's own parser and validate_args did not run (megatron-core is not "
+            "installed here): only the flag manifest and the skill's copies of Megatron's rules were checked",
+            "run validate where megatron-core 0.19 is installed (tools/setup.sh) for Megatron's full checks",
+            severity="warning"))
+        return
+    if any(f["severity"] == "error" for f in findings):
+        checks["megatron"] = "skipped: the errors above come first (Megatron stops at the first it meets)"
+        return
+    world = launch.world
+    env = {"CUDA_DEVICE_MAX_CONNECTIONS": launch.env.get("CUDA_DEVICE_MAX_CONNECTIONS", "1")}
+    try:
+        said = megatron_parser.check(clean, world_size=world, env=env)
+    except ToolError as e:
+        findings.append(_finding("megatron_validate_args", e.message, "fix the combination Megatron names"))
+        checks["megatron"] = "Megatron's parser and validate_args refused the arguments" if world else \
+            "Megatron's parser refused the arguments"
+        return
+    checks["megatron"] = (f"Megatron's parser and validate_args ran at world size {world}" if world else
+                          "Megatron's parser ran; validate_args skipped: the GPU count is not known (pass num_gpus)")
+    have = {f["code"] for f in findings}
+    for text in said:
+        code = next((c for pattern, c in MEGATRON_WARNING_CODES if pattern in text), "megatron_warning")
+        if code not in have:
+            findings.append(_finding(code, f"Megatron warns: {text}", "none needed to run: Megatron proceeds as it "
+                                     "says; change the flags to silence it", severity="warning"))
+            have.add(code)
+
+
+def _close(result: dict[str, Any], findings: list[dict], launch: Launch, gpu_name: str | None,
+           recheck_fix: bool) -> dict[str, Any]:
+    """The findings, and where any has an exact fix, the fixed vector checked again."""
     result["findings"] = findings
+    if recheck_fix and any(f["code"] in ("obsolete_flag", "unknown_flag") for f in findings):
+        fixed = fixed_vector(launch.args)
+        if fixed != launch.args:
+            again = check_launch(dataclasses.replace(launch, args=fixed, lines=None), gpu_name, recheck_fix=False)
+            errors = [f for f in again["findings"] if f["severity"] == "error"]
+            result["fixed_args"] = {"args": fixed, "valid": not errors,
+                                    "remaining_errors": [f"{f['code']}: {f['message']}" for f in errors]}
     return result
 
 
+# ---- reading what was given ----------------------------------------------------------
 MAX_SCRIPT_BYTES = 1 << 20  # launch scripts are kilobytes; more is not a launch script
 MAX_ARGS = 4096  # Megatron's parser (argparse) slows down with the square of the argument count
 
@@ -306,6 +541,77 @@ def flag_fragment(text: str) -> list[str] | None:
         return None
 
 
+def script_launches(text: str, script_path: Path | None, env: dict[str, str], num_gpus: int | None,
+                    positional: list[str] | None = None) -> tuple[list[Launch], dict[str, Any]]:
+    """The Megatron launches of a script, one per way through it that starts one (identical
+    ones once), and what the reader could not follow."""
+    known = megatron_flags.known_flags()
+    reading = script_args.read(text, script_path, env, known, positional)
+    about: dict[str, Any] = {"paths": reading.paths}
+    if reading.notes:
+        about["notes"] = reading.notes
+    if reading.ended:
+        about["paths_without_launch"] = reading.ended
+    if not reading.launches:
+        if reading.flag_variables:   # a configuration file: the flags it defines, for a launch elsewhere
+            names = list(reading.flag_variables)
+            note = _finding("no_launch", "the script starts no Megatron launch; the flags it defines in "
+                            f"{', '.join(names)} were checked as they stand", "validate the script that launches "
+                            "with them for the world size and memory checks", severity="warning")
+            args = [w for name in names for w in reading.flag_variables[name]]
+            return [Launch(args=args, world=num_gpus, env=env, script_text=text, notes=[note],
+                           info={"fragment": True, "variables": names})], about
+        raise ToolError("invalid_script", "no Megatron launch found: no way through the script starts a Python "
+                        "entry" + (f" ({'; '.join(reading.ended[:3])})" if reading.ended else ""), where="script",
+                        fix="give the script that runs pretrain_gpt.py (or the skill's tools/pretrain_gpt.py); a "
+                            "script that needs arguments of its own gets them through script_args")
+    megatron = [ex for ex in reading.launches if any(a.split("=", 1)[0] in known for a in ex.args)]
+    if not megatron:
+        entries = sorted({str(ex.entry) for ex in reading.launches})
+        unresolved = sorted({v for ex in reading.launches for v in ex.unresolved
+                             if any(f"${v}" in a or f"${{{v}}}" in a for a in ex.args)})
+        if unresolved:
+            raise ToolError("invalid_script", f"the script runs {', '.join(entries)} with arguments from "
+                            f"{', '.join('$' + v for v in unresolved)}, which it does not set (its caller does)",
+                            where="script", fix=f"give {', '.join(unresolved)} in env, or validate the script that "
+                                                "sets them")
+        raise ToolError("invalid_script", f"the script runs {', '.join(entries)}, which receives no Megatron flags: "
+                        "it is not a launch of Megatron's training entry (pretrain_gpt.py and the like), so there is "
+                        "no argument vector to check", where="script",
+                        fix="validate checks launches of Megatron's training entries; give such a script, or the "
+                            "argument vector itself (args)")
+    launches, seen = [], set()
+    for ex in megatron:
+        world = num_gpus or ex.world
+        key = (tuple(ex.args), world, ex.env.get("CUDA_DEVICE_MAX_CONNECTIONS"))
+        if key in seen:
+            continue
+        seen.add(key)
+        launches.append(Launch(args=ex.args, world=world, env={**ex.env, **env}, lines=ex.lines, entry=ex.entry,
+                               path="; ".join(ex.choices) or None, script_text=text, info=script_args.summary(ex)))
+    return launches, about
+
+
+def _combine(checked: list[tuple[Launch, dict[str, Any]]]) -> list[dict]:
+    """Findings of every launch; one that holds on only some ways through the script lists them."""
+    if len(checked) == 1:
+        return checked[0][1]["findings"]
+    order: list[tuple] = []
+    by_key: dict[tuple, tuple[dict, list[str]]] = {}
+    for launch, res in checked:
+        for f in res["findings"]:
+            key = (f["code"], f["severity"], f["message"])
+            if key not in by_key:
+                by_key[key] = (f, [])
+                order.append(key)
+            by_key[key][1].append(launch.path or "the way with no undecided condition")
+    out = []
+    for key in order:
+        f, paths = by_key[key]
+        out.append(f if len(paths) == len(checked) else {**f, "paths": paths})
+    return out
+
+
 def run(req: dict, ctx: Context) -> dict[str, Any]:
     sources = [k for k in ("script", "script_text", "args", "render_request") if req.get(k) is not None]
     if len(sources) != 1:
@@ -313,36 +619,43 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
                         fix="validate --script launch.sh")
     if req.get("render_request") is not None:
         return _validate_request(req["render_request"], ctx)
-    if req.get("script"):
-        text = read_script(Path(req["script"]))
-    elif req.get("script_text") is not None:
-        text = req["script_text"]
-    else:
-        text = ""
+    env = dict(req.get("env") or {})
+    script_path = Path(req["script"]) if req.get("script") else None
+    text = read_script(script_path) if script_path else (req.get("script_text") or "")
     fragment = flag_fragment(text) if req.get("args") is None else None
+    about: dict[str, Any] = {}
     if req.get("args") is not None:
-        args, env, world, info = split_arg_strings(req["args"]), dict(req.get("env") or {}), req.get("num_gpus"), {}
+        launches = [Launch(args=split_arg_strings(req["args"]), world=req.get("num_gpus"), env=env)]
     elif fragment is not None:  # a file or text of flags only (a conf snippet): the flags themselves
-        args, env, world, info = fragment, dict(req.get("env") or {}), req.get("num_gpus"), {"fragment": True}
+        launches = [Launch(args=fragment, world=req.get("num_gpus"), env=env, info={"fragment": True})]
     else:
-        ex = script_args.extract(text)
-        if not ex.args and ex.entry is None:
-            raise ToolError("invalid_script", "no Megatron launch found (no line running a *.py)", where="script",
-                            fix="give the script that runs pretrain_gpt.py (or the skill's tools/pretrain_gpt.py)")
-        args, env = ex.args, {**ex.env, **(req.get("env") or {})}
-        world = req.get("num_gpus") or script_args.world_size(ex)
-        info = script_args.summary(ex)
-    if len(args) > MAX_ARGS:
-        raise ToolError("bad_request", f"{len(args):,} arguments reach Megatron; a launch passes a few hundred "
-                        f"(at most {MAX_ARGS:,} are checked)", where="/args" if req.get("args") else "/script",
-                        fix="give the launch script itself, not a generated or repeated one")
-    result = check_args(args, text, world, env, req.get("gpu"))
-    errors = [f for f in result["findings"] if f["severity"] == "error"]
-    warnings = [f for f in result["findings"] if f["severity"] == "warning"]
-    ctx.progress(f"validate: {len(errors)} error(s), {len(warnings)} warning(s)")
-    return {"valid": not errors, "errors": errors, "warnings": warnings, "world_size": world,
-            "layout": result.get("layout"), "predicted_peak_gib": result.get("predicted_peak_gib"),
-            "script": info, "num_megatron_args": len(args)}
+        ctx.progress("validate: reading the script (as bash would, without running it)")
+        launches, about = script_launches(text, script_path, env, req.get("num_gpus"), req.get("script_args"))
+    for launch in launches:
+        if len(launch.args) > MAX_ARGS:
+            raise ToolError("bad_request", f"{len(launch.args):,} arguments reach Megatron; a launch passes a few "
+                            f"hundred (at most {MAX_ARGS:,} are checked)",
+                            where="/args" if req.get("args") else "/script",
+                            fix="give the launch script itself, not a generated or repeated one")
+    checked = [(launch, check_launch(launch, req.get("gpu"))) for launch in launches]
+    findings = _combine(checked)
+    errors = [f for f in findings if f["severity"] == "error"]
+    warnings = [f for f in findings if f["severity"] == "warning"]
+    ctx.progress(f"validate: {len(errors)} error(s), {len(warnings)} warning(s) over {len(launches)} launch(es)")
+    first_launch, first = checked[0]
+    out = {"valid": not errors, "errors": errors, "warnings": warnings, "world_size": first_launch.world,
+           "layout": first["layout"], "predicted_peak_gib": first["predicted_peak_gib"],
+           "memory": first.get("memory"), "checks": first["checks"], "assumed": first["assumed"],
+           "script": {**first_launch.info, **about}, "num_megatron_args": len(first_launch.args)}
+    if "fixed_args" in first:
+        out["fixed_args"] = first["fixed_args"]
+    if len(checked) > 1:
+        out["launches"] = [{"path": la.path, "entry": la.entry, "world_size": la.world,
+                            "num_megatron_args": len(la.args), "layout": res["layout"],
+                            "predicted_peak_gib": res["predicted_peak_gib"],
+                            "valid": not any(f["severity"] == "error" for f in res["findings"])}
+                           for la, res in checked]
+    return out
 
 
 def _validate_request(sub: dict, ctx: Context) -> dict[str, Any]:
@@ -360,12 +673,13 @@ def _validate_request(sub: dict, ctx: Context) -> dict[str, Any]:
         return {"valid": False, "errors": [err], "warnings": [], "world_size": None, "layout": None,
                 "predicted_peak_gib": None, "script": {}, "num_megatron_args": 0}
     lay = built["layout"]
-    result = check_args(built["megatron_args"], "", lay["world_size"], {"CUDA_DEVICE_MAX_CONNECTIONS": "1"},
-                        full.get("gpu"))
+    launch = Launch(args=built["megatron_args"], world=lay["world_size"], env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+    result = check_launch(launch, full.get("gpu"))
     errors = [f for f in result["findings"] if f["severity"] == "error"]
     return {"valid": not errors, "errors": errors,
             "warnings": [f for f in result["findings"] if f["severity"] == "warning"],
             "world_size": lay["world_size"], "layout": lay, "predicted_peak_gib": result.get("predicted_peak_gib"),
+            "memory": result.get("memory"), "checks": result["checks"], "assumed": result["assumed"],
             "script": {}, "num_megatron_args": len(built["megatron_args"])}
 
 
