@@ -120,3 +120,52 @@ def test_fp8_linear_layers_save_what_the_memory_model_counts():
         per_token[mode] = json.loads(proc.stdout.strip().splitlines()[-1])["bytes_per_token"]
     model = resolve_model({"model": {"name": "probe", **shape}})
     assert per_token["fp8"] - per_token["bf16"] == fp8_linear_saved_bytes(model, Layout())
+
+
+COUNT_UNFUSED = SAVED_BYTES + r"""
+import contextlib, json, sys, torch
+import torch.distributed as dist
+dist.init_process_group("gloo", rank=0, world_size=1, init_method="tcp://127.0.0.1:29565")
+from megatron.core import parallel_state as ps, tensor_parallel
+ps.initialize_model_parallel(1, 1)
+# CPU stand-ins for the two CUDA-only helpers the layer calls: Megatron's global buffer (the
+# baddbmm input, overwritten with beta 0: not saved) and the dropout RNG fork.
+ps.get_global_memory_buffer().get_tensor = lambda shape, dtype, name, mem_alloc_context=None: torch.empty(shape, dtype=dtype)
+tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+out = {}
+heads, d = 4, 64
+for fp32 in (False, True):
+    for dropout in (0.0, 0.1):
+        cfg = TransformerConfig(num_layers=1, hidden_size=heads * d, num_attention_heads=heads, kv_channels=d,
+                                attention_dropout=dropout, attention_softmax_in_fp32=fp32,
+                                masked_softmax_fusion=False, bf16=True, params_dtype=torch.bfloat16)
+        attn = DotProductAttention(cfg, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+        per_s = {}
+        for s in (128, 256):
+            q, k, v = (torch.randn(s, 1, heads, d, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+            mask = torch.triu(torch.ones(s, s), diagonal=1).bool()[None, None]   # shared by every layer
+            skip = {t.untyped_storage().data_ptr() for t in (q, k, v, mask)}
+            with saved_bytes_of(skip) as counted:
+                attn(q, k, v, attention_mask=mask, attn_mask_type=AttnMaskType.causal)
+            per_s[s] = counted.total / (heads * s * s)
+        out[f"{int(fp32)}{int(dropout > 0)}"] = per_s
+print(json.dumps(out))
+"""
+
+
+def test_unfused_attention_keeps_what_the_memory_model_counts():
+    """Megatron's local DotProductAttention (the unfused path a stock pretrain_gpt.py takes with
+    --transformer-impl local) keeps S x S tensors for its backward: per head and score element,
+    memory.UNFUSED_SCORE_BYTES by softmax precision and attention dropout, at two lengths."""
+    from megatron_skill.memory import UNFUSED_SCORE_BYTES
+
+    proc = subprocess.run([sys.executable, "-c", COUNT_UNFUSED], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    counted = json.loads(proc.stdout.strip().splitlines()[-1])
+    for (fp32, dropout), expected in UNFUSED_SCORE_BYTES.items():
+        per_s = counted[f"{int(fp32)}{int(dropout)}"]
+        assert per_s["128"] == per_s["256"] == expected, (fp32, dropout, per_s)

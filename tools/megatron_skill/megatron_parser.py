@@ -125,6 +125,23 @@ def parse(argv: list[str], world_size: int | None = None, device_major: int = 9,
                         warnings_out.append(text)
 
 
+def _reason(error: BaseException) -> str:
+    """What Megatron said; for an assert without a message, the assert itself as written, with
+    its place in Megatron's code."""
+    if str(error).strip():
+        return str(error).strip()
+    import linecache
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if "megatron" in f.filename.replace("\\", "/")]
+    if not frames:
+        return type(error).__name__
+    f = frames[-1]
+    text = (linecache.getline(f.filename, f.lineno) or f.line or "").strip()
+    where = f.filename.replace("\\", "/").split("site-packages/")[-1]
+    return f"{text} ({where}, line {f.lineno})"
+
+
 def _parse(arguments: Any, argv: list[str], world_size: int | None, device_major: int,
            env: dict[str, str] | None) -> Any:
     saved = sys.argv
@@ -156,7 +173,7 @@ def _parse(arguments: Any, argv: list[str], world_size: int | None, device_major
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
             arguments.validate_args(args, {})
     except (AssertionError, ValueError, RuntimeError) as e:
-        raise ToolError("invalid_script", f"Megatron's validate_args refused the arguments: {e}",
+        raise ToolError("invalid_script", f"Megatron's validate_args refused the arguments: {_reason(e)}",
                         where="argv", fix="fix the combination it names")
     finally:
         arguments.get_device_arch_version = original

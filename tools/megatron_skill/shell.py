@@ -565,6 +565,9 @@ class Path_:
                      dict(self.sbatch), list(self.launches), list(self.choices), list(self.unresolved), self.ended)
 
 
+UNKNOWN = object()   # the value of an assignment from something the script leaves to its caller
+
+
 class _Exit(Exception):
     pass
 
@@ -1187,7 +1190,10 @@ class Reader:
         name, value = self._assignment_value(raw, p)
         if name is None:
             return
-        p.vars[name] = value
+        if value is UNKNOWN:   # X=$Y with Y left to the caller: X is as unknown as Y
+            p.vars.pop(name, None)
+        else:
+            p.vars[name] = value
         if export:
             p.exported.add(name)
 
@@ -1208,8 +1214,10 @@ class Reader:
             old = p.vars.get(name, ())
             old = (old,) if isinstance(old, str) else old
             return name, tuple(old) + tuple(items) if append else tuple(items)
-        fields, _ = self.expand(value, p, split=False)
+        fields, unknown = self.expand(value, p, split=False)
         text = " ".join(fields)
+        if unknown and index is None and not append:
+            return name, UNKNOWN
         if index is not None:  # A[i]=v
             arr = p.vars.get(name, ())
             arr = list((arr,) if isinstance(arr, str) else arr)

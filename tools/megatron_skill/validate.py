@@ -453,7 +453,9 @@ def _megatron_checks(launch: Launch, clean: list[str], findings: list[dict], che
     if any(f["severity"] == "error" for f in findings):
         checks["megatron"] = "skipped: the errors above come first (Megatron stops at the first it meets)"
         return
-    world = launch.world
+    # An entry other than a training one passes validate_args defaults of its own (inference
+    # servers set the micro-batch, for one): there only Megatron's parser speaks for it.
+    world = launch.world if launch.kind != "other" else None
     env = {"CUDA_DEVICE_MAX_CONNECTIONS": launch.env.get("CUDA_DEVICE_MAX_CONNECTIONS", "1")}
     try:
         said = megatron_parser.check(clean, world_size=world, env=env)
@@ -463,6 +465,8 @@ def _megatron_checks(launch: Launch, clean: list[str], findings: list[dict], che
             "Megatron's parser refused the arguments"
         return
     checks["megatron"] = (f"Megatron's parser and validate_args ran at world size {world}" if world else
+                          f"Megatron's parser ran; validate_args skipped: {launch.entry} sets defaults of its own"
+                          if launch.kind == "other" else
                           "Megatron's parser ran; validate_args skipped: the GPU count is not known (pass num_gpus)")
     have = {f["code"] for f in findings}
     for text in said:
