@@ -69,7 +69,8 @@ def plan_answer(req: dict) -> dict:
 def render_answer(req: dict, out_dir: str) -> dict:
     r = call("render", {**req, "output_dir": out_dir, "dry_run": True})
     assert r["ok"], r
-    return _round({"layout": r["result"]["layout"], "megatron_args": r["result"]["megatron_args"]})
+    args = [a.replace(out_dir, "OUT") for a in r["result"]["megatron_args"]]
+    return _round({"layout": r["result"]["layout"], "megatron_args": args})
 
 
 def validate_answer(req: dict) -> dict:
