@@ -32,7 +32,7 @@ def megatron_option_strings():
     import argparse
 
     from megatron.training.arguments import add_megatron_arguments
-    from megatron_skill.skill_flags import add_skill_arguments
+    from megatron_skill.adapter.skill_flags import add_skill_arguments
 
     parser = add_skill_arguments(add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
     return {opt for action in parser._actions for opt in action.option_strings}
@@ -76,7 +76,7 @@ def test_every_megatron_flag_in_markdown_code_blocks_and_templates_is_known_to_m
 
 def test_markdown_megatron_commands_parse_with_megatrons_parser():
     """A whole pretrain_gpt.py command in a code block parses, values and all."""
-    from megatron_skill import megatron_parser
+    from megatron_skill.adapter import parser as megatron_parser
 
     checked = 0
     for doc in DOCS:
@@ -158,7 +158,7 @@ def test_every_figure_of_ours_in_benchmarks_names_its_command_and_result_file():
         if not has_figures:
             continue
         title = sec.splitlines()[0]
-        assert re.search(r"python tools/\w+\.py|run_benchmarks\.sh", sec), title
+        assert re.search(r"python (tools|benchmarks)/\w+\.py|run_benchmarks\.sh", sec), title
         assert re.search(r"results/|levers/", sec), title
     for ref in set(re.findall(r"`(results/[\w./-]+\.(?:json|log))`", text)):
         assert (ROOT / "references" / ref).exists(), ref
@@ -180,7 +180,7 @@ def test_errors_of_the_past_do_not_come_back():
 
 
 # Flags in the prose that are not Megatron's or a launcher's: pip's, skillsaw's and the lab scripts'
-# (tools/run_levers.py --set, --iters).
+# (benchmarks/run_levers.py --set, --iters).
 OTHER_PROGRAMS = {"--no-build-isolation", "--set", "--iters", "--strict"}
 
 
@@ -188,7 +188,7 @@ def test_every_flag_in_inline_code_is_real_or_named_obsolete():
     """`--flag` spans in the prose, not only code blocks: each is a Megatron, launcher or tool flag,
     or one the validate tool reports as obsolete (so the text can say what replaced it)."""
     from megatron_skill.contract import build_parser, tools
-    from megatron_skill.megatron_flags import OBSOLETE
+    from megatron_skill.adapter.flags import OBSOLETE
 
     known = megatron_option_strings() | launcher_option_strings() | OTHER_PROGRAMS | set(OBSOLETE)
     for tool in tools().values():

@@ -29,7 +29,7 @@ def test_doctor_recognises_the_pypi_apex_impostor(tmp_path):
 def test_bench_without_gpu(cli, tmp_path):
     rc, out, _ = cli("bench", "--calibrate", "--runs-root", str(tmp_path))
     assert rc == 5 and out["error"]["code"] == "environment"
-    rc, out, _ = cli("bench", "--request", "tools/benchmarks/llama-1b-shape-bf16.json", "--runs-root", str(tmp_path),
+    rc, out, _ = cli("bench", "--request", "benchmarks/requests/llama-1b-shape-bf16.json", "--runs-root", str(tmp_path),
                      "--dry-run")
     assert rc == 0 and out["result"]["dry_run"] and out["result"]["prediction"]["tokens_per_s"] > 0
     assert json.loads(json.dumps(out))["result"]["layout"]["mbs"] == 4
@@ -48,7 +48,7 @@ def test_kernel_families_of_the_profile():
 
 
 def test_bench_profile_is_part_of_the_request_and_its_id(cli, tmp_path):
-    base = ["bench", "--request", "tools/benchmarks/llama-1b-shape-bf16.json", "--gpu", "h200", "--runs-root",
+    base = ["bench", "--request", "benchmarks/requests/llama-1b-shape-bf16.json", "--gpu", "h200", "--runs-root",
             str(tmp_path), "--dry-run"]
     rc1, plain, _ = cli(*base)
     rc2, profiled, _ = cli(*base, "--profile")
@@ -62,7 +62,7 @@ def test_bench_plans_for_the_layers_installed_here(cli, tmp_path):
     from megatron_skill.runtime.compat import have_transformer_engine
 
     assert not have_transformer_engine()
-    req = json.loads((ROOT / "tools" / "benchmarks" / "llama-3b-shape-bf16.json").read_text())
+    req = json.loads((ROOT / "benchmarks" / "requests" / "llama-3b-shape-bf16.json").read_text())
     del req["layout"]
     req.update(gpu="h200", runs_root=str(tmp_path), dry_run=True)
 

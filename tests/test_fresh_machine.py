@@ -120,8 +120,8 @@ def _fix_texts():
 
 
 def test_every_flag_a_fix_names_exists():
-    from megatron_skill import megatron_flags
-    from megatron_skill.skill_flags import add_skill_arguments
+    from megatron_skill.adapter import flags as megatron_flags
+    from megatron_skill.adapter.skill_flags import add_skill_arguments
 
     import argparse
     ours = {"--request", "--pretty", "--help"}

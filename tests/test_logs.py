@@ -2,7 +2,7 @@
 import json
 from pathlib import Path
 
-from megatron_skill import megatron_log
+from megatron_skill.adapter import log as megatron_log
 from megatron_skill.contract import call
 
 FIXTURE = Path(__file__).parent / "fixtures" / "logs" / "h200-kill-resume.log"

@@ -9,10 +9,12 @@ import random
 
 import pytest
 
-from megatron_skill import catalog, megatron_args, megatron_parser
-from megatron_skill.flops import padded_vocab_size, training_flops
-from megatron_skill.layout import Layout, check_layout
-from megatron_skill.memory import stage_memory
+from megatron_skill.core import catalog
+from megatron_skill.adapter import arguments as megatron_args
+from megatron_skill.adapter import parser as megatron_parser
+from megatron_skill.core.flops import padded_vocab_size, training_flops
+from megatron_skill.core.layout import Layout, check_layout
+from megatron_skill.core.memory import stage_memory
 
 megatron_training = pytest.importorskip("megatron.training.training")
 from megatron.training.theoretical_memory_usage import compute_weight_and_optimizer_memory  # noqa: E402

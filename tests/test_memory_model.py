@@ -62,8 +62,8 @@ print(json.dumps({"bytes_per_token": counted.total / s}))
 
 
 def test_core_attention_keeps_what_the_memory_model_counts():
-    from megatron_skill.memory import attention_saved_bytes
-    from megatron_skill.resolve import resolve_model
+    from megatron_skill.core.memory import attention_saved_bytes
+    from megatron_skill.core.resolve import resolve_model
 
     shape = {"num_layers": 1, "hidden_size": 512, "ffn_hidden_size": 1024, "num_attention_heads": 8,
              "num_query_groups": 2, "kv_channels": 64, "vocab_size": 128}
@@ -106,9 +106,9 @@ def test_fp8_linear_layers_save_what_the_memory_model_counts():
     """A whole Megatron-Core layer (attention and SwiGLU MLP, the skill's spec) with the skill's
     FP8 linear layers against the same layer in BF16, saved tensors counted with autograd's
     hooks on CPU: the difference per token is memory.fp8_linear_saved_bytes."""
-    from megatron_skill.layout import Layout
-    from megatron_skill.memory import fp8_linear_saved_bytes
-    from megatron_skill.resolve import resolve_model
+    from megatron_skill.core.layout import Layout
+    from megatron_skill.core.memory import fp8_linear_saved_bytes
+    from megatron_skill.core.resolve import resolve_model
 
     shape = {"num_layers": 1, "hidden_size": 256, "ffn_hidden_size": 768, "num_attention_heads": 4,
              "num_query_groups": 2, "kv_channels": 64, "vocab_size": 128}
@@ -160,7 +160,7 @@ def test_unfused_attention_keeps_what_the_memory_model_counts():
     """Megatron's local DotProductAttention (the unfused path a stock pretrain_gpt.py takes with
     --transformer-impl local) keeps S x S tensors for its backward: per head and score element,
     memory.UNFUSED_SCORE_BYTES by softmax precision and attention dropout, at two lengths."""
-    from megatron_skill.memory import UNFUSED_SCORE_BYTES
+    from megatron_skill.core.memory import UNFUSED_SCORE_BYTES
 
     proc = subprocess.run([sys.executable, "-c", COUNT_UNFUSED], capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})

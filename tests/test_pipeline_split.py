@@ -4,8 +4,8 @@ import pytest
 
 from conftest import require_modules
 from megatron_skill.contract import call
-from megatron_skill.layout import Layout
-from megatron_skill.planner import pipeline_splits
+from megatron_skill.core.layout import Layout
+from megatron_skill.core.planner import pipeline_splits
 
 SPLITS = [  # (layers, PP, VP, Layout fields)
     (61, 16, 1, {"pipeline_split": "uneven", "first_stage_layers": 2, "last_stage_layers": 3}),
@@ -65,7 +65,7 @@ def test_deepseek_v3_pipelined_at_pp16_ep64_on_1024_h100s(tmp_path):
     args = env["result"]["megatron_args"]
     assert args[args.index("--decoder-first-pipeline-num-layers") + 1] == str(lay["first_stage_layers"])
     require_modules("megatron.core")
-    from megatron_skill import megatron_parser
+    from megatron_skill.adapter import parser as megatron_parser
     megatron_parser.parse(args, world_size=1024)
     # validate reads the split back from the flags: no pp_layers error.
     found = call("validate", {"args": args, "num_gpus": 1024, "gpu": "h100-sxm"})["result"]

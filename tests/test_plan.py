@@ -182,7 +182,7 @@ def test_without_transformer_engine_no_context_parallel():
 def _planner_vs_measured():
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("pvm", ROOT / "tools" / "planner_vs_measured.py")
+    spec = importlib.util.spec_from_file_location("pvm", ROOT / "benchmarks" / "planner_vs_measured.py")
     pvm = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(pvm)
     return pvm, ROOT / "references" / "results" / "h200-2026-12-03"
@@ -190,7 +190,7 @@ def _planner_vs_measured():
 
 def test_planner_against_the_measured_h200_results():
     """What references/benchmarks.md says of the planner holds for the results on record
-    (tools/planner_vs_measured.py): peak memory within 5 % of every single-GPU run and every
+    (benchmarks/planner_vs_measured.py): peak memory within 5 % of every single-GPU run and every
     fake-process-group rank, step time within 10 % on the current path, and the measured
     fastest 1B candidate the planner's first."""
     pvm, results = _planner_vs_measured()
@@ -216,8 +216,9 @@ def test_h200_calibration_is_what_bench_calibrate_measured(tmp_path, monkeypatch
     import json
     import shutil
 
-    from megatron_skill import bench, catalog
-    from megatron_skill.timing import calibration
+    from megatron_skill.tools import bench
+    from megatron_skill.core import catalog
+    from megatron_skill.core.timing import calibration
 
     measured = json.loads((ROOT / "references/results/h200-2026-12-02/calibrate.json").read_text())
     gpu = catalog.get_gpu("h200")
@@ -237,14 +238,36 @@ def test_h200_calibration_is_what_bench_calibrate_measured(tmp_path, monkeypatch
 def test_every_calibration_figure_the_model_reads_exists_for_every_gpu():
     import json
 
-    from megatron_skill.catalog import CATALOG_DIR
-    from megatron_skill.timing import calibration
+    from megatron_skill.core.catalog import CATALOG_DIR
+    from megatron_skill.core.timing import calibration
+
+    from megatron_skill.core import timing
+    from megatron_skill.contract import call
 
     data = json.loads((CATALOG_DIR / "calibration.json").read_text())
-    needed = set(data["default"]) - {"status"}
-    source = (ROOT / "tools" / "megatron_skill" / "timing.py").read_text()
-    for key in needed:
-        assert f'"{key}"' in source, f"calibration.json has {key}, which the model never reads"
+    needed = set(data["default"]) - {"status", "source"}
+    read: set[str] = set()
+
+    class Recording(dict):
+        def __getitem__(self, key):
+            read.add(key)
+            return super().__getitem__(key)
+
+        def get(self, key, default=None):
+            read.add(key)
+            return super().get(key, default)
+
+    real = timing.calibration
+    timing.calibration = lambda gpu_key: Recording(real(gpu_key))
+    try:   # plans that take every path of the step-time model: FP8, MoE, CP, PP, no TE
+        for req in ({"model": "llama3-8b", "num_gpus": 16, "precision": "fp8", "seq_length": 32768},
+                    {"model": "mixtral-8x7b", "num_gpus": 64},
+                    {"model": "llama3.2-1b", "num_gpus": 1, "gpu": "h200", "transformer_engine": False,
+                     "precision": "fp8"}):
+            assert call("plan", {"gpu": "h100-sxm", **req, "top": 1})["ok"]
+    finally:
+        timing.calibration = real
+    assert needed <= read, f"calibration.json has {sorted(needed - read)}, which the model never reads"
     for gpu in data["gpus"]:
         cal = calibration(gpu)
         assert needed <= set(cal) and all(0 < cal[k] for k in needed), gpu
@@ -258,12 +281,12 @@ def test_near_ties_go_to_the_leaner_layout():
     (references/results/h200-2026-12-03/default-path)."""
     from types import SimpleNamespace as C
 
-    from megatron_skill.planner import TIE, rank
+    from megatron_skill.core.planner import TIE, rank
 
     a, b, c = C(tokens_per_s=100.0, peak_gib=110), C(tokens_per_s=100 * (1 - TIE / 2), peak_gib=70), \
         C(tokens_per_s=90.0, peak_gib=10)
     assert rank([a, b, c]) == [b, a, c]
-    req = json.loads((ROOT / "tools" / "benchmarks" / "llama-1b-shape-bf16.json").read_text())
+    req = json.loads((ROOT / "benchmarks" / "requests" / "llama-1b-shape-bf16.json").read_text())
     plans = _plan(model=req["model"], gpu="h200", num_gpus=1, seq_length=4096, global_batch_size=32,
                   transformer_engine=False, top=3)["plans"]
     assert plans[0]["layout"]["mbs"] == 8 and plans[0]["tokens_per_s"] < max(p["tokens_per_s"] for p in plans)

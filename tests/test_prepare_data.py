@@ -192,7 +192,7 @@ def test_a_run_killed_while_committing_is_finished_by_the_next(tmp_path, cli, do
     """The commit puts .bin, .idx and the record in place one by one; a kill after any number
     of those steps leaves a journal, and the next run of the same request rolls it forward:
     the record then describes the files beside it, never older data."""
-    from megatron_skill import prepare_data as pd
+    from megatron_skill.tools import prepare_data as pd
 
     prefix = tmp_path / "c"
     other = tmp_path / "other.jsonl"
@@ -319,7 +319,7 @@ def test_train_uses_the_dataset_with_matching_tokenizer_flags(tmp_path, cli):
 def test_data_paths_without_a_file_name_are_left_as_they_are():
     """'/' or '.' as a data path (hypothesis found '/') is no prepare-data dataset: no record
     is looked up for it, and render passes it to Megatron unchanged instead of failing."""
-    from megatron_skill.prepare_data import dataset_record, match_tokenizer
+    from megatron_skill.tools.prepare_data import dataset_record, match_tokenizer
 
     assert dataset_record("/") is None and dataset_record(".") is None
     assert match_tokenizer({"data_path": ["/", "."]}, 256) == {"data_path": ["/", "."]}

@@ -89,11 +89,13 @@ def test_a_huge_gpu_count_is_refused_at_once():
 
 
 def test_internal_errors_have_their_own_code_and_exit_status(monkeypatch):
-    from megatron_skill import contract, errors
+    from megatron_skill import contract
+    from megatron_skill import errors
 
     def broken(req, ctx):
         raise ZeroDivisionError("a bug")
-    monkeypatch.setitem(contract._REGISTRY, "doctor", contract.Tool("doctor", "x", broken))
+    from megatron_skill.tools import TOOLS
+    monkeypatch.setitem(TOOLS, "doctor", contract.Tool("doctor", "x", broken))
     env = call("doctor", {})
     assert env["error"]["code"] == "internal" and contract.exit_code(env) == errors.EXIT_CODES["internal"] == 9
 

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from conftest import ROOT, system_tool
-from megatron_skill import megatron_parser
+from megatron_skill.adapter import parser as megatron_parser
 from megatron_skill.contract import call
 
 # A cluster size for each catalog model, as the model is usually trained.
@@ -264,8 +264,8 @@ def test_multinode_script_rendezvous_on_localhost(tmp_path):
 
 def test_flag_manifest_matches_the_installed_megatron():
     # catalog/megatron_flags.json serves where megatron-core is absent; it must be the installed
-    # parser's flag set (regenerate with: python tools/gen_megatron_manifest.py).
-    from megatron_skill.megatron_flags import build_manifest, load_manifest
+    # parser's flag set (regenerate with: python dev/gen_megatron_manifest.py).
+    from megatron_skill.adapter.flags import build_manifest, load_manifest
     assert load_manifest() == build_manifest()
 
 

@@ -39,7 +39,7 @@ def _run_loop(cfg: Path, nproc: int = 1) -> dict[int, float]:
                            str(nproc), str(LOOP), str(cfg)], capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    from megatron_skill.megatron_log import parse
+    from megatron_skill.adapter.log import parse
     return {r["iteration"]: r["loss"] for r in parse(proc.stdout.splitlines())["iterations"]}
 
 
@@ -72,7 +72,8 @@ def test_sdpa_attention_matches_reference_math():
 def test_the_local_path_renders_no_dataloader_mask_so_attention_runs_causal():
     """With the mask built by the dataloader SDPA computes the full square under it; without it
     the causal kernel runs.  The rendered local path turns the mask off, in Megatron's own terms."""
-    from megatron_skill import megatron_args, megatron_parser
+    from megatron_skill.adapter import arguments as megatron_args
+    from megatron_skill.adapter import parser as megatron_parser
 
     flags = megatron_args.local_impl_flags({})
     assert "--no-create-attention-mask-in-dataloader" in flags
@@ -289,7 +290,7 @@ def test_fp8_linear_layers_train_like_bf16(tmp_path):
 
 
 def test_a_failed_run_reports_the_ranks_error_not_torchruns(tmp_path):
-    from megatron_skill.train import _log_tail
+    from megatron_skill.tools.train import _log_tail
 
     log = tmp_path / "train.log"
     log.write_text("\n".join([

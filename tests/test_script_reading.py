@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from conftest import ROOT
-from megatron_skill import shell
+from megatron_skill.adapter import shell
 from megatron_skill.contract import call
 
 MODEL = """--num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32
@@ -295,7 +295,7 @@ def test_the_planning_only_install_says_megatron_checks_were_skipped():
 def test_each_combination_rule_is_one_megatron_itself_refuses(combo):
     """The skill's copies of validate_args' asserts (for the planning-only install) are Megatron's:
     the same vector, given to Megatron 0.19.2's own parser and validate_args, is refused."""
-    from megatron_skill import megatron_parser
+    from megatron_skill.adapter import parser as megatron_parser
     from megatron_skill.errors import ToolError
 
     vectors = {

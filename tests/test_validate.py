@@ -202,7 +202,7 @@ def test_obsolete_flags_are_errors_only_where_megatron_refuses_them():
     import argparse
 
     from megatron.training.arguments import add_megatron_arguments
-    from megatron_skill.megatron_flags import OBSOLETE
+    from megatron_skill.adapter.flags import OBSOLETE
 
     parser = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
     accepted = {flag for flag in OBSOLETE if not parser.parse_known_args([flag] + (["2"] if "size" in flag else []))[1]}

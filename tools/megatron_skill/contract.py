@@ -31,8 +31,11 @@ NON_SEMANTIC = {"dry_run", "resume", "workers"}  # workers: how fast, not what
 
 @dataclasses.dataclass
 class Context:
+    """How a request is carried out: dry run or not, where progress goes, and the id of the
+    request being served (set by call; a tool that calls another passes its own context on)."""
     dry_run: bool = False
     progress: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr, flush=True)
+    request_id: str | None = None
 
 
 @dataclasses.dataclass
@@ -40,20 +43,14 @@ class Tool:
     name: str
     summary: str
     run: Callable[[dict, Context], dict]
-    acts: bool = False   # True when the tool changes the world (files, processes)
-
-
-_REGISTRY: dict[str, Tool] = {}
-
-
-def register(tool: Tool) -> Tool:
-    _REGISTRY[tool.name] = tool
-    return tool
 
 
 def tools() -> dict[str, Tool]:
-    from . import registry  # noqa: F401  (imports every tool module, which registers itself)
-    return dict(_REGISTRY)
+    """Every tool by name (the tools package lists them; imported here, when a request is made,
+    so that no module imports in a circle)."""
+    from .tools import TOOLS
+
+    return dict(TOOLS)
 
 
 def load_schema(tool: str, kind: str) -> dict:
@@ -200,7 +197,7 @@ def call(tool_name: str, request: dict, ctx: Context | None = None) -> dict:
     try:
         req = validate_request(tool_name, request)
         rid = request_id(tool_name, req)
-        ctx.request_id = rid  # type: ignore[attr-defined]
+        ctx.request_id = rid
         env = {"ok": True, "tool": tool_name, "request_id": rid, "result": tool.run(req, ctx)}
     except ToolError as e:
         env = {"ok": False, "tool": tool_name, "error": e.to_json()}
@@ -312,7 +309,7 @@ def _epilog(tool: str, schema: dict) -> str:
              "7 invalid script, 8 runtime failure, 9 internal error (a bug: report it)."]
     props = schema.get("properties", {})
     if "model" in props or "gpu" in props:
-        from .catalog import gpu_names, model_names
+        from .core.catalog import gpu_names, model_names
 
         if "model" in props:
             lines.append("Models in the catalog: " + ", ".join(model_names()) + ".")

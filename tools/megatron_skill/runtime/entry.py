@@ -130,7 +130,7 @@ def main() -> None:
     profiling = gpu_profile.install()
     if profiling:
         fixes.append(profiling)
-    from megatron_skill.skill_flags import add_skill_arguments
+    from megatron_skill.adapter.skill_flags import add_skill_arguments
 
     args = parse_and_validate_args(extra_args_provider=add_skill_arguments,
                                    args_defaults={"tokenizer_type": "NullTokenizer"})

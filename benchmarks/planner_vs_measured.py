@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The planner's predictions beside what bench measured, for the results on record.
 
-    python tools/planner_vs_measured.py [RESULTS_DIR]     # default: references/results/h200-2026-12-03
+    python benchmarks/planner_vs_measured.py [RESULTS_DIR]     # default: references/results/h200-2026-12-03
 
 Predicts each bench result again with the current planner (the GPU, layout and runtime
 options the result records) and prints the Markdown tables of references/benchmarks.md:
@@ -19,12 +19,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 
-from megatron_skill.catalog import get_gpu  # noqa: E402
-from megatron_skill.flops import padded_vocab_size  # noqa: E402
-from megatron_skill.layout import Layout  # noqa: E402
-from megatron_skill.memory import MemoryOptions, GIB, stage_memory  # noqa: E402
-from megatron_skill.planner import cost, rank  # noqa: E402
-from megatron_skill.resolve import resolve_model  # noqa: E402
+from megatron_skill.core.catalog import get_gpu  # noqa: E402
+from megatron_skill.core.flops import padded_vocab_size  # noqa: E402
+from megatron_skill.core.layout import Layout  # noqa: E402
+from megatron_skill.core.memory import MemoryOptions, GIB, stage_memory  # noqa: E402
+from megatron_skill.core.planner import cost, rank  # noqa: E402
+from megatron_skill.core.resolve import resolve_model  # noqa: E402
 
 SHAPES = {"llama-1b-shape": "llama-1b-shape-bf16.json", "llama-3b-shape": "llama-3b-shape-bf16.json"}
 CATALOG = {"llama3-8b": "llama3-8b", "mixtral-8x7b": "mixtral-8x7b"}
@@ -49,7 +49,7 @@ def load(path: Path) -> dict | None:
 def model_of(res: dict):
     name = res["model"]["name"]
     if name in SHAPES:
-        return resolve_model(json.loads((ROOT / "tools" / "benchmarks" / SHAPES[name]).read_text()))
+        return resolve_model(json.loads((ROOT / "benchmarks" / "requests" / SHAPES[name]).read_text()))
     return resolve_model({"model": CATALOG[name]})
 
 

@@ -4,7 +4,7 @@
 The documents are the prose paragraphs of the skill's own Markdown (README, SKILL.md,
 instructions.md, references/) and the docstrings of its Python modules: no download, no
 third-party text.  Code blocks and tables are left out.  The demo and the tests tokenize it with prepare-data and train on it.
-    python tools/make_sample_corpus.py [OUT.jsonl]
+    python dev/make_sample_corpus.py [OUT.jsonl]
 """
 import ast
 import json

@@ -15,8 +15,8 @@ import json
 from pathlib import Path
 from typing import Any, Callable
 
-from .catalog import CATALOG_DIR
-from .errors import ToolError
+from ..core.catalog import CATALOG_DIR
+from ..errors import ToolError
 
 MANIFEST_PATH = CATALOG_DIR / "megatron_flags.json"
 
@@ -223,7 +223,7 @@ def manifest_parser() -> argparse.ArgumentParser:
 def check(argv: list[str], world_size: int | None = None) -> str:
     """Parse argv with Megatron's parser (and validate_args, given a world size); without
     megatron-core, with the manifest.  Returns which was used; raises ToolError on a refusal."""
-    from . import megatron_parser
+    from . import parser as megatron_parser
 
     if megatron_parser.available():
         megatron_parser.check(argv, world_size=world_size)

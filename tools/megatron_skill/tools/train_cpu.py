@@ -6,12 +6,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .errors import ToolError
-from .flops import padded_vocab_size, training_flops
-from .resolve import default_global_batch, resolve_model
+from ..errors import ToolError
+from ..core.flops import padded_vocab_size, training_flops
+from ..core.resolve import default_global_batch, resolve_model
 
 CPU_MAX_PARAMS = 60e6  # enough for tests and demos; anything larger belongs on a GPU
-LOOP = Path(__file__).resolve().parent / "runtime" / "cpu_loop.py"
+LOOP = Path(__file__).resolve().parents[1] / "runtime" / "cpu_loop.py"
 
 
 def estimate_seconds(step_flops: float, iters: int) -> float:
@@ -19,7 +19,7 @@ def estimate_seconds(step_flops: float, iters: int) -> float:
     measured time of the tiny model's step, scaled up for a step of more FLOPs (a smaller step
     is bound by Python and gloo, not arithmetic). Measured on the 2-core CI machine class
     (catalog/calibration.json, cpu_loop); a faster machine finishes sooner."""
-    from .catalog import CATALOG_DIR
+    from ..core.catalog import CATALOG_DIR
 
     cal = json.loads((CATALOG_DIR / "calibration.json").read_text())["cpu_loop"]
     per_iter = cal["reference_iteration_s"] * max(1.0, step_flops / (cal["reference_step_gflop"] * 1e9))

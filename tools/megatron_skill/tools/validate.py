@@ -20,14 +20,14 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from . import megatron_args, megatron_flags, megatron_parser, script_args
-from .catalog import get_gpu
-from .contract import Context, Tool, register
-from .errors import ToolError
-from .flops import padded_vocab_size
-from .layout import RULES, Layout, broken_rules
-from .memory import GIB, MemoryOptions, memory_report, unfused_score_bytes
-from .model import ModelSpec, build_spec
+from ..adapter import arguments as megatron_args, flags as megatron_flags, parser as megatron_parser, script as script_args
+from ..core.catalog import get_gpu
+from ..contract import Context, Tool
+from ..errors import ToolError
+from ..core.flops import padded_vocab_size
+from ..core.layout import RULES, Layout, broken_rules
+from ..core.memory import GIB, MemoryOptions, memory_report, unfused_score_bytes
+from ..core.model import ModelSpec, build_spec
 
 # Layout rules that validate reports with a fix of its own words.
 RULE_FIXES = {
@@ -665,12 +665,12 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
 def _validate_request(sub: dict, ctx: Context) -> dict[str, Any]:
     """A render request: every error render would raise, then the checks on its arguments."""
     from . import render
-    from .contract import request_id, validate_request
+    from ..contract import request_id, validate_request
 
     try:
         full = validate_request("render", sub)
         sub_ctx = Context(dry_run=True, progress=ctx.progress)
-        sub_ctx.request_id = request_id("render", full)  # type: ignore[attr-defined]
+        sub_ctx.request_id = request_id("render", full)
         built = render.build(full, sub_ctx)
     except ToolError as e:
         err = _finding(e.code, e.message, e.fix or "", e.where)
@@ -687,5 +687,5 @@ def _validate_request(sub: dict, ctx: Context) -> dict[str, Any]:
             "script": {}, "num_megatron_args": len(built["megatron_args"])}
 
 
-TOOL = register(Tool(name="validate", summary="Check a launch script or argument vector: unknown / obsolete flags, "
-                     "Megatron's rules, memory fit; every error names its fix.", run=run))
+TOOL = Tool(name="validate", summary="Check a launch script or argument vector: unknown / obsolete flags, "
+                     "Megatron's rules, memory fit; every error names its fix.", run=run)

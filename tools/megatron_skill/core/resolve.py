@@ -7,7 +7,7 @@ from typing import Any
 
 from . import catalog
 from .catalog import GPUSpec
-from .errors import ToolError
+from ..errors import ToolError
 from .model import ModelSpec, build_spec, from_hf_config
 
 

@@ -6,10 +6,10 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from . import megatron_log
-from .catalog import get_gpu
-from .contract import Context, Tool, register
-from .errors import ToolError
+from ..adapter import log as megatron_log
+from ..core.catalog import get_gpu
+from ..contract import Context, Tool
+from ..errors import ToolError
 
 
 MAX_LINE = 1 << 16  # characters of one line that are read; the rest of a longer line is skipped
@@ -101,5 +101,5 @@ def _plot(parsed: dict, out: Path) -> str | None:
     return str(out)
 
 
-TOOL = register(Tool(name="logs", summary="Summarise a Megatron training log: loss curve, speed, MFU, memory, "
-                     "NaN / skipped iterations, and OOM, NCCL and divergence with hints.", run=run))
+TOOL = Tool(name="logs", summary="Summarise a Megatron training log: loss curve, speed, MFU, memory, "
+                     "NaN / skipped iterations, and OOM, NCCL and divergence with hints.", run=run)

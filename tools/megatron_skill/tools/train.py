@@ -21,13 +21,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import megatron_log, render
-from .catalog import gpu_by_device_name
-from .contract import Context, Tool, register
-from .errors import ToolError
+from ..adapter import log as megatron_log
+
+from . import render
+from ..core.catalog import gpu_by_device_name
+from ..contract import Context, Tool
+from ..errors import ToolError
 from .prepare_data import check_datasets
-from .resolve import DEFAULT_TRAIN_ITERS
-from .runs import RunLock, latest_checkpoint, read_state, write_state
+from ..core.resolve import DEFAULT_TRAIN_ITERS
+from ..runs import RunLock, latest_checkpoint, read_state, write_state
 
 
 def detect_gpus() -> tuple[int, str | None]:
@@ -129,7 +131,7 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
         req = {**req, "num_gpus": max(1, detect_gpus()[0])}
     req = {**req, "training": {**req["training"], "train_iters": req["training"].get("train_iters")
                                or DEFAULT_TRAIN_ITERS[backend]}}
-    run_id = ctx.request_id  # type: ignore[attr-defined]
+    run_id = ctx.request_id
     runs_root = Path(req["runs_root"])
     if runs_root.exists() and not runs_root.is_dir():
         raise ToolError("bad_request", f"runs_root {runs_root} is a file, not a folder", where="/runs_root",
@@ -272,7 +274,7 @@ def _plan_gpu_run(req: dict, ctx: Context, run_dir: Path) -> dict[str, Any]:
     if "transformer_engine" not in sub:
         # The run goes here: plan for the layers it will really have (the local ones, with the
         # skill's fused head, take far less memory for the logits than TE's assumed path).
-        from .runtime.compat import have_transformer_engine
+        from ..runtime.compat import have_transformer_engine
         sub["transformer_engine"] = have_transformer_engine()
     if name and "gpu" not in req:
         gpu = gpu_by_device_name(name)
@@ -287,7 +289,7 @@ def _plan_gpu_run(req: dict, ctx: Context, run_dir: Path) -> dict[str, Any]:
     script = Path(out["files"][0]["path"])
     peak = None
     try:
-        from .catalog import get_gpu
+        from ..core.catalog import get_gpu
         peak = get_gpu(sub.get("gpu", "h100-sxm")).bf16_dense_tflops
     except ToolError:
         pass
@@ -306,6 +308,5 @@ def _plan_gpu_run(req: dict, ctx: Context, run_dir: Path) -> dict[str, Any]:
             "prediction": out["prediction"], "peak_tflops": peak}
 
 
-TOOL = register(Tool(name="train", summary="Run Megatron-Core training (torchrun or Slurm on GPUs; a tiny CPU "
-                     "run without them) in a run directory named by the request id; resumable.", run=run,
-                     acts=True))
+TOOL = Tool(name="train", summary="Run Megatron-Core training (torchrun or Slurm on GPUs; a tiny CPU "
+                     "run without them) in a run directory named by the request id; resumable.", run=run)

@@ -8,10 +8,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .errors import ToolError
-from .model import ModelSpec, build_spec
+from ...errors import ToolError
+from ..model import ModelSpec, build_spec
 
-CATALOG_DIR = Path(__file__).resolve().parent / "catalog"
+CATALOG_DIR = Path(__file__).resolve().parent
 
 
 @functools.lru_cache(maxsize=None)

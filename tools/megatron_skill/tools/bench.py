@@ -15,16 +15,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import megatron_log, train
-from .catalog import get_gpu, gpu_by_device_name
-from .contract import Context, Tool, register
-from .errors import ToolError
-from .flops import padded_vocab_size
-from .layout import Layout
-from .megatron_args import uses_fp8_linear, uses_fused_head, uses_fused_wgrad
-from .memory import GIB, MemoryOptions, stage_memory
-from .planner import cost
-from .resolve import resolve_model
+from ..adapter import log as megatron_log
+
+from . import train
+from ..core.catalog import get_gpu, gpu_by_device_name
+from ..contract import Context, Tool
+from ..errors import ToolError
+from ..core.flops import padded_vocab_size
+from ..core.layout import Layout
+from ..adapter.arguments import uses_fp8_linear, uses_fused_head, uses_fused_wgrad
+from ..core.memory import GIB, MemoryOptions, stage_memory
+from ..core.planner import cost
+from ..core.resolve import resolve_model
 
 
 def _pct(measured: float, predicted: float) -> float:
@@ -48,7 +50,7 @@ def _calibrate(req: dict, ctx: Context, out_dir: Path) -> dict[str, Any]:
     gpu, n = _gpu(req)
     if not n:
         raise ToolError("environment", "calibration needs a CUDA GPU", where="/calibrate", fix="run it on the GPU")
-    from .runtime import calibrate
+    from ..runtime import calibrate
 
     ctx.progress(f"bench: calibrating {gpu.key} (GEMM, attention, HBM)")
     result = calibrate.measure(gpu.bf16_dense_tflops, gpu.fp8_dense_tflops, gpu.hbm_gbps)
@@ -76,7 +78,7 @@ def catalog_entry(result: dict, gpu) -> dict[str, Any]:
 def store_calibration(gpu, entry: dict, date: str) -> str:
     """Write a calibration into catalog/calibration.json for this GPU type, keeping the
     figures calibrate does not measure (the profile-derived factors)."""
-    from .catalog import CATALOG_DIR
+    from ..core.catalog import CATALOG_DIR
 
     path = CATALOG_DIR / "calibration.json"
     data = json.loads(path.read_text())
@@ -87,13 +89,13 @@ def store_calibration(gpu, entry: dict, date: str) -> str:
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(data, indent=2) + "\n")
     tmp.replace(path)
-    from .timing import calibration
+    from ..core.timing import calibration
     calibration.cache_clear()
     return str(path)
 
 
 def run(req: dict, ctx: Context) -> dict[str, Any]:
-    run_id = ctx.request_id  # type: ignore[attr-defined]
+    run_id = ctx.request_id
     out_dir = (Path(req["runs_root"]) / run_id).resolve()
     if req["calibrate"]:
         if ctx.dry_run:
@@ -204,7 +206,7 @@ def _fake_rank_result(req: dict, result: dict, parsed: dict, model, gpu, run_id:
 
 
 def _have_te() -> bool:
-    from .runtime.compat import have_transformer_engine
+    from ..runtime.compat import have_transformer_engine
     return have_transformer_engine()
 
 
@@ -241,20 +243,20 @@ def _write_reports(out: dict, run_dir: Path, parsed: dict) -> list[str]:
 
 def runtime_options(runtime: dict) -> dict:
     """The runtime options the run had, defaults filled in: a result says which path it measured."""
-    from .contract import _resolve, load_schema
+    from ..contract import _resolve, load_schema
     props = _resolve(load_schema("bench", "request")["properties"]["runtime"])["properties"]
     return {k: runtime.get(k, v.get("default")) for k, v in props.items()}
 
 
 def train_keys() -> set[str]:
-    from .contract import load_schema
+    from ..contract import load_schema
     return set(load_schema("train", "request")["properties"])
 
 
 def train_defaults(treq: dict) -> dict:
-    from .contract import _fill_defaults, load_schema
+    from ..contract import _fill_defaults, load_schema
     return _fill_defaults(load_schema("train", "request"), treq)
 
 
-TOOL = register(Tool(name="bench", summary="Measure tokens/s, TFLOP/s/GPU, MFU and peak memory of a configuration "
-                     "on the GPUs here, beside the planner's prediction; or calibrate the planner.", run=run, acts=True))
+TOOL = Tool(name="bench", summary="Measure tokens/s, TFLOP/s/GPU, MFU and peak memory of a configuration "
+                     "on the GPUs here, beside the planner's prediction; or calibrate the planner.", run=run)

@@ -18,9 +18,9 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any, Iterator
 
-from .contract import Context, Tool, register
-from .errors import ToolError
-from .locks import Busy, FileLock, write_atomic
+from ..contract import Context, Tool
+from ..errors import ToolError
+from ..locks import Busy, FileLock, write_atomic
 
 BATCH_LINES = 512
 MAX_REPORTED = 20
@@ -266,7 +266,7 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
     prefix = _check(req)
     tokenizer = load_tokenizer(req["tokenizer"])  # fails here, before any work, on a bad tokenizer
     files = _paths(prefix)
-    rid = ctx.request_id  # type: ignore[attr-defined]
+    rid = ctx.request_id
     workers = req.get("workers") or min(16, os.cpu_count() or 1)
     if ctx.dry_run:
         _decide(req, files, rid, ctx, dry_run=True)
@@ -440,6 +440,6 @@ def match_tokenizer(training: dict[str, Any], model_vocab: int) -> dict[str, Any
     return out
 
 
-TOOL = register(Tool(name="prepare-data", summary="Tokenize JSONL into a Megatron indexed dataset (.bin/.idx) "
+TOOL = Tool(name="prepare-data", summary="Tokenize JSONL into a Megatron indexed dataset (.bin/.idx) "
                      "with megatron-core's builder; bad lines reported; atomic; byte or local HF tokenizer.",
-                     run=run, acts=True))
+                     run=run)

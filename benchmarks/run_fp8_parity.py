@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """FP8 against BF16 on real text: the same model, data and seed, a few hundred steps.
 
-    python tools/run_fp8_parity.py OUTDIR [--iters 300]
+    python benchmarks/run_fp8_parity.py OUTDIR [--iters 300]
 
 The text is the Python standard library's own source (code, comments and docstrings: real
 text every Python install has, nothing downloaded), tokenized as UTF-8 bytes by
@@ -65,7 +65,7 @@ def launch(tool: str, req: dict, out_dir: Path, tag: str) -> dict:
 
 
 def losses(result: dict) -> list[tuple[int, float]]:
-    from megatron_skill.megatron_log import parse
+    from megatron_skill.adapter.log import parse
 
     lines = Path(result["log"]).read_text(errors="replace").splitlines()
     return [(r["iteration"], r["loss"]) for r in parse(lines)["iterations"] if r.get("loss") is not None]

@@ -4,13 +4,13 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from . import megatron_args
-from .contract import Context, Tool, register
-from .errors import ToolError
-from .flops import padded_vocab_size
-from .layout import Layout
-from .planner import Candidate, rank, search
-from .resolve import default_global_batch, default_seq_length, resolve_cluster, resolve_model
+from ..adapter import arguments as megatron_args
+from ..contract import Context, Tool
+from ..errors import ToolError
+from ..core.flops import padded_vocab_size
+from ..core.layout import Layout
+from ..core.planner import Candidate, rank, search
+from ..core.resolve import default_global_batch, default_seq_length, resolve_cluster, resolve_model
 
 ASSUMPTIONS = [
     "Peaks are the dense BF16/FP8 figures; MFU is model FLOPs by Megatron's formula "
@@ -89,5 +89,5 @@ def run(req: dict[str, Any], ctx: Context) -> dict[str, Any]:
     }
 
 
-TOOL = register(Tool(name="plan", summary="Rank Megatron-Core parallel layouts with predicted memory, "
-                     "step time, tokens/s and MFU.", run=run))
+TOOL = Tool(name="plan", summary="Rank Megatron-Core parallel layouts with predicted memory, "
+                     "step time, tokens/s and MFU.", run=run)

@@ -18,8 +18,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from .errors import ToolError
-from .locks import write_atomic
+from ..errors import ToolError
+from ..locks import write_atomic
 from .skill_flags import add_skill_arguments
 
 
@@ -75,7 +75,7 @@ def _verdict_key(argv: list[str], world_size: int | None, device_major: int, env
     except PackageNotFoundError:
         megatron = "unknown"
     here = Path(__file__).resolve().parent
-    own = b"".join((here / name).read_bytes() for name in ("megatron_parser.py", "skill_flags.py"))
+    own = b"".join((here / name).read_bytes() for name in ("parser.py", "skill_flags.py"))
     blob = json.dumps([megatron, sys.version_info[:2], hashlib.sha256(own).hexdigest(), argv, world_size,
                        device_major, env], sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:32]

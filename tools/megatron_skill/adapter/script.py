@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from . import shell
-from .errors import ToolError
+from ..errors import ToolError
 
 
 @dataclasses.dataclass

@@ -14,16 +14,16 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from . import megatron_args, megatron_flags
-from .contract import ROOT, Context, Tool, register
-from .errors import ToolError
-from .flops import padded_vocab_size
-from .layout import RULES, Layout, check_layout
-from .locks import write_atomic
-from .memory import GIB
-from .planner import cost, rank, search
+from ..adapter import arguments as megatron_args, flags as megatron_flags
+from ..contract import ROOT, Context, Tool
+from ..errors import ToolError
+from ..core.flops import padded_vocab_size
+from ..core.layout import RULES, Layout, check_layout
+from ..locks import write_atomic
+from ..core.memory import GIB
+from ..core.planner import cost, rank, search
 from .prepare_data import match_tokenizer
-from .resolve import DEFAULT_TRAIN_ITERS, default_global_batch, default_seq_length, resolve_cluster, resolve_model
+from ..core.resolve import DEFAULT_TRAIN_ITERS, default_global_batch, default_seq_length, resolve_cluster, resolve_model
 
 TEMPLATES = ROOT / "templates"
 LAUNCHERS = {"torchrun": "torchrun.sh.j2", "torchrun-multinode": "torchrun_multinode.sh.j2",
@@ -185,7 +185,7 @@ def build(req: dict, ctx: Context) -> dict[str, Any]:
         raise ToolError("bad_request", f"{n_gpus} GPUs is not a whole number of {per_node}-GPU nodes",
                         where="/num_gpus", fix="use a multiple of gpus_per_node")
     gpus_here = 1 if fake is not None else min(per_node, n_gpus)
-    run_id = ctx.request_id  # type: ignore[attr-defined]
+    run_id = ctx.request_id
     out_dir = Path(req.get("output_dir") or Path("runs") / run_id)
     run_dir = req.get("run_dir") or str(out_dir.resolve())
     training = match_tokenizer(dict(req["training"]), model.vocab_size)
@@ -276,5 +276,5 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
     return out
 
 
-TOOL = register(Tool(name="render", summary="Write torchrun / Slurm launch scripts for a plan; every Megatron "
-                     "flag checked by Megatron's own parser.", run=run, acts=True))
+TOOL = Tool(name="render", summary="Write torchrun / Slurm launch scripts for a plan; every Megatron "
+                     "flag checked by Megatron's own parser.", run=run)

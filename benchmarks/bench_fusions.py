@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Time each fused path of the skill's local layers against the plain one, alone, on one GPU.
 
-    python tools/bench_fusions.py [OUT.json]      # needs CUDA; the 1B shape's tensors
+    python benchmarks/bench_fusions.py [OUT.json]      # needs CUDA; the 1B shape's tensors
 
 The prediction for a throughput lever, before the training run measures it: forward +
 backward milliseconds of one micro-batch's worth of work (4 x 4096 tokens; hidden 2048,
@@ -14,7 +14,7 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402

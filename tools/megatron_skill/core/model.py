@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from .errors import ToolError
+from ..errors import ToolError
 
 # What a field left out of a catalog entry or a request means: a Llama-style decoder.
 DEFAULTS: dict[str, Any] = {

@@ -13,9 +13,9 @@ import subprocess
 import sys
 from typing import Any
 
-from . import megatron_args
-from .catalog import gpu_by_device_name
-from .contract import Context, Tool, register
+from ..adapter import arguments as megatron_args
+from ..core.catalog import gpu_by_device_name
+from ..contract import Context, Tool
 
 APEX_HOWTO = ("NVIDIA apex is not on PyPI: the PyPI package named 'apex' is an unrelated Pyramid toolkit. "
               "Build it from source: git clone https://github.com/NVIDIA/apex && cd apex && "
@@ -111,7 +111,7 @@ def diagnose() -> dict[str, Any]:
         "megatron_wheel": {},
     }
     if megatron_ok:
-        from .runtime import compat
+        from ..runtime import compat
         info["megatron_wheel"]["prebuilt_dataset_helpers"] = compat.prebuilt_helpers_available()
     problems = []
     if sys.version_info[:2] != (3, 12) and _version("megatron-core") is None:
@@ -152,5 +152,5 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
     return info
 
 
-TOOL = register(Tool(name="doctor", summary="Report GPUs, driver, CUDA, NCCL, torch, megatron-core, TE, apex, "
-                     "flash-attn and FP8 support, and the flags this environment needs.", run=run))
+TOOL = Tool(name="doctor", summary="Report GPUs, driver, CUDA, NCCL, torch, megatron-core, TE, apex, "
+                     "flash-attn and FP8 support, and the flags this environment needs.", run=run)

@@ -15,7 +15,7 @@ import json
 import math
 from typing import Any, Iterable
 
-from . import megatron_args
+from ..adapter import arguments as megatron_args
 from .catalog import GPUSpec
 from .flops import padded_vocab_size, training_flops
 from .layout import RULES, Layout, check_layout

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Reproduce every GPU figure in references/benchmarks.md on the GPU(s) of this machine:
-#   bash tools/run_benchmarks.sh OUTDIR
+#   bash benchmarks/run_benchmarks.sh OUTDIR
 # Needs Python with torch and megatron-core (tools/setup.sh). Each step is a launch.py call;
 # the JSON each prints is kept in OUTDIR.
 set -uo pipefail
@@ -15,16 +15,16 @@ step() { local name=$1 limit=$2; shift 2; echo "== $name" >&2; timeout "$limit" 
 
 want doctor && step doctor 120 "$PY" tools/launch.py doctor
 want calibrate && step calibrate 300 "$PY" tools/launch.py bench --calibrate --runs-root "$RUNS"
-want bench-3b && step bench-3b 400 "$PY" tools/launch.py bench --request tools/benchmarks/llama-3b-shape-bf16.json --runs-root "$RUNS"
-want bench-1b && step bench-1b 400 "$PY" tools/launch.py bench --request tools/benchmarks/llama-1b-shape-bf16.json --runs-root "$RUNS"
-# Each throughput lever of tools/benchmarks/levers.json, one bench call each.
-want levers && { echo "== levers" >&2; PYTHON="$PY" "$PY" tools/run_levers.py "$OUT/levers" > "$OUT/levers.md" 2> "$OUT/levers.err"; }
+want bench-3b && step bench-3b 400 "$PY" tools/launch.py bench --request benchmarks/requests/llama-3b-shape-bf16.json --runs-root "$RUNS"
+want bench-1b && step bench-1b 400 "$PY" tools/launch.py bench --request benchmarks/requests/llama-1b-shape-bf16.json --runs-root "$RUNS"
+# Each throughput lever of benchmarks/requests/levers.json, one bench call each.
+want levers && { echo "== levers" >&2; PYTHON="$PY" "$PY" benchmarks/run_levers.py "$OUT/levers" > "$OUT/levers.md" 2> "$OUT/levers.err"; }
 
 # A train run killed with SIGKILL mid-run (the whole process group, as a node failure would),
 # refused when started again without --resume, then resumed from its last checkpoint.
 if want kill-resume; then
 echo "== kill-resume" >&2
-KREQ=tools/benchmarks/kill-resume-125m.json
+KREQ=benchmarks/requests/kill-resume-125m.json
 run_dir=$("$PY" tools/launch.py train --request "$KREQ" --runs-root "$RUNS" --dry-run 2>/dev/null |
   "$PY" -c 'import json, sys; print(json.load(sys.stdin)["result"]["run_dir"])')
 log="$run_dir/logs/train.log"

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Measure throughput levers one by one with the bench tool; one JSON per lever in OUTDIR.
 
-    python tools/run_levers.py OUTDIR [LEVER ...]      # levers from tools/benchmarks/levers.json
-    python tools/run_levers.py --set ranks.json [--memory-gib 120] OUTDIR [NAME ...]
+    python benchmarks/run_levers.py OUTDIR [LEVER ...]      # levers from benchmarks/requests/levers.json
+    python benchmarks/run_levers.py --set ranks.json [--memory-gib 120] OUTDIR [NAME ...]
 
 Each lever is a bench request (a base request with overrides); the table row it prints is
 tokens/s, TFLOP/s/GPU, MFU and peak allocated memory, as references/benchmarks.md lists them.
@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-BENCH = ROOT / "tools" / "benchmarks"
+BENCH = ROOT / "benchmarks" / "requests"
 MAX_JOBS = 4  # Megatron start-up (imports, torch.compile) is CPU-bound; more contend for the cores
 
 

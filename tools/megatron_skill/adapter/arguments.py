@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .catalog import GPUSpec
-from .layout import Layout
-from .model import ModelSpec
+from ..core.catalog import GPUSpec
+from ..core.layout import Layout
+from ..core.model import ModelSpec
 
 # Needed when neither Transformer Engine nor apex is installed: each of these fused paths
 # otherwise imports one of them and fails at start-up (seen with megatron-core 0.19.2).
