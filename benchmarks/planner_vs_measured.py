@@ -23,6 +23,7 @@ from megatron_skill.core.catalog import get_gpu  # noqa: E402
 from megatron_skill.core.flops import padded_vocab_size  # noqa: E402
 from megatron_skill.core.layout import Layout  # noqa: E402
 from megatron_skill.core.memory import MemoryOptions, GIB, stage_memory  # noqa: E402
+from megatron_skill.core.options import RuntimeOptions  # noqa: E402
 from megatron_skill.core.planner import cost, rank  # noqa: E402
 from megatron_skill.core.resolve import resolve_model  # noqa: E402
 
@@ -76,9 +77,9 @@ def single_gpu(results: Path) -> list[dict]:
         if path.name.endswith(".profile.json") or not (res := load(path)):
             continue
         model, lay, rt = model_of(res), layout_of(res), runtime_of(res, path)
-        c = cost(model, get_gpu(res["gpu"]), lay, padded_vocab_size(model.vocab_size, lay.tp), te=False,
-                 fused_head=rt.get("linear_cross_entropy", True), fp8_linear=rt.get("fp8_linear", False),
-                 fused_wgrad=rt.get("fused_wgrad_accumulation", False))
+        # a result without fused_wgrad_accumulation ran before the option existed: unfused
+        opts = RuntimeOptions.from_request({"fused_wgrad_accumulation": False, **rt}, te=False)
+        c = cost(model, get_gpu(res["gpu"]), lay, padded_vocab_size(model.vocab_size, lay.tp), opts)
         notes = (["FP8 linear"] if rt.get("fp8_linear") else []) + ([] if rt.get("native_gqa", True) else
                                                                      ["K/V expanded"])
         if rt.get("fused_wgrad_accumulation") is False:          # turned off on purpose (a lever)

@@ -75,9 +75,9 @@ def test_the_local_path_renders_no_dataloader_mask_so_attention_runs_causal():
     from megatron_skill.adapter import arguments as megatron_args
     from megatron_skill.adapter import parser as megatron_parser
 
-    flags = megatron_args.local_impl_flags({})
+    flags = megatron_args.local_impl_flags()
     assert "--no-create-attention-mask-in-dataloader" in flags
-    assert "--no-create-attention-mask-in-dataloader" not in megatron_args.local_impl_flags({}, skill_entry=False)
+    assert "--no-create-attention-mask-in-dataloader" not in megatron_args.local_impl_flags(skill_entry=False)
     args = megatron_parser.parse(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
                                   "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "1",
                                   "--transformer-impl", "local", *flags])

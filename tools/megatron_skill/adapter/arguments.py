@@ -11,6 +11,7 @@ from typing import Any
 from ..core.catalog import GPUSpec
 from ..core.layout import Layout
 from ..core.model import ModelSpec
+from ..core.options import RuntimeOptions
 
 # Needed when neither Transformer Engine nor apex is installed: each of these fused paths
 # otherwise imports one of them and fails at start-up (seen with megatron-core 0.19.2).
@@ -22,38 +23,6 @@ def no_te_flags_needed(skill_entry: bool) -> list[str]:
     """The NO_TE_FLAGS a local-path launch cannot do without: all of them for Megatron-LM's
     entry; the skill's entry stands in for apex's gradient-accumulation kernel."""
     return [f for f in NO_TE_FLAGS if not (skill_entry and f == "--no-gradient-accumulation-fusion")]
-
-
-def skill_flags(runtime: dict[str, Any]) -> list[str]:
-    """The skill entry script's fused paths (skill_flags.py) from a request's runtime options;
-    defaults (schemas/common.json) are what measured fastest (references/benchmarks.md)."""
-    a = []
-    if runtime.get("linear_cross_entropy", True):
-        a.append("--skill-linear-cross-entropy")
-    if runtime.get("fp8_linear", False):
-        a.append("--skill-fp8-linear")
-    if runtime.get("compiled_rope", True):
-        a.append("--skill-compiled-rope")
-    if runtime.get("native_gqa", True):
-        a.append("--skill-native-gqa")
-    if runtime.get("sdpa_backend", "auto") != "auto":
-        a += ["--skill-sdpa-backend", runtime["sdpa_backend"]]
-    return a
-
-
-def uses_fused_head(te: bool, runtime: dict[str, Any] | None) -> bool:
-    """Whether the run's output layer and loss go through the skill's fused head: the local
-    (no-TE) path with runtime.linear_cross_entropy on (the default)."""
-    return not te and (runtime or {}).get("linear_cross_entropy", True)
-
-
-def uses_fp8_linear(te: bool, runtime: dict[str, Any] | None, lay: Layout) -> bool:
-    """Whether the run's linear layers go through the skill's own FP8 path: the local (no-TE)
-    path with runtime.fp8_linear on, or asked to train in FP8 (precision fp8) without TE; and
-    at TP 1, where its layers take it (with tensor-parallel communication inside, they are
-    Megatron's BF16 ones)."""
-    asked = (runtime or {}).get("fp8_linear", False) or lay.precision == "fp8"
-    return not te and asked and lay.tp == 1
 
 
 TE_FP8_FLAGS = ("--fp8-format", "--fp8-recipe")
@@ -74,27 +43,20 @@ def split_te_fp8(argv: list[str]) -> tuple[list[str], list[str]]:
     return rest, fp8
 
 
-def uses_fused_wgrad(te: bool, runtime: dict[str, Any] | None) -> bool:
-    """Whether weight gradients accumulate into main_grad inside their GEMM: TE's layers do;
-    the local path does with runtime.fused_wgrad_accumulation (on by default)."""
-    return te or (runtime or {}).get("fused_wgrad_accumulation", True)
-
-
-def local_impl_flags(runtime: dict[str, Any] | None = None, skill_entry: bool = True) -> list[str]:
+def local_impl_flags(opts: RuntimeOptions | None = None, skill_entry: bool = True) -> list[str]:
     """What the local (no-TE) path adds to the argument vector: Megatron's TE/apex fusions off,
     and (for the skill's entry script; a Megatron-LM checkout's does not know them) its own on.
 
     The skill's SDPA attention runs the causal kernel (is_causal: masked blocks skipped) only
     when no explicit mask arrives; Megatron's dataloader otherwise builds a [s, s] causal mask
-    per sample and SDPA then computes the full square under it.  The H200 profile showed
-    attention at about 110 TFLOP/s that way, a third of the kernel's causal rate."""
+    per sample and SDPA then computes the full square under it (references/benchmarks.md)."""
     if not skill_entry:
         return list(NO_TE_FLAGS)
-    runtime = runtime or {}
+    opts = opts or RuntimeOptions.from_request(None, te=False)
     # The entry script stands in for apex's gradient-accumulation kernel (runtime/wgrad_accum.py),
     # so Megatron's fusion can stay on.
-    flags = NO_TE_FLAGS if not runtime.get("fused_wgrad_accumulation", True) else no_te_flags_needed(True)
-    return flags + ["--no-create-attention-mask-in-dataloader"] + skill_flags(runtime)
+    flags = no_te_flags_needed(True) if opts.fused_wgrad_accumulation else NO_TE_FLAGS
+    return flags + ["--no-create-attention-mask-in-dataloader"] + opts.entry_flags()
 
 
 def model_args(m: ModelSpec, seq_length: int | None = None) -> list[str]:
@@ -227,5 +189,6 @@ def full_args(model: ModelSpec, lay: Layout, settings: dict[str, Any], have_te: 
     if have_te:
         a += ["--transformer-impl", "transformer_engine", "--attention-backend", "auto"]
     else:
-        a += ["--transformer-impl", "local"] + local_impl_flags(settings.get("runtime"))
+        a += ["--transformer-impl", "local"] + local_impl_flags(RuntimeOptions.from_request(settings.get("runtime"),
+                                                                                            te=False))
     return a

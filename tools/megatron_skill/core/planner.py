@@ -15,12 +15,12 @@ import json
 import math
 from typing import Any, Iterable
 
-from ..adapter import arguments as megatron_args
 from .catalog import GPUSpec
 from .flops import padded_vocab_size, training_flops
 from .layout import RULES, Layout, check_layout
-from .memory import GIB, MemoryOptions, memory_report
+from .memory import GIB, memory_report
 from .model import ModelSpec
+from .options import RuntimeOptions
 from .timing import calibration, step_time
 
 RULES_EXTRA = {
@@ -111,17 +111,18 @@ _SEARCHES_KEPT = 32
 
 def search(model: ModelSpec, gpu: GPUSpec, n_gpus: int, seq_length: int, gbs: int,
            precisions: list[str], constraints: dict[str, Any] | None = None,
-           headroom_gib: float = 0.0, te: bool = True, runtime: dict[str, Any] | None = None) -> SearchResult:
-    """Every layout that fits, costed; ``runtime``: the skill entry's fused paths the run
-    will take without TE (schemas/common.json runtime; defaults where absent).
+           headroom_gib: float = 0.0, opts: RuntimeOptions | None = None) -> SearchResult:
+    """Every layout that fits, costed for the runtime paths ``opts`` says the run takes (TE's
+    layers, or the local ones with the skill's fused paths).
 
     The search is a pure function of its inputs and the calibration: the same search in one
     process (plan, then render, then validate of one request) is done once and copied."""
+    opts = opts or RuntimeOptions.from_request(None)
     key = json.dumps([dataclasses.asdict(model), dataclasses.asdict(gpu), n_gpus, seq_length, gbs, list(precisions),
-                      constraints, headroom_gib, te, runtime, calibration(gpu.key)], sort_keys=True, default=str)
+                      constraints, headroom_gib, dataclasses.asdict(opts), calibration(gpu.key)], sort_keys=True,
+                     default=str)
     if key not in _SEARCHES:
-        _SEARCHES[key] = _search(model, gpu, n_gpus, seq_length, gbs, precisions, constraints, headroom_gib, te,
-                                 runtime)
+        _SEARCHES[key] = _search(model, gpu, n_gpus, seq_length, gbs, precisions, constraints, headroom_gib, opts)
         if len(_SEARCHES) > _SEARCHES_KEPT:
             _SEARCHES.popitem(last=False)
     _SEARCHES.move_to_end(key)
@@ -131,8 +132,8 @@ def search(model: ModelSpec, gpu: GPUSpec, n_gpus: int, seq_length: int, gbs: in
 
 
 def _search(model: ModelSpec, gpu: GPUSpec, n_gpus: int, seq_length: int, gbs: int,
-            precisions: list[str], constraints: dict[str, Any] | None, headroom_gib: float, te: bool,
-            runtime: dict[str, Any] | None) -> SearchResult:
+            precisions: list[str], constraints: dict[str, Any] | None, headroom_gib: float,
+            opts: RuntimeOptions) -> SearchResult:
     c = constraints or {}
     rej = _Rejections()
     out: list[Candidate] = []
@@ -165,7 +166,7 @@ def _search(model: ModelSpec, gpu: GPUSpec, n_gpus: int, seq_length: int, gbs: i
                     if cp > 1 and seq_length % (2 * cp):
                         rej.add("cp_sequence", f"CP{cp} seq{seq_length}")
                         continue
-                    if cp > 1 and not te:
+                    if cp > 1 and not opts.te:
                         rej.add("cp_needs_te", f"CP{cp} without Transformer Engine")
                         continue
                     rest = n_gpus // (tp * cp)
@@ -178,7 +179,7 @@ def _search(model: ModelSpec, gpu: GPUSpec, n_gpus: int, seq_length: int, gbs: i
                             rej.add("pp_layers", f"PP{pp} for {model.num_layers} layers")
                         for split in splits:
                             _search_stage(model, gpu, n_gpus, dataclasses.replace(base, cp=cp, pp=pp, dp=dp, **split),
-                                          c, mbss, capacity, rej, out, te, runtime or {})
+                                          c, mbss, capacity, rej, out, opts)
     return SearchResult(candidates=out, rejected=rej.table, evaluated=len(out))
 
 
@@ -202,7 +203,7 @@ def pipeline_splits(num_layers: int, pp: int) -> list[dict[str, Any]]:
 
 
 def _search_stage(model: ModelSpec, gpu: GPUSpec, n_gpus: int, lay: Layout, c: dict, mbss: list[int],
-                  capacity: float, rej: _Rejections, out: list[Candidate], te: bool, runtime: dict) -> None:
+                  capacity: float, rej: _Rejections, out: list[Candidate], opts: RuntimeOptions) -> None:
     # Virtual stages the layout's own split allows (Layout.chunk_sizes: whole chunks on every rank).
     vps = [1] if lay.pp == 1 else [v for v in range(1, 17)
                                    if dataclasses.replace(lay, vp=v).chunk_sizes(model.num_layers) is not None]
@@ -225,13 +226,13 @@ def _search_stage(model: ModelSpec, gpu: GPUSpec, n_gpus: int, lay: Layout, c: d
                 for mbs in mbss:
                     cand = dataclasses.replace(lay, vp=vp, ep=ep, etp=etp, mbs=mbs,
                                                distributed_optimizer=c.get("distributed_optimizer", True))
-                    if lay.tp > 1 and (c.get("sequence_parallel") is False or (model.qk_layernorm and not te)):
+                    if lay.tp > 1 and (c.get("sequence_parallel") is False or (model.qk_layernorm and not opts.te)):
                         cand = dataclasses.replace(cand, sequence_parallel=False)
-                    rule = check_layout(cand, model, gpu, n_gpus, te)
+                    rule = check_layout(cand, model, gpu, n_gpus, opts.te)
                     if rule:
                         rej.add(rule, cand.label())
                         continue
-                    _try_recompute(model, gpu, cand, recomputes, capacity, rej, out, te, runtime)
+                    _try_recompute(model, gpu, cand, recomputes, capacity, rej, out, opts)
 
 
 def _recompute_options(model: ModelSpec, lay: Layout, allowed: list[str]) -> list[Layout]:
@@ -247,34 +248,29 @@ def _recompute_options(model: ModelSpec, lay: Layout, allowed: list[str]) -> lis
     return opts
 
 
-def _try_recompute(model, gpu, lay, allowed, capacity, rej, out, te, runtime) -> None:
+def _try_recompute(model, gpu, lay, allowed, capacity, rej, out, opts: RuntimeOptions) -> None:
     padded = padded_vocab_size(model.vocab_size, lay.tp)
     options = _recompute_options(model, lay, allowed)
-    fused_head = megatron_args.uses_fused_head(te, runtime)
     for i, opt in enumerate(options):
-        fp8_linear = megatron_args.uses_fp8_linear(te, runtime, opt)
-        mem = memory_report(model, opt, padded, MemoryOptions(fused_head=fused_head, fp8_linear=fp8_linear, te_fp8=te))
+        mem = memory_report(model, opt, padded, opts.memory(opt))
         peak = max(m.total for m in mem.values())
         if peak > capacity:
             rej.add("out_of_memory", f"{opt.label()}: {peak / GIB:.0f} GiB")
             continue
-        out.append(cost(model, gpu, opt, padded, mem, te, fused_head=fused_head, fp8_linear=fp8_linear,
-                        fused_wgrad=megatron_args.uses_fused_wgrad(te, runtime)))
+        out.append(cost(model, gpu, opt, padded, opts, mem))
         if len(options) - i - 1:
             rej.add("dominated", f"{options[-1].label()} (heavier recompute than needed)", len(options) - i - 1)
         return
 
 
-def cost(model: ModelSpec, gpu: GPUSpec, lay: Layout, padded: int, mem=None, te: bool = True,
-         fused_head: bool | None = None, fp8_linear: bool = False, fused_wgrad: bool = True) -> Candidate:
-    """fused_head: the skill's fused output layer + cross-entropy (the default without TE);
-    fp8_linear: the skill's own FP8 linear layers (runtime.fp8_linear, no TE); fused_wgrad:
-    weight gradients accumulated into main_grad by their GEMM (TE, apex, or the skill's
-    stand-in: runtime.fused_wgrad_accumulation)."""
-    fused = (not te) if fused_head is None else fused_head
-    fp8_linear = megatron_args.uses_fp8_linear(te, {"fp8_linear": fp8_linear}, lay)
-    mem = mem or memory_report(model, lay, padded, MemoryOptions(fused_head=fused, fp8_linear=fp8_linear, te_fp8=te))
-    t = step_time(model, lay, gpu, padded, te, fused_head=fused, fp8_linear=fp8_linear, fused_wgrad=fused_wgrad)
+def cost(model: ModelSpec, gpu: GPUSpec, lay: Layout, padded: int, opts: RuntimeOptions | None = None,
+         mem=None) -> Candidate:
+    """The predicted memory, step time and throughput of one layout under the runtime paths opts
+    says the run takes (TE's layers by default)."""
+    opts = opts or RuntimeOptions.from_request(None)
+    mem = mem or memory_report(model, lay, padded, opts.memory(lay))
+    t = step_time(model, lay, gpu, padded, opts.te, fused_head=opts.fused_head, fp8_linear=opts.fp8_local(lay),
+                  fused_wgrad=opts.fused_wgrad)
     step = t.total
     tokens = lay.gbs * lay.seq_length
     model_flops = training_flops(model, lay.seq_length, lay.gbs, padded)

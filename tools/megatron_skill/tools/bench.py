@@ -23,8 +23,8 @@ from ..contract import Context, Tool
 from ..errors import ToolError
 from ..core.flops import padded_vocab_size
 from ..core.layout import Layout
-from ..adapter.arguments import uses_fp8_linear, uses_fused_head, uses_fused_wgrad
-from ..core.memory import GIB, MemoryOptions, stage_memory
+from ..core.memory import GIB, stage_memory
+from ..core.options import RuntimeOptions
 from ..core.planner import cost
 from ..core.resolve import resolve_model
 
@@ -142,15 +142,13 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
     max_alloc = max((m["max_allocated_mb"] for m in mem.values()), default=0.0) / 1024
     lay = Layout.from_json(lay_json)
     te = _have_te()
-    runtime = req.get("runtime") or {}
-    pred = cost(model, gpu, lay, padded_vocab_size(model.vocab_size, lay.tp), te=te,
-                fused_head=uses_fused_head(te, runtime), fp8_linear=uses_fp8_linear(te, runtime, lay),
-                fused_wgrad=uses_fused_wgrad(te, runtime))
+    opts = RuntimeOptions.from_request(req.get("runtime"), te=te)
+    pred = cost(model, gpu, lay, padded_vocab_size(model.vocab_size, lay.tp), opts)
     pred_alloc = max(m.allocated for m in pred.memory.values()) / GIB
     out = {
         "run_id": run_id, "run_dir": result["run_dir"], "gpu": gpu.key, "num_gpus": world,
         "model": model.summary(), "label": lay.label(), "layout": lay_json,
-        "runtime": None if te else runtime_options(runtime),
+        "runtime": None if te else opts.to_json(),
         "measured": {"iter_ms": round(iter_ms, 1), "tokens_per_s": round(tokens), "tokens_per_s_per_gpu": round(tokens / world),
                      "tflops_per_gpu": round(tflops, 1), "mfu": round(tflops / gpu.bf16_dense_tflops, 4),
                      "max_allocated_gib": round(max_alloc, 2),
@@ -186,10 +184,8 @@ def _fake_rank_result(req: dict, result: dict, parsed: dict, model, gpu, run_id:
         raise ToolError("runtime", f"rank {rank} reported no memory", where=result["log"],
                         fix="read the log: the run may have failed before its first iteration")
     stage = pipeline_stage(rank, lay)
-    te = _have_te()
-    pred = stage_memory(model, lay, stage, padded_vocab_size(model.vocab_size, lay.tp),
-                        MemoryOptions(fused_head=uses_fused_head(te, req.get("runtime")),
-                                      fp8_linear=uses_fp8_linear(te, req.get("runtime"), lay), te_fp8=te))
+    opts = RuntimeOptions.from_request(req.get("runtime"), te=_have_te())
+    pred = stage_memory(model, lay, stage, padded_vocab_size(model.vocab_size, lay.tp), opts.memory(lay))
     measured = mem["max_allocated_mb"] / 1024
     out = {"run_id": run_id, "run_dir": result["run_dir"], "gpu": gpu.key, "num_gpus": lay.world_size,
            "model": model.summary(), "label": lay.label(), "layout": lay_json,
@@ -239,13 +235,6 @@ def _write_reports(out: dict, run_dir: Path, parsed: dict) -> list[str]:
     except ImportError:
         pass
     return files
-
-
-def runtime_options(runtime: dict) -> dict:
-    """The runtime options the run had, defaults filled in: a result says which path it measured."""
-    from ..contract import _resolve, load_schema
-    props = _resolve(load_schema("bench", "request")["properties"]["runtime"])["properties"]
-    return {k: runtime.get(k, v.get("default")) for k, v in props.items()}
 
 
 def train_keys() -> set[str]:

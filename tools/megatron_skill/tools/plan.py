@@ -9,6 +9,7 @@ from ..contract import Context, Tool
 from ..errors import ToolError
 from ..core.flops import padded_vocab_size
 from ..core.layout import Layout
+from ..core.options import RuntimeOptions
 from ..core.planner import Candidate, rank, search
 from ..core.resolve import default_global_batch, default_seq_length, resolve_cluster, resolve_model
 
@@ -57,7 +58,7 @@ def run(req: dict[str, Any], ctx: Context) -> dict[str, Any]:
     gbs = req.get("global_batch_size") or default_global_batch(seq)
     precisions = {"bf16": ["bf16"], "fp8": ["fp8"], "any": ["bf16", "fp8"]}[req["precision"]]
     res = search(model, gpu, n_gpus, seq, gbs, precisions, req.get("constraints") or {},
-                 headroom_gib=req["headroom_gib"], te=req["transformer_engine"])
+                 headroom_gib=req["headroom_gib"], opts=RuntimeOptions.from_request(None, te=req["transformer_engine"]))
     ranked = rank(res.candidates)
     rejected = dict(sorted(res.rejected.items(), key=lambda kv: -kv[1]["count"]))
     if not ranked:

@@ -21,6 +21,7 @@ from ..core.flops import padded_vocab_size
 from ..core.layout import RULES, Layout, check_layout
 from ..locks import write_atomic
 from ..core.memory import GIB
+from ..core.options import RuntimeOptions
 from ..core.planner import cost, rank, search
 from .prepare_data import match_tokenizer
 from ..core.resolve import DEFAULT_TRAIN_ITERS, default_global_batch, default_seq_length, resolve_cluster, resolve_model
@@ -96,19 +97,16 @@ def _layout_from_request(req: dict, model, gpu, n_gpus: int, seq: int, gbs: int)
         if rule:
             raise ToolError("infeasible", f"the layout {lay.label()} breaks the rule {rule!r}: {RULES[rule]}",
                             where="/layout", fix="run plan and take one of its layouts")
-        te = req["transformer_engine"]
-        runtime = req.get("runtime") or {}
-        cand = cost(model, gpu, lay, padded_vocab_size(model.vocab_size, lay.tp), te=te,
-                    fused_head=megatron_args.uses_fused_head(te, runtime),
-                    fp8_linear=megatron_args.uses_fp8_linear(te, runtime, lay),
-                    fused_wgrad=megatron_args.uses_fused_wgrad(te, runtime))
+        opts = RuntimeOptions.from_request(req.get("runtime"), te=req["transformer_engine"])
+        cand = cost(model, gpu, lay, padded_vocab_size(model.vocab_size, lay.tp), opts)
         if cand.peak_gib > gpu.memory_gib:
             raise ToolError("infeasible", f"the layout {lay.label()} needs {cand.peak_gib:.1f} GiB per GPU, "
                             f"more than the {gpu.memory_gib} GiB of {gpu.key}", where="/layout",
                             fix="more recompute, a smaller micro-batch, or more TP/PP; plan finds one that fits")
         return lay, cand
     precisions = ["fp8"] if req["precision"] == "fp8" else ["bf16"]
-    res = search(model, gpu, n_gpus, seq, gbs, precisions, te=req["transformer_engine"], runtime=req.get("runtime"))
+    res = search(model, gpu, n_gpus, seq, gbs, precisions,
+                 opts=RuntimeOptions.from_request(req.get("runtime"), te=req["transformer_engine"]))
     if not res.candidates:
         raise ToolError("infeasible", f"no layout of {model.name} fits {n_gpus} x {gpu.key}", where="/num_gpus",
                         fix="run plan for the reasons, and change the GPU count, batch or sequence length")
@@ -202,8 +200,9 @@ def build(req: dict, ctx: Context) -> dict[str, Any]:
     # without TE is the skill entry's own linear layers (Megatron-LM's entry has none).
     skill_entry = not req.get("megatron_lm")
     fp8_local = lay.precision == "fp8" and skill_entry
-    runtime = {**(req.get("runtime") or {}), **({"fp8_linear": True} if fp8_local else {})}
-    local_flags = megatron_args.local_impl_flags(runtime, skill_entry=skill_entry)
+    local = RuntimeOptions.from_request({**(req.get("runtime") or {}), **({"fp8_linear": True} if fp8_local else {})},
+                                        te=False)
+    local_flags = megatron_args.local_impl_flags(local, skill_entry=skill_entry)
     common_argv, te_fp8 = megatron_args.split_te_fp8(argv)
     parser_check = megatron_flags.check(argv + ["--transformer-impl", "local"] + local_flags,
                                         world_size=lay.world_size)

@@ -1,0 +1,78 @@
+"""What the skill's runtime does beyond the layout, as one value: the entry script's fused paths
+for Megatron-Core's local layers, and whether Transformer Engine's layers run instead.
+
+Its defaults are the request schema's (schemas/common.json, `runtime`): one source. The planner,
+render, bench and the runtime read the same value; every decision about which path runs is a
+method here.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+from .layout import Layout
+from .memory import MemoryOptions
+
+SCHEMA = Path(__file__).resolve().parents[3] / "schemas" / "common.json"
+
+
+@functools.lru_cache(maxsize=1)
+def schema_defaults() -> dict[str, Any]:
+    props = json.loads(SCHEMA.read_text())["$defs"]["runtime"]["properties"]
+    return {k: v["default"] for k, v in props.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeOptions:
+    linear_cross_entropy: bool      # the fused output layer + cross-entropy (runtime/fused_head.py)
+    compiled_rope: bool             # Megatron's unfused RoPE compiled
+    native_gqa: bool                # SDPA reads the shared key/value heads itself
+    sdpa_backend: str               # auto | cudnn | flash | efficient | math
+    fused_wgrad_accumulation: bool  # weight gradients added into main_grad by their GEMM
+    fp8_linear: bool                # the skill's FP8 linear layers (no TE)
+    te: bool = True                 # Transformer Engine's layers run (then none of the above does)
+
+    @classmethod
+    def from_request(cls, runtime: dict[str, Any] | None, te: bool = True) -> "RuntimeOptions":
+        return cls(**{**schema_defaults(), **(runtime or {})}, te=te)
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "te"}
+
+    @property
+    def fused_head(self) -> bool:
+        """The output layer and loss go through the skill's fused head: local layers only."""
+        return not self.te and self.linear_cross_entropy
+
+    def fp8_local(self, lay: Layout) -> bool:
+        """The linear layers go through the skill's own FP8 path: the local layers with fp8_linear
+        on, or asked to train in FP8 without TE; at TP 1, where its layers take it (with
+        tensor-parallel communication inside they are Megatron's BF16 ones)."""
+        return not self.te and (self.fp8_linear or lay.precision == "fp8") and lay.tp == 1
+
+    @property
+    def fused_wgrad(self) -> bool:
+        """Weight gradients accumulate into main_grad inside their GEMM: TE's layers do; the
+        local layers do with fused_wgrad_accumulation."""
+        return self.te or self.fused_wgrad_accumulation
+
+    def memory(self, lay: Layout) -> MemoryOptions:
+        return MemoryOptions(fused_head=self.fused_head, fp8_linear=self.fp8_local(lay), te_fp8=self.te)
+
+    def entry_flags(self) -> list[str]:
+        """The skill entry script's own flags for these paths (adapter/skill_flags.py)."""
+        a = []
+        if self.linear_cross_entropy:
+            a.append("--skill-linear-cross-entropy")
+        if self.fp8_linear:
+            a.append("--skill-fp8-linear")
+        if self.compiled_rope:
+            a.append("--skill-compiled-rope")
+        if self.native_gqa:
+            a.append("--skill-native-gqa")
+        if self.sdpa_backend != "auto":
+            a += ["--skill-sdpa-backend", self.sdpa_backend]
+        return a
