@@ -59,7 +59,7 @@ def test_bench_plans_for_the_layers_installed_here(cli, tmp_path):
     """Without a layout, bench (and train) take the planner's first for the path the run will
     really have: no Transformer Engine here, so the local layers with the fused head and
     fused weight-gradient accumulation, and the skill's FP8 linears when asked for."""
-    from megatron_skill.runtime.compat import have_transformer_engine
+    from megatron_skill.environment import have_transformer_engine
 
     assert not have_transformer_engine()
     req = json.loads((ROOT / "benchmarks" / "requests" / "llama-3b-shape-bf16.json").read_text())

@@ -215,6 +215,23 @@ def call(tool_name: str, request: dict, ctx: Context | None = None) -> dict:
     return strict_json(env)
 
 
+def invoke(tool_name: str, request: dict, parent: Context) -> dict:
+    """One tool using another: through the same validation, defaults and envelope as any other
+    caller, reporting to the parent's progress; the result, or the other tool's error raised as
+    the caller's own."""
+    env = call(tool_name, request, Context(dry_run=request.get("dry_run") is True, progress=parent.progress))
+    if not env["ok"]:
+        e = env["error"]
+        raise ToolError(e["code"] if e["code"] != "internal" else "internal", f"{tool_name}: {e['message']}",
+                        where=e.get("where"), fix=e.get("fix"), details=e.get("details"))
+    return env["result"]
+
+
+def request_fields(tool_name: str) -> set[str]:
+    """The fields a tool's request may have (its schema's properties)."""
+    return set(load_schema(tool_name, "request")["properties"])
+
+
 def strict_json(value: Any) -> Any:
     """value with every NaN or Infinity replaced by null, so that it is strict JSON; the
     envelope then lists where they were (non_finite: JSON pointers and what they held)."""

@@ -83,9 +83,3 @@ def _patch_dist_optimizer_resume() -> bool:
     return True
 
 
-def have_transformer_engine() -> bool:
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-        return True
-    except Exception:
-        return False

@@ -21,14 +21,6 @@ from .norm import SequenceParallelNorm
 FP8_LINEAR = False
 
 
-def have_transformer_engine() -> bool:
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-        return True
-    except Exception:
-        return False
-
-
 def local_sdpa_spec(num_experts=None, moe_grouped_gemm=False, qk_layernorm=False,
                     multi_latent_attention=False, normalization="RMSNorm") -> ModuleSpec:
     spec = get_gpt_layer_local_spec(num_experts, moe_grouped_gemm, qk_layernorm, multi_latent_attention,

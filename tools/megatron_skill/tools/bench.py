@@ -20,6 +20,7 @@ from ..adapter import log as megatron_log
 from . import train
 from ..core.catalog import get_gpu, gpu_by_device_name
 from ..contract import Context, Tool
+from ..environment import gpu_count_and_name, have_transformer_engine
 from ..errors import ToolError
 from ..core.flops import padded_vocab_size
 from ..core.layout import Layout
@@ -34,7 +35,7 @@ def _pct(measured: float, predicted: float) -> float:
 
 
 def _gpu(req: dict):
-    n, name = train.detect_gpus()
+    n, name = gpu_count_and_name()
     if req.get("gpu"):
         return get_gpu(req["gpu"], where="/gpu"), n
     if name:
@@ -103,7 +104,7 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
                     + (["update catalog/calibration.json for this GPU"] if req.get("store_calibration") else [])}
         return _calibrate(req, ctx, out_dir)
     model = resolve_model(req)
-    if not ctx.dry_run and not train.detect_gpus()[0]:
+    if not ctx.dry_run and not gpu_count_and_name()[0]:
         raise ToolError("environment", "bench measures on GPUs, and no CUDA GPU is visible here", where="gpu",
                         fix="run bench on a GPU machine (--dry-run shows its actions anywhere); without a GPU, "
                             "train --backend cpu --model tiny-gpt runs a real Megatron-Core model on CPU")
@@ -141,7 +142,7 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
     mem = parsed["memory"]
     max_alloc = max((m["max_allocated_mb"] for m in mem.values()), default=0.0) / 1024
     lay = Layout.from_json(lay_json)
-    te = _have_te()
+    te = have_transformer_engine()
     opts = RuntimeOptions.from_request(req.get("runtime"), te=te)
     pred = cost(model, gpu, lay, padded_vocab_size(model.vocab_size, lay.tp), opts)
     pred_alloc = max(m.allocated for m in pred.memory.values()) / GIB
@@ -184,7 +185,7 @@ def _fake_rank_result(req: dict, result: dict, parsed: dict, model, gpu, run_id:
         raise ToolError("runtime", f"rank {rank} reported no memory", where=result["log"],
                         fix="read the log: the run may have failed before its first iteration")
     stage = pipeline_stage(rank, lay)
-    opts = RuntimeOptions.from_request(req.get("runtime"), te=_have_te())
+    opts = RuntimeOptions.from_request(req.get("runtime"), te=have_transformer_engine())
     pred = stage_memory(model, lay, stage, padded_vocab_size(model.vocab_size, lay.tp), opts.memory(lay))
     measured = mem["max_allocated_mb"] / 1024
     out = {"run_id": run_id, "run_dir": result["run_dir"], "gpu": gpu.key, "num_gpus": lay.world_size,
@@ -199,11 +200,6 @@ def _fake_rank_result(req: dict, result: dict, parsed: dict, model, gpu, run_id:
     (run_dir / "bench.json").write_text(json.dumps(out, indent=1))
     out["files"] = [str(run_dir / "bench.json")]
     return out
-
-
-def _have_te() -> bool:
-    from ..runtime.compat import have_transformer_engine
-    return have_transformer_engine()
 
 
 def _write_reports(out: dict, run_dir: Path, parsed: dict) -> list[str]:

@@ -5,88 +5,28 @@ unrelated PyPI package named 'apex', and lists the Megatron flags this environme
 """
 from __future__ import annotations
 
-import importlib
-import importlib.metadata as md
 import platform
-import shutil
-import subprocess
 import sys
 from typing import Any
 
 from ..adapter import arguments as megatron_args
-from ..core.catalog import gpu_by_device_name
+from .. import environment
+from ..environment import module, version
 from ..contract import Context, Tool
 
-APEX_HOWTO = ("NVIDIA apex is not on PyPI: the PyPI package named 'apex' is an unrelated Pyramid toolkit. "
-              "Build it from source: git clone https://github.com/NVIDIA/apex && cd apex && "
-              "pip install -v --no-build-isolation --config-settings --build-option=--cpp_ext "
-              "--config-settings --build-option=--cuda_ext ./  (or use an NGC PyTorch container)")
 TE_HOWTO = ("pip install --no-build-isolation 'transformer_engine[pytorch]' (needs the CUDA toolkit and cuDNN), "
             "or use an NGC PyTorch container, which ships it")
 
 
-def _version(dist: str) -> str | None:
-    try:
-        return md.version(dist)
-    except md.PackageNotFoundError:
-        return None
-
-
-def _module(name: str):
-    try:
-        return importlib.import_module(name)
-    except Exception:
-        return None
-
-
-def _apex() -> dict[str, Any]:
-    mod = _module("apex")
-    if mod is None:
-        return {"installed": False, "howto": APEX_HOWTO}
-    nvidia = any(_module(m) is not None for m in ("fused_layer_norm_cuda", "amp_C", "apex.normalization"))
-    dists = md.packages_distributions().get("apex", [])
-    if not nvidia:
-        return {"installed": False, "impostor": True, "distribution": dists,
-                "note": "the 'apex' that imports is not NVIDIA apex (no apex.normalization, no CUDA extensions)",
-                "howto": "pip uninstall apex; then " + APEX_HOWTO}
-    return {"installed": True, "cuda_extensions": _module("amp_C") is not None}
-
-
-def _gpus() -> dict[str, Any]:
-    torch = _module("torch")
-    out: dict[str, Any] = {"count": 0, "devices": []}
-    if torch is not None and torch.cuda.is_available():
-        for i in range(torch.cuda.device_count()):
-            p = torch.cuda.get_device_properties(i)
-            cat = gpu_by_device_name(p.name)
-            out["devices"].append({"index": i, "name": p.name, "memory_gib": round(p.total_memory / 2**30, 1),
-                                   "compute_capability": f"{p.major}.{p.minor}",
-                                   "catalog": cat.key if cat else None})
-        out["count"] = len(out["devices"])
-        out["cuda"] = torch.version.cuda
-        try:
-            out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
-        except Exception:
-            out["nccl"] = None
-    if shutil.which("nvidia-smi"):
-        try:
-            q = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                               capture_output=True, text=True, timeout=20)
-            out["driver"] = q.stdout.strip().splitlines()[0] if q.returncode == 0 and q.stdout.strip() else None
-        except (subprocess.TimeoutExpired, OSError):
-            out["driver"] = None
-    return out
-
-
 def diagnose() -> dict[str, Any]:
-    torch = _module("torch")
-    te = _module("transformer_engine.pytorch") if _version("transformer_engine") or _module("transformer_engine") else None
-    megatron_ok = _module("megatron.core") is not None
-    gpus = _gpus()
+    torch = module("torch")
+    te = module("transformer_engine.pytorch") if version("transformer_engine") or module("transformer_engine") else None
+    megatron_ok = module("megatron.core") is not None
+    gpus = environment.gpus()
     cc = max((float(d["compute_capability"]) for d in gpus["devices"]), default=0.0)
     fp8_hw = cc >= 8.9
     scaled_mm = bool(torch is not None and hasattr(torch, "_scaled_mm"))
-    apex = _apex()
+    apex = environment.apex()
     flags = [] if te else list(megatron_args.NO_TE_FLAGS)
     info = {
         "python": platform.python_version(),
@@ -94,11 +34,11 @@ def diagnose() -> dict[str, Any]:
         "gpus": gpus,
         "packages": {
             "torch": torch.__version__ if torch else None,
-            "megatron-core": _version("megatron-core") if megatron_ok else None,
-            "transformer_engine": _version("transformer_engine") or (getattr(te, "__version__", None) if te else None),
+            "megatron-core": version("megatron-core") if megatron_ok else None,
+            "transformer_engine": version("transformer_engine") or (getattr(te, "__version__", None) if te else None),
             "apex": apex,
-            "flash_attn": _version("flash-attn") or _version("flash_attn"),
-            "jinja2": _version("jinja2"), "jsonschema": _version("jsonschema"),
+            "flash_attn": version("flash-attn") or version("flash_attn"),
+            "jinja2": version("jinja2"), "jsonschema": version("jsonschema"),
         },
         "fp8": {"hardware": fp8_hw, "transformer_engine": bool(te and fp8_hw),
                 "torch_scaled_mm": bool(scaled_mm and fp8_hw)},
@@ -114,7 +54,7 @@ def diagnose() -> dict[str, Any]:
         from ..runtime import compat
         info["megatron_wheel"]["prebuilt_dataset_helpers"] = compat.prebuilt_helpers_available()
     problems = []
-    if sys.version_info[:2] != (3, 12) and _version("megatron-core") is None:
+    if sys.version_info[:2] != (3, 12) and version("megatron-core") is None:
         problems.append({"what": "megatron-core 0.19 needs Python 3.12", "fix": "tools/setup.sh makes a 3.12 venv"})
     if torch is None:
         problems.append({"what": "torch is not installed", "fix": "tools/setup.sh"})

@@ -33,9 +33,6 @@ SCRIPT_NAMES = {"torchrun": "launch.sh", "torchrun-multinode": "launch_multinode
 ENTRY_SCRIPT = ROOT / "tools" / "pretrain_gpt.py"
 # #SBATCH lines are read by sbatch, not bash: quoting does not apply, so values must be plain.
 SLURM_SAFE = re.compile(r"^[A-Za-z0-9._:+@-]+$")
-RENDER_KEYS = ("model", "hf_config", "gpu", "num_gpus", "nodes", "gpus_per_node", "seq_length", "global_batch_size",
-               "transformer_engine", "precision", "layout", "launcher", "megatron_lm", "python", "master_port",
-               "env", "training", "slurm", "runtime", "fake_rank")
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -183,7 +180,7 @@ def build(req: dict, ctx: Context) -> dict[str, Any]:
         raise ToolError("bad_request", f"{n_gpus} GPUs is not a whole number of {per_node}-GPU nodes",
                         where="/num_gpus", fix="use a multiple of gpus_per_node")
     gpus_here = 1 if fake is not None else min(per_node, n_gpus)
-    run_id = ctx.request_id
+    run_id = req.get("run_id") or ctx.request_id
     out_dir = Path(req.get("output_dir") or Path("runs") / run_id)
     run_dir = req.get("run_dir") or str(out_dir.resolve())
     training = match_tokenizer(dict(req["training"]), model.vocab_size)
@@ -268,6 +265,7 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
     if ctx.dry_run:
         out["dry_run"] = True
         out["actions"] = [f"mkdir -p {path.parent}", f"write {path} ({len(text)} bytes, mode 0755)"]
+        out["files"][0]["content"] = text
         return out
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, text, mode=0o755)  # a reader never sees half a script

@@ -25,28 +25,18 @@ from ..adapter import log as megatron_log
 
 from . import render
 from ..core.catalog import gpu_by_device_name
-from ..contract import Context, Tool
+from ..contract import Context, Tool, invoke, request_fields
+from ..environment import gpu_count_and_name, have_transformer_engine
 from ..errors import ToolError
 from .prepare_data import check_datasets
 from ..core.resolve import DEFAULT_TRAIN_ITERS
 from ..runs import RunLock, latest_checkpoint, read_state, write_state
 
 
-def detect_gpus() -> tuple[int, str | None]:
-    """(count, device name) of the CUDA GPUs torch sees here; (0, None) without torch or GPUs."""
-    try:
-        import torch
-    except ImportError:
-        return 0, None
-    if not torch.cuda.is_available():
-        return 0, None
-    return torch.cuda.device_count(), torch.cuda.get_device_name(0)
-
-
 def _backend(req: dict) -> str:
     if req["backend"] != "auto":
         return req["backend"]
-    return "gpu" if detect_gpus()[0] else "cpu"
+    return "gpu" if gpu_count_and_name()[0] else "cpu"
 
 
 def _progress_line(rec: dict, started: float, seq: int | None) -> str:
@@ -128,7 +118,7 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
     req = {**req, "python": req.get("python") or sys.executable}
     _check_runtime(req, backend)
     if req.get("num_gpus") is None and req.get("nodes") is None:
-        req = {**req, "num_gpus": max(1, detect_gpus()[0])}
+        req = {**req, "num_gpus": max(1, gpu_count_and_name()[0])}
     req = {**req, "training": {**req["training"], "train_iters": req["training"].get("train_iters")
                                or DEFAULT_TRAIN_ITERS[backend]}}
     run_id = ctx.request_id
@@ -265,16 +255,17 @@ def _log_tail(path: Path, lines: int = 14) -> list[str]:
 
 
 def _plan_gpu_run(req: dict, ctx: Context, run_dir: Path) -> dict[str, Any]:
-    n, name = detect_gpus()
+    n, name = gpu_count_and_name()
     if req["backend"] == "gpu" and n == 0 and not ctx.dry_run:
         raise ToolError("environment", "no CUDA GPU is visible here", where="/backend",
                         fix="run on a GPU machine, or train with --backend cpu and a tiny model (--model tiny-gpt)")
-    sub = {k: v for k, v in req.items() if k in render.RENDER_KEYS}
-    sub.update(output_dir=str(run_dir), run_dir=str(run_dir))
+    # Render's own fields of this request; the script is rendered as a dry run (nothing written)
+    # and written here once the run is sure to start.
+    sub = {k: v for k, v in req.items() if k in request_fields("render") - {"dry_run", "output_dir", "run_dir"}}
+    sub.update(output_dir=str(run_dir), run_dir=str(run_dir), run_id=ctx.request_id, dry_run=True)
     if "transformer_engine" not in sub:
         # The run goes here: plan for the layers it will really have (the local ones, with the
         # skill's fused head, take far less memory for the logits than TE's assumed path).
-        from ..runtime.compat import have_transformer_engine
         sub["transformer_engine"] = have_transformer_engine()
     if name and "gpu" not in req:
         gpu = gpu_by_device_name(name)
@@ -284,8 +275,8 @@ def _plan_gpu_run(req: dict, ctx: Context, run_dir: Path) -> dict[str, Any]:
         raise ToolError("bad_request", "no GPU is visible here to size the run for" if not name else
                         f"the GPU here ({name}) is not in the catalog", where="/gpu",
                         fix="give gpu (e.g. h100-sxm, h200), the GPU type the run is for")
-    out = render.build(sub, ctx)
-    text = out.pop("_text")
+    out = invoke("render", sub, ctx)
+    text = out["files"][0]["content"]
     script = Path(out["files"][0]["path"])
     peak = None
     try:
