@@ -62,6 +62,8 @@ def install() -> str | None:
     path = os.environ.get("MEGATRON_SKILL_PROFILE")
     if not path:
         return None
+    if not os.path.isabs(path) and os.environ.get("RUN_DIR"):   # bench names it within the run directory
+        path = os.path.join(os.environ["RUN_DIR"], path)
     target = int(os.environ.get("MEGATRON_SKILL_PROFILE_ITER", "4"))
     import torch
     import megatron.training.training as training

@@ -17,9 +17,8 @@ from typing import Any
 
 from ..adapter import log as megatron_log
 
-from . import train
 from ..core.catalog import get_gpu, gpu_by_device_name
-from ..contract import Context, Tool
+from ..contract import Context, Tool, invoke, request_fields
 from ..environment import gpu_count_and_name, have_transformer_engine
 from ..errors import ToolError
 from ..core.flops import padded_vocab_size
@@ -114,17 +113,17 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
     iters = req["warmup_iters"] + req["timed_iters"]
     training = {**req.get("training", {}), "train_iters": iters, "log_interval": 1, "log_memory_interval": 1,
                 "checkpoint": False, "eval_iters": 0, "eval_interval": iters + 1, "lr_warmup_iters": 1}
-    treq = {k: v for k, v in req.items() if k in train_keys()}
+    # The run itself is train's, asked through the contract like any caller would.
+    treq = {k: v for k, v in req.items() if k in request_fields("train") - {"dry_run"}}
     treq.update(training=training, backend="gpu", gpu=gpu.key, runs_root=req["runs_root"], resume=False,
-                launcher="torchrun")
-    profile_path = out_dir / "profile.json"
-    if req["profile"]:
-        treq["env"] = {**treq.get("env", {}), "MEGATRON_SKILL_PROFILE": str(profile_path),
+                launcher="torchrun", dry_run=ctx.dry_run)
+    if req["profile"]:   # written by the runtime within the run directory
+        treq["env"] = {**treq.get("env", {}), "MEGATRON_SKILL_PROFILE": "profile.json",
                        "MEGATRON_SKILL_PROFILE_ITER": str(req["warmup_iters"] + 1)}
-    treq = train_defaults(treq)
-    result = train.run(treq, ctx)
+    result = invoke("train", treq, ctx)
     if ctx.dry_run:
         return result
+    profile_path = Path(result["run_dir"]) / "profile.json"
     log = Path(result["log"])
     parsed = megatron_log.parse(log.read_text(errors="replace").splitlines())
     if req.get("fake_rank") is not None:
@@ -231,16 +230,6 @@ def _write_reports(out: dict, run_dir: Path, parsed: dict) -> list[str]:
     except ImportError:
         pass
     return files
-
-
-def train_keys() -> set[str]:
-    from ..contract import load_schema
-    return set(load_schema("train", "request")["properties"])
-
-
-def train_defaults(treq: dict) -> dict:
-    from ..contract import _fill_defaults, load_schema
-    return _fill_defaults(load_schema("train", "request"), treq)
 
 
 TOOL = Tool(name="bench", summary="Measure tokens/s, TFLOP/s/GPU, MFU and peak memory of a configuration "

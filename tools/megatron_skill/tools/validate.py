@@ -22,7 +22,7 @@ from typing import Any
 
 from ..adapter import arguments as megatron_args, flags as megatron_flags, parser as megatron_parser, script as script_args
 from ..core.catalog import get_gpu
-from ..contract import Context, Tool
+from ..contract import Context, Tool, invoke
 from ..errors import ToolError
 from ..core.flops import padded_vocab_size
 from ..core.layout import RULES, Layout, broken_rules
@@ -663,22 +663,18 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
 
 
 def _validate_request(sub: dict, ctx: Context) -> dict[str, Any]:
-    """A render request: every error render would raise, then the checks on its arguments."""
-    from . import render
-    from ..contract import request_id, validate_request
-
+    """A render request: rendered through the contract as a dry run (nothing written), so every
+    error render would raise is found, then its argument vector checked like any other."""
     try:
-        full = validate_request("render", sub)
-        sub_ctx = Context(dry_run=True, progress=ctx.progress)
-        sub_ctx.request_id = request_id("render", full)
-        built = render.build(full, sub_ctx)
+        built = invoke("render", {**sub, "dry_run": True}, ctx)
     except ToolError as e:
-        err = _finding(e.code, e.message, e.fix or "", e.where)
+        where = "/render_request" + (e.where if e.where and e.where.startswith("/") else "")
+        err = _finding(e.code, e.message, e.fix or "", where)
         return {"valid": False, "errors": [err], "warnings": [], "world_size": None, "layout": None,
                 "predicted_peak_gib": None, "script": {}, "num_megatron_args": 0}
     lay = built["layout"]
     launch = Launch(args=built["megatron_args"], world=lay["world_size"], env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
-    result = check_launch(launch, full.get("gpu"))
+    result = check_launch(launch, sub.get("gpu"))
     errors = [f for f in result["findings"] if f["severity"] == "error"]
     return {"valid": not errors, "errors": errors,
             "warnings": [f for f in result["findings"] if f["severity"] == "warning"],
