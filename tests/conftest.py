@@ -18,6 +18,28 @@ settings.register_profile("fixed", derandomize=True, print_blob=True)
 settings.register_profile("wide", max_examples=1000, derandomize=False, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "fixed"))
 
+# Every answer any test gets from a tool, in this process, is checked against the tool's
+# response schema (schemas/<tool>.response.json), whatever else the test asserts.
+def _check_every_response() -> None:
+    from megatron_skill import contract
+
+    real = contract.call
+    validators: dict = {}
+
+    def checked(tool_name, request, ctx=None):
+        env = real(tool_name, request, ctx)
+        if tool_name not in validators:
+            validators[tool_name] = contract._validator(contract.load_schema(tool_name, "response"))
+        errors = sorted(validators[tool_name].iter_errors(env), key=lambda e: list(e.absolute_path))
+        assert not errors, (f"{tool_name}'s answer breaks schemas/{tool_name}.response.json at "
+                            f"/{'/'.join(map(str, errors[0].absolute_path))}: {errors[0].message}")
+        return env
+
+    contract.call = checked
+
+
+_check_every_response()
+
 # CI sets this: a test that would be skipped for a missing system component fails instead,
 # so that coverage is never lost quietly there.
 REQUIRE_ALL = os.environ.get("MEGATRON_SKILL_REQUIRE_SYSTEM") == "1"
