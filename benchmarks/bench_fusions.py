@@ -38,6 +38,7 @@ def timed(fn, reps: int = 20, warm: int = 5) -> float:
 
 def rope() -> dict:
     from megatron.core.models.common.embeddings import rope_utils
+
     from megatron_skill.runtime import compiled
 
     eager = rope_utils._apply_rotary_pos_emb_bshd
@@ -64,7 +65,7 @@ def attention() -> dict:
     out = {}
     for backend in ("auto", "cudnn", "flash", "efficient"):
         for native in (False, True):
-            def step():
+            def step(native=native):
                 kk, vv = (k, v) if native else (k.repeat_interleave(HEADS // GROUPS, 1),
                                                 v.repeat_interleave(HEADS // GROUPS, 1))
                 y = F.scaled_dot_product_attention(q, kk, vv, is_causal=True, enable_gqa=native)

@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 from megatron_skill.core.catalog import get_gpu  # noqa: E402
 from megatron_skill.core.flops import padded_vocab_size  # noqa: E402
 from megatron_skill.core.layout import Layout  # noqa: E402
-from megatron_skill.core.memory import MemoryOptions, GIB, stage_memory  # noqa: E402
+from megatron_skill.core.memory import GIB, MemoryOptions, stage_memory  # noqa: E402
 from megatron_skill.core.options import RuntimeOptions  # noqa: E402
 from megatron_skill.core.planner import cost, rank  # noqa: E402
 from megatron_skill.core.resolve import resolve_model  # noqa: E402

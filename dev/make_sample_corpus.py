@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCES = ["README.md", "SKILL.md", "instructions.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "references").glob("*.md"))]
+SOURCES = ["README.md", "SKILL.md", "instructions.md",
+           *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "references").glob("*.md"))]
 
 
 def paragraphs(text: str):

@@ -4,8 +4,8 @@ from pathlib import Path
 import pytest
 
 from megatron_skill.core import catalog
-from megatron_skill.errors import ToolError
 from megatron_skill.core.model import from_hf_config
+from megatron_skill.errors import ToolError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 REQUIRED_MODELS = ["llama3-8b", "llama3-70b", "llama3.1-405b", "llama3.2-1b", "llama3.2-3b", "mixtral-8x7b",

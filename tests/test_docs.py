@@ -3,7 +3,6 @@ import re
 import shlex
 
 import pytest
-
 from conftest import ROOT, run_cli, run_inproc
 
 DOCS = [ROOT / "README.md", ROOT / "SKILL.md", ROOT / "instructions.md", *sorted((ROOT / "references").glob("*.md"))]
@@ -32,6 +31,7 @@ def megatron_option_strings():
     import argparse
 
     from megatron.training.arguments import add_megatron_arguments
+
     from megatron_skill.adapter.skill_flags import add_skill_arguments
 
     parser = add_skill_arguments(add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
@@ -189,8 +189,8 @@ OTHER_PROGRAMS = {"--no-build-isolation", "--set", "--iters", "--strict"}
 def test_every_flag_in_inline_code_is_real_or_named_obsolete():
     """`--flag` spans in the prose, not only code blocks: each is a Megatron, launcher or tool flag,
     or one the validate tool reports as obsolete (so the text can say what replaced it)."""
-    from megatron_skill.contract import build_parser, tools
     from megatron_skill.adapter.flags import OBSOLETE
+    from megatron_skill.contract import build_parser, tools
 
     known = megatron_option_strings() | launcher_option_strings() | OTHER_PROGRAMS | set(OBSOLETE)
     for tool in tools().values():

@@ -6,11 +6,10 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, run_cli
+
 from megatron_skill.contract import build_parser, call, tools
 
 LAUNCH = str(ROOT / "tools" / "launch.py")
@@ -120,10 +119,10 @@ def _fix_texts():
 
 
 def test_every_flag_a_fix_names_exists():
+    import argparse
+
     from megatron_skill.adapter import flags as megatron_flags
     from megatron_skill.adapter.skill_flags import add_skill_arguments
-
-    import argparse
     ours = {"--request", "--pretty", "--help"}
     for tool in tools().values():
         ours |= {o for a in build_parser(tool)._actions for o in a.option_strings}

@@ -1,5 +1,6 @@
 """The skill's fused paths compute what the plain ones do: values and gradients."""
 from conftest import require_modules  # noqa: E402
+
 require_modules('torch', 'megatron.core')
 
 import pytest
@@ -100,7 +101,7 @@ def _rel(a, b):
 def test_fp8_matmul_is_linear_within_fp8_precision():
     """Forward in E4M3, gradients in E5M2 (the hybrid format), per-tensor current scaling; on CPU
     the quantised values are multiplied in fp32, the same numbers torch._scaled_mm would see."""
-    from megatron_skill.runtime.fp8_linear import FP8Matmul, quantize, E4M3
+    from megatron_skill.runtime.fp8_linear import E4M3, FP8Matmul, quantize
 
     torch.manual_seed(0)
     x0, w0 = torch.randn(64, 128), torch.randn(96, 128) * 0.05
@@ -121,6 +122,7 @@ def test_fp8_matmul_is_linear_within_fp8_precision():
 def test_fp8_layers_swap_in_only_for_the_dense_linears_and_fall_back_with_tp_communication():
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
     from megatron.core.transformer.transformer_config import TransformerConfig
+
     from megatron_skill.runtime import specs
     from megatron_skill.runtime.fp8_linear import FP8ColumnParallelLinear, FP8RowParallelLinear, _fp8_ok
 
@@ -199,6 +201,7 @@ def test_compiled_rope_matches_megatrons_unfused_rope(dtype, tol, kind):
     """Megatron's own unfused RoPE compiled (runtime/fused_rope.py): forward and gradient
     against the eager function, including interleaved and partial rotary dimensions."""
     from megatron.core.models.common.embeddings import rope_utils
+
     from megatron_skill.runtime import fused_rope
 
     eager = rope_utils._apply_rotary_pos_emb_bshd
@@ -243,6 +246,7 @@ def test_native_gqa_attention_matches_expanded_keys_and_values():
     """SDPA reading the shared key/value heads itself (enable_gqa) against the expansion."""
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
+
     from megatron_skill.runtime import attention
 
     cfg = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=8, num_query_groups=2,

@@ -4,14 +4,12 @@ acting tools are asked for dry-runs, which must write nothing anywhere)."""
 import json
 import os
 import signal
-import string
-from pathlib import Path
 
 import pytest
+from conftest import ROOT
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import ROOT
 from megatron_skill.contract import call, load_schema, tools
 
 ACTING = {"train", "bench", "prepare-data", "render"}  # asked for dry-runs: nothing may be written

@@ -1,5 +1,4 @@
 """The log reader and the logs tool, on a real H200 log and on broken ones."""
-import json
 from pathlib import Path
 
 from megatron_skill.adapter import log as megatron_log

@@ -4,14 +4,13 @@ FLOPs must be equal: MFU here means what Megatron's log means.  Weight and optim
 memory must be equal where the two models describe the same thing; where ours differs on
 purpose, the test states the difference and checks it is exactly that.
 """
-import itertools
 import random
 
 import pytest
 
-from megatron_skill.core import catalog
 from megatron_skill.adapter import arguments as megatron_args
 from megatron_skill.adapter import parser as megatron_parser
+from megatron_skill.core import catalog
 from megatron_skill.core.flops import padded_vocab_size, training_flops
 from megatron_skill.core.layout import Layout, check_layout
 from megatron_skill.core.memory import stage_memory

@@ -2,6 +2,7 @@
 backward, counted with autograd's saved-tensor hooks on CPU (the skill's layer spec, native
 grouped-query heads, compiled RoPE: the default path), equals memory.attention_saved_bytes."""
 from conftest import require_modules  # noqa: E402
+
 require_modules('torch', 'megatron.core')
 
 import json
@@ -10,7 +11,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT
 
 pytestmark = pytest.mark.slow  # each test runs a real layer in a process of its own

@@ -1,8 +1,8 @@
 """Uneven pipelines: the planner's layer split is Megatron-Core's own, and a model whose layers do
 not divide by PP (DeepSeek-V3's 61 at PP16) is planned, rendered and accepted by Megatron."""
 import pytest
-
 from conftest import require_modules
+
 from megatron_skill.contract import call
 from megatron_skill.core.layout import Layout
 from megatron_skill.core.planner import pipeline_splits
@@ -21,9 +21,9 @@ SPLITS = [  # (layers, PP, VP, Layout fields)
 @pytest.mark.parametrize("layers,pp,vp,fields", SPLITS)
 def test_layers_per_chunk_are_megatrons(layers, pp, vp, fields):
     require_modules("megatron.core")
+    import torch
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
     from megatron.core.transformer.transformer_config import TransformerConfig
-    import torch
 
     lay = Layout(pp=pp, vp=vp, **fields)
     cfg = TransformerConfig(

@@ -4,7 +4,6 @@ import time
 
 import jsonschema
 import pytest
-
 from conftest import ROOT
 
 from megatron_skill.contract import call, load_schema, schema_registry
@@ -167,6 +166,7 @@ def test_cli_flags_and_json_request_agree(cli, tmp_path):
 def test_help_lists_flags(cli):
     import subprocess
     import sys
+
     from conftest import ROOT
     out = subprocess.run([sys.executable, str(ROOT / "tools/launch.py"), "plan", "--help"],
                          capture_output=True, text=True).stdout
@@ -216,9 +216,9 @@ def test_h200_calibration_is_what_bench_calibrate_measured(tmp_path, monkeypatch
     import json
     import shutil
 
-    from megatron_skill.tools import bench
     from megatron_skill.core import catalog
     from megatron_skill.core.timing import calibration
+    from megatron_skill.tools import bench
 
     measured = json.loads((ROOT / "references/results/h200-2026-12-02/calibrate.json").read_text())
     gpu = catalog.get_gpu("h200")
@@ -238,11 +238,10 @@ def test_h200_calibration_is_what_bench_calibrate_measured(tmp_path, monkeypatch
 def test_every_calibration_figure_the_model_reads_exists_for_every_gpu():
     import json
 
+    from megatron_skill.contract import call
+    from megatron_skill.core import timing
     from megatron_skill.core.catalog import CATALOG_DIR
     from megatron_skill.core.timing import calibration
-
-    from megatron_skill.core import timing
-    from megatron_skill.contract import call
 
     data = json.loads((CATALOG_DIR / "calibration.json").read_text())
     needed = set(data["default"]) - {"status", "source"}

@@ -1,5 +1,6 @@
 """prepare-data: JSONL in, a Megatron indexed dataset out, every line accounted for."""
 from conftest import require_modules  # noqa: E402
+
 require_modules('numpy', 'torch', 'megatron.core')
 
 import json
@@ -11,7 +12,6 @@ import time
 
 import numpy as np
 import pytest
-
 from conftest import ROOT, run_cli
 
 CORPUS = ROOT / "data" / "sample" / "corpus.jsonl"
@@ -26,6 +26,7 @@ def test_sample_corpus_becomes_a_dataset_that_gpt_dataset_reads(tmp_path, cli):
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
     from megatron.core.datasets.indexed_dataset import IndexedDataset
     from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
+
     from megatron_skill.runtime import compat
 
     prefix = tmp_path / "corpus"

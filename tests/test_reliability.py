@@ -3,15 +3,14 @@ error, a hang or a traceback), no lost file, no second holder of a lock."""
 import json
 import multiprocessing
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, run_cli
+
 from megatron_skill.contract import call
 
 LAUNCH = [sys.executable, str(ROOT / "tools" / "launch.py")]
@@ -89,8 +88,7 @@ def test_a_huge_gpu_count_is_refused_at_once():
 
 
 def test_internal_errors_have_their_own_code_and_exit_status(monkeypatch):
-    from megatron_skill import contract
-    from megatron_skill import errors
+    from megatron_skill import contract, errors
 
     def broken(req, ctx):
         raise ZeroDivisionError("a bug")

@@ -8,10 +8,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import ROOT, system_tool
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from conftest import ROOT, system_tool
 from megatron_skill.adapter import parser as megatron_parser
 from megatron_skill.contract import call
 

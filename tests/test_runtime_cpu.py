@@ -1,6 +1,7 @@
 """The training runtime on CPU: the layer spec, SDPA attention, real optimizer steps of a tiny
 GPT with gloo, checkpoint save / reload, tensor-parallel parity, Megatron's dataset builder."""
 from conftest import require_modules  # noqa: E402
+
 require_modules('torch', 'numpy', 'megatron.core')
 
 import json
@@ -14,9 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from conftest import ROOT
-from megatron_skill.contract import call
 
 LOOP = ROOT / "tools" / "megatron_skill" / "runtime" / "cpu_loop.py"
 TINY = {"num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 256, "num_attention_heads": 4,
@@ -46,6 +45,7 @@ def _run_loop(cfg: Path, nproc: int = 1) -> dict[int, float]:
 def test_sdpa_attention_matches_reference_math():
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
+
     from megatron_skill.runtime.attention import SDPAttention
 
     cfg = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16,
@@ -86,6 +86,7 @@ def test_the_local_path_renders_no_dataloader_mask_so_attention_runs_causal():
 
 def test_layer_spec_swaps_only_core_attention():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
     from megatron_skill.runtime.attention import SDPAttention
     from megatron_skill.runtime.specs import local_sdpa_spec
 
@@ -99,6 +100,7 @@ def test_layer_spec_swaps_only_core_attention():
 
 def test_norms_allow_sequence_parallel_and_mark_their_weights():
     from megatron.core.transformer.transformer_config import TransformerConfig
+
     from megatron_skill.runtime.norm import SequenceParallelNorm
     from megatron_skill.runtime.specs import block_spec
 
@@ -113,8 +115,9 @@ def test_norms_allow_sequence_parallel_and_mark_their_weights():
 
 
 def test_compat_uses_the_prebuilt_dataset_helpers():
-    from megatron_skill.runtime import compat
     import megatron.core.datasets.utils as dataset_utils
+
+    from megatron_skill.runtime import compat
 
     done = compat.apply()
     assert compat.prebuilt_helpers_available()
@@ -127,6 +130,7 @@ def test_norm_recompute_without_te_leaves_the_fp8_branch_alone():
     fp8=False and hit TE's missing FP8GlobalStateManager (NameError on the H200); compat
     switches the branch off without TE.  (Its forward needs CUDA's RNG state: GPU only.)"""
     from megatron.core.tensor_parallel import random
+
     from megatron_skill.runtime import compat
 
     assert not random.HAVE_TE and random.CheckpointWithoutOutput.__init__ is not None
@@ -185,6 +189,7 @@ def test_gpt_dataset_over_an_indexed_dataset(tmp_path):
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
     from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
+
     from megatron_skill.runtime import compat
 
     compat.apply()

@@ -8,8 +8,8 @@ import sys
 import textwrap
 
 import pytest
-
 from conftest import ROOT
+
 from megatron_skill.adapter import shell
 from megatron_skill.contract import call
 
@@ -101,9 +101,9 @@ def test_case_functions_and_loops():
 def test_bash_c_strings_heredocs_to_sbatch_and_sourced_files(tmp_path):
     conf = tmp_path / "model.conf.sh"
     conf.write_text("MODEL_ARGS=(--num-layers 16 --hidden-size 2048)\n")
-    text = f"""
+    text = """
     source "$(dirname "$0")/model.conf.sh"
-    CMD="python pretrain_gpt.py ${{MODEL_ARGS[@]}} --bf16"
+    CMD="python pretrain_gpt.py ${MODEL_ARGS[@]} --bf16"
     sbatch <<EOF
     #!/bin/bash
     #SBATCH --nodes=4
@@ -252,7 +252,8 @@ def test_scripts_that_run_no_training_entry_are_told_so_plainly(tmp_path):
     assert "MEGATRON_PARAMS" in caller["error"]["message"] and "env" in caller["error"]["fix"]
     placeholder = call("validate", {"script_text": "DATA=<PATH_TO_DATA>\npython pretrain_gpt.py --data-path $DATA\n"})
     assert placeholder["error"]["code"] == "invalid_script" and "<PATH_TO_DATA>" in placeholder["error"]["fix"]
-    inference = _validate("export CUDA_DEVICE_MAX_CONNECTIONS=1\ntorchrun --nproc-per-node 8 tools/run_text_generation_server.py --num-layers 32 "
+    inference = _validate("export CUDA_DEVICE_MAX_CONNECTIONS=1\n"
+                          "torchrun --nproc-per-node 8 tools/run_text_generation_server.py --num-layers 32 "
                           "--hidden-size 4096 --num-attention-heads 32 --tensor-model-parallel-size 8 --port 5000\n",
                           gpu="h100-sxm")
     assert inference["valid"] and "skipped" in inference["memory"]   # its own --port: a warning only

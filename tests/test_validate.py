@@ -4,8 +4,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT
+
 from megatron_skill.contract import call
 
 HEAD = """#!/bin/bash
@@ -75,7 +75,8 @@ BROKEN = {
                                      "--global-batch-size 64 --use-distributed-optimizer --overlap-grad-reduce "
                                      "--overlap-param-gather-with-optimizer-step"),
 }
-FP8_ON_AMPERE = script("--tensor-model-parallel-size 2 --sequence-parallel --micro-batch-size 1 --global-batch-size 64 --use-distributed-optimizer",
+FP8_ON_AMPERE = script("--tensor-model-parallel-size 2 --sequence-parallel --micro-batch-size 1 --global-batch-size 64 "
+                       "--use-distributed-optimizer",
                        "--fp8-format hybrid --fp8-recipe tensorwise")
 
 
@@ -202,6 +203,7 @@ def test_obsolete_flags_are_errors_only_where_megatron_refuses_them():
     import argparse
 
     from megatron.training.arguments import add_megatron_arguments
+
     from megatron_skill.adapter.flags import OBSOLETE
 
     parser = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))

@@ -341,7 +341,7 @@ def _read_request(source: str) -> Any:
         text = sys.stdin.read() if source == "-" else Path(source).read_text()
     except OSError as e:
         raise ToolError("not_found", f"cannot read the request file: {e.strerror}", where="--request",
-                        fix="give a readable JSON file, or - for stdin")
+                        fix="give a readable JSON file, or - for stdin") from None
     return parse_json(text, where="--request", name=f"the request in {where}")
 
 
@@ -355,10 +355,10 @@ def parse_json(text: str, where: str, name: str) -> Any:
     try:
         return json.loads(text, parse_constant=_no_constant)
     except json.JSONDecodeError as e:
-        raise ToolError("bad_request", f"{name} is not JSON: {e}", where=where, fix="give one JSON object")
+        raise ToolError("bad_request", f"{name} is not JSON: {e}", where=where, fix="give one JSON object") from None
     except ValueError as e:
         raise ToolError("bad_request", f"{name}: {e}", where=where,
-                        fix="give finite numbers (JSON has no NaN or Infinity)")
+                        fix="give finite numbers (JSON has no NaN or Infinity)") from None
     except RecursionError:
         raise ToolError("bad_request", f"{name} is nested too deeply", where=where,
                         fix=f"no field of any tool nests more than {MAX_DEPTH} levels") from None

@@ -12,7 +12,6 @@ import dataclasses
 import difflib
 import functools
 import json
-from pathlib import Path
 from typing import Any, Callable
 
 from ..core.catalog import CATALOG_DIR
@@ -233,7 +232,7 @@ def check(argv: list[str], world_size: int | None = None) -> str:
         _, unknown = parser.parse_known_args(argv)
     except (argparse.ArgumentError, ValueError) as e:
         raise ToolError("invalid_script", f"Megatron's flags (manifest) refuse the arguments: {e}",
-                        where="argv", fix="correct the value of the flag it names")
+                        where="argv", fix="correct the value of the flag it names") from None
     if unknown:
         flag = next((u for u in unknown if u.startswith("--")), unknown[0])
         hint = suggest(flag)
@@ -250,5 +249,5 @@ def check_values(argv: list[str]) -> str:
         manifest_parser().parse_known_args(argv)
     except (argparse.ArgumentError, ValueError) as e:
         raise ToolError("invalid_script", f"Megatron's flags refuse the arguments: {e}", where="argv",
-                        fix="correct the value of the flag it names")
+                        fix="correct the value of the flag it names") from None
     return "flag manifest of megatron-core " + load_manifest()["megatron_core"]

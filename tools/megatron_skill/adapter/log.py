@@ -172,7 +172,7 @@ def summarize(parsed: dict[str, Any], seq_length: int | None = None, peak_tflops
     out["last_iteration"] = its[-1]["iteration"]
     out["train_iters"] = its[-1]["train_iters"]
     losses = [(r["iteration"], r["loss"]) for r in its if "loss" in r]
-    out["loss_curve"] = [[i, l] for i, l in losses]
+    out["loss_curve"] = [[i, loss] for i, loss in losses]
     if losses:
         out["first_loss"], out["final_loss"] = losses[0][1], losses[-1][1]
     out["lr_curve"] = [[r["iteration"], r["lr"]] for r in its if "lr" in r]
@@ -196,7 +196,7 @@ def summarize(parsed: dict[str, Any], seq_length: int | None = None, peak_tflops
     out["nan_iterations"] = int(max((r.get("nan", 0) for r in its), default=0))
     out["skipped_iterations"] = int(max((r.get("skipped", 0) for r in its), default=0))
     anomalies = []
-    vals = [l for _, l in losses]
+    vals = [loss for _, loss in losses]
     for k in range(3, len(vals)):
         base = sorted(vals[max(0, k - 5):k])[len(vals[max(0, k - 5):k]) // 2]
         if math.isfinite(vals[k]) and base > 0 and vals[k] > 1.5 * base and vals[k] - base > 0.5:

@@ -98,7 +98,7 @@ def _module():
         import megatron.training.arguments as arguments
     except Exception as e:  # ImportError, or torch missing underneath
         raise ToolError("environment", f"megatron-core is not importable: {e}", where="megatron.training",
-                        fix="pip install 'megatron-core==0.19.*' (Python 3.12) or use the parser manifest")
+                        fix="pip install 'megatron-core==0.19.*' (Python 3.12) or use the parser manifest") from None
     finally:
         torch.compile = real
     return arguments
@@ -153,7 +153,7 @@ def _parse(arguments: Any, argv: list[str], world_size: int | None, device_major
     except SystemExit:
         msg = err.getvalue().strip().splitlines()
         raise ToolError("invalid_script", f"Megatron's parser refused the arguments: {msg[-1] if msg else ''}",
-                        where="argv", fix="remove or correct the flag it names")
+                        where="argv", fix="remove or correct the flag it names") from None
     finally:
         sys.argv = saved
     if world_size is None:
@@ -174,7 +174,7 @@ def _parse(arguments: Any, argv: list[str], world_size: int | None, device_major
             arguments.validate_args(args, {})
     except (AssertionError, ValueError, RuntimeError) as e:
         raise ToolError("invalid_script", f"Megatron's validate_args refused the arguments: {_reason(e)}",
-                        where="argv", fix="fix the combination it names")
+                        where="argv", fix="fix the combination it names") from None
     finally:
         arguments.get_device_arch_version = original
         torch.cuda.get_device_capability = original_cap

@@ -14,8 +14,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from . import shell
 from ..errors import ToolError
+from . import shell
 
 
 @dataclasses.dataclass
@@ -55,7 +55,7 @@ def read(text: str, script_path: Path | None = None, env: dict[str, str] | None 
         fix = ("fill in the placeholder " + placeholder.group(0).lstrip("= ") + " (bash reads < and > as "
                "redirections)") if placeholder else "fix the shell syntax there (bash -n script.sh shows the same error)"
         raise ToolError("invalid_script", f"bash cannot parse the script: {e} (line {e.line})", where=f"line {e.line}",
-                        fix=fix)
+                        fix=fix) from None
     launches, ended = [], []
     for path in reading.paths:
         if not path.launches:

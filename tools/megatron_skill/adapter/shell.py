@@ -107,7 +107,7 @@ def lex(text: str) -> list[Tok]:
             line += nl
             i = j
     if pending:  # a heredoc without its body: the script ends first
-        for delim, _, _, tok in pending:
+        for _, _, _, tok in pending:
             tok.heredoc[0] = ""
     return toks
 
@@ -1423,7 +1423,7 @@ class Reader:
         try:
             tree = parse(body)
         except ShellSyntax:
-            raise _Unknown()
+            raise _Unknown() from None
         cwd = str(self.base) if self.base else "."
         out = []
         for andor in tree.parts:
@@ -1646,7 +1646,7 @@ def _safe_eval(expr: str, var: Callable[[str], int]) -> int:
     try:
         tree = ast.parse(text.strip() or "0", mode="eval")
     except SyntaxError:
-        raise _Unknown()
+        raise _Unknown() from None
 
     def ev(node: ast.AST) -> int:
         if isinstance(node, ast.Expression):

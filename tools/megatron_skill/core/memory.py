@@ -9,7 +9,8 @@ Conventions (those of Megatron-Core with bf16 mixed precision):
   the distributed optimizer shards the 12 B over the data-parallel x context-parallel group
   (expert weights over the expert data-parallel group);
 - activations after Korthikanti et al. (arXiv 2205.05198), with flash attention (no s^2
-  terms; unfused attention's are counted when asked: unfused_score_bytes), no dropout, sequence parallelism sharding what TP alone leaves replicated;
+  terms; unfused attention's are counted when asked: unfused_score_bytes), no dropout,
+  sequence parallelism sharding what TP alone leaves replicated;
 - the loss keeps an fp32 copy of the logits (Megatron's vocab-parallel cross entropy),
   one micro-batch at a time.
 """

@@ -312,10 +312,10 @@ def from_hf_config(path: str | Path) -> ModelSpec:
         cfg = json.loads(p.read_text())
     except FileNotFoundError:
         raise ToolError("not_found", f"no config.json at {str(p)!r}", where=where,
-                        fix="give the path of a local Hugging Face model folder or its config.json")
+                        fix="give the path of a local Hugging Face model folder or its config.json") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ToolError("bad_model", f"{p.name} is not valid JSON: {e}", where=where,
-                        fix="give an unmodified Hugging Face config.json")
+                        fix="give an unmodified Hugging Face config.json") from None
     if not isinstance(cfg, dict):
         raise ToolError("bad_model", "config.json must hold a JSON object", where=where,
                         fix="give an unmodified Hugging Face config.json")
@@ -330,7 +330,7 @@ def from_hf_config(path: str | Path) -> ModelSpec:
         fields = readers[mtype](cfg)
     except KeyError as e:
         raise ToolError("bad_model", f"config.json of model_type {mtype!r} lacks {e.args[0]!r}",
-                        where=f"{where}.{e.args[0]}", fix="give a complete Hugging Face config.json")
+                        where=f"{where}.{e.args[0]}", fix="give a complete Hugging Face config.json") from None
     # What the config says it is; a folder's name is often a cache hash (snapshots/3f2a...).
     archs = cfg.get("architectures")
     name = (str(cfg.get("_name_or_path") or "").rstrip("/").rsplit("/", 1)[-1]

@@ -5,9 +5,9 @@ import dataclasses
 import math
 from typing import Any
 
+from ..errors import ToolError
 from . import catalog
 from .catalog import GPUSpec
-from ..errors import ToolError
 from .model import ModelSpec, build_spec, from_hf_config
 
 

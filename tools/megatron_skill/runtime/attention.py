@@ -10,12 +10,10 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-import torch
 import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
-
 
 _BACKENDS: list | None = None  # None: torch's own choice among the kernels that take the shape
 NATIVE_GQA = False  # --skill-native-gqa: the kernel reads the shared key/value heads itself

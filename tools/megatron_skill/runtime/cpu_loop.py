@@ -175,10 +175,9 @@ def save_checkpoint(model, optimizer, iteration: int, ckpt_root: Path, rank: int
     """One file per tensor-parallel rank (Megatron's legacy 'torch' layout, mp_rank_XX),
     written by data-parallel rank 0: the other DP ranks hold the same replica.  (Megatron's
     torch_dist writer synchronizes on CUDA devices, which a CPU-only machine does not have.)"""
-    from megatron.core import parallel_state as ps
-
     import torch
     import torch.distributed as dist
+    from megatron.core import parallel_state as ps
 
     path = ckpt_root / f"iter_{iteration:07d}"
     if rank == 0:
@@ -199,7 +198,6 @@ def save_checkpoint(model, optimizer, iteration: int, ckpt_root: Path, rank: int
 
 def load_checkpoint(model, optimizer, ckpt_root: Path, rank: int) -> int:
     import torch
-    from megatron.core import parallel_state as ps
 
     latest = ckpt_root / "latest_checkpointed_iteration.txt"
     if not latest.exists():
@@ -226,7 +224,7 @@ def main(config_path: str) -> None:
 
     cfg = json.loads(Path(config_path).read_text())
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     from megatron.core import parallel_state as ps
 
     from . import fused_head
@@ -256,7 +254,8 @@ def main(config_path: str) -> None:
         t0 = time.perf_counter()
         for group in optimizer.param_groups:
             group["lr"] = lr_at(cfg, it)
-        loss_sum = torch.zeros(()); tokens = torch.zeros(())
+        loss_sum = torch.zeros(())
+        tokens = torch.zeros(())
         for _ in range(per_dp // mbs):
             b = next(batches)
             mask = b["loss_mask"].float()
@@ -268,7 +267,8 @@ def main(config_path: str) -> None:
                 losses = model(b["tokens"], b["position_ids"], None, labels=b["labels"], **extra)
                 (torch.sum(losses.float() * mask) / (mask.sum() * (per_dp // mbs))).backward()
             if losses is not None:
-                loss_sum += torch.sum(losses.detach().float() * mask); tokens += mask.sum()
+                loss_sum += torch.sum(losses.detach().float() * mask)
+                tokens += mask.sum()
         if dp_size > 1:
             for p in model.parameters():
                 if p.grad is not None:

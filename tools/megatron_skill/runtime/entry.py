@@ -106,6 +106,7 @@ def _quantize_weights_once_per_step() -> None:
     the others: the cache is emptied as every train_step begins and again once it has
     stepped the optimizer (evaluation in between must see the new weights)."""
     import megatron.training.training as training
+
     from . import fp8_linear
 
     original = training.train_step

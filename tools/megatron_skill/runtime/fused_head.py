@@ -133,8 +133,10 @@ def output_processor(*, hidden_states, output_layer, output_weight, labels, loss
                      compute_language_model_loss, scale_logits, runtime_gather_output=None, **_):
     """GPTModel.forward's ``output_processor`` hook (megatron-core >= 0.19): per-token losses
     [b, s] as Megatron's own path returns them, without materialising the logits."""
-    from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
-                                                        gather_from_sequence_parallel_region)
+    from megatron.core.tensor_parallel.mappings import (
+        copy_to_tensor_model_parallel_region,
+        gather_from_sequence_parallel_region,
+    )
 
     tokens = hidden_states.shape[0] * hidden_states.shape[1] * (
         getattr(config, "tensor_model_parallel_size", 1) if config.sequence_parallel else 1)

@@ -65,8 +65,8 @@ def install() -> str | None:
     if not os.path.isabs(path) and os.environ.get("RUN_DIR"):   # bench names it within the run directory
         path = os.path.join(os.environ["RUN_DIR"], path)
     target = int(os.environ.get("MEGATRON_SKILL_PROFILE_ITER", "4"))
-    import torch
     import megatron.training.training as training
+    import torch
 
     original = training.train_step
     calls = {"n": 0}

@@ -8,10 +8,9 @@ parallelism.  Everything else (MoE, MLA, MTP, linear layers) stays Megatron's.
 from __future__ import annotations
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
-from megatron.core.transformer.torch_norm import WrappedTorchNorm
-from megatron.core.transformer.spec_utils import ModuleSpec
-
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
 from .attention import SDPAttention
 from .norm import SequenceParallelNorm

@@ -16,17 +16,16 @@ from pathlib import Path
 from typing import Any
 
 from ..adapter import log as megatron_log
-
-from ..core.catalog import get_gpu, gpu_by_device_name
 from ..contract import Context, Tool, invoke, request_fields
-from ..environment import gpu_count_and_name, have_transformer_engine
-from ..errors import ToolError
+from ..core.catalog import get_gpu, gpu_by_device_name
 from ..core.flops import padded_vocab_size
 from ..core.layout import Layout
 from ..core.memory import GIB, stage_memory
 from ..core.options import RuntimeOptions
 from ..core.planner import cost
 from ..core.resolve import resolve_model
+from ..environment import gpu_count_and_name, have_transformer_engine
+from ..errors import ToolError
 
 
 def _pct(measured: float, predicted: float) -> float:
@@ -220,9 +219,9 @@ def _write_reports(out: dict, run_dir: Path, parsed: dict) -> list[str]:
         its = parsed["iterations"]
         fig, ax = plt.subplots(1, 2, figsize=(10, 3.5))
         ax[0].plot([r["iteration"] for r in its], [r.get("tflops_per_gpu", 0) for r in its], marker=".")
-        ax[0].set_xlabel("iteration"); ax[0].set_ylabel("TFLOP/s/GPU"); ax[0].set_title("throughput")
+        ax[0].set(xlabel="iteration", ylabel="TFLOP/s/GPU", title="throughput")
         ax[1].plot([r["iteration"] for r in its], [r.get("loss") for r in its], marker=".")
-        ax[1].set_xlabel("iteration"); ax[1].set_ylabel("lm loss"); ax[1].set_title("loss")
+        ax[1].set(xlabel="iteration", ylabel="lm loss", title="loss")
         fig.suptitle(f"{out['model']['name']} {out['label']} on {out['gpu']}")
         fig.tight_layout()
         fig.savefig(run_dir / "bench.png", dpi=100)

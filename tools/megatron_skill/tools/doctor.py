@@ -9,10 +9,10 @@ import platform
 import sys
 from typing import Any
 
-from ..adapter import arguments as megatron_args
 from .. import environment
-from ..environment import module, version
+from ..adapter import arguments as megatron_args
 from ..contract import Context, Tool
+from ..environment import module, version
 
 TE_HOWTO = ("pip install --no-build-isolation 'transformer_engine[pytorch]' (needs the CUDA toolkit and cuDNN), "
             "or use an NGC PyTorch container, which ships it")

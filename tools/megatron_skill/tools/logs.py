@@ -7,10 +7,9 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from ..adapter import log as megatron_log
-from ..core.catalog import get_gpu
 from ..contract import Context, Tool
+from ..core.catalog import get_gpu
 from ..errors import ToolError
-
 
 MAX_LINE = 1 << 16  # characters of one line that are read; the rest of a longer line is skipped
 
@@ -41,12 +40,12 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
             raise ToolError("bad_request", f"{path} is not a regular file (a pipe, device or folder)",
                             where="/log", fix=fix + "; save a stream to a file first")
     except OSError as e:
-        raise ToolError("not_found", f"cannot read {path}: {e.strerror}", where="/log", fix=fix)
+        raise ToolError("not_found", f"cannot read {path}: {e.strerror}", where="/log", fix=fix) from None
     peak = get_gpu(req["gpu"], where="/gpu").bf16_dense_tflops if req.get("gpu") else None
     try:
         parsed = megatron_log.parse(read_lines(path, ctx))
     except OSError as e:
-        raise ToolError("not_found", f"cannot read {path}: {e.strerror}", where="/log", fix=fix)
+        raise ToolError("not_found", f"cannot read {path}: {e.strerror}", where="/log", fix=fix) from None
     # The log's own argument dump gives the sequence length and layout; flags only override.
     dumped = parsed.get("arguments", {})
     seq = req.get("seq_length") or (dumped.get("seq_length") if isinstance(dumped.get("seq_length"), int) else None)
@@ -92,9 +91,10 @@ def _plot(parsed: dict, out: Path) -> str | None:
     its = parsed["iterations"]
     fig, ax = plt.subplots(1, 2, figsize=(10, 3.5))
     ax[0].plot([r["iteration"] for r in its if "loss" in r], [r["loss"] for r in its if "loss" in r])
-    ax[0].set_xlabel("iteration"); ax[0].set_ylabel("lm loss")
-    ax[1].plot([r["iteration"] for r in its if "tflops_per_gpu" in r], [r["tflops_per_gpu"] for r in its if "tflops_per_gpu" in r])
-    ax[1].set_xlabel("iteration"); ax[1].set_ylabel("TFLOP/s/GPU")
+    ax[0].set(xlabel="iteration", ylabel="lm loss")
+    timed = [r for r in its if "tflops_per_gpu" in r]
+    ax[1].plot([r["iteration"] for r in timed], [r["tflops_per_gpu"] for r in timed])
+    ax[1].set(xlabel="iteration", ylabel="TFLOP/s/GPU")
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)

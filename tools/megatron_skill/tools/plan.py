@@ -6,12 +6,12 @@ from typing import Any
 
 from ..adapter import arguments as megatron_args
 from ..contract import Context, Tool
-from ..errors import ToolError
 from ..core.flops import padded_vocab_size
 from ..core.layout import Layout
 from ..core.options import RuntimeOptions
 from ..core.planner import Candidate, rank, search
 from ..core.resolve import default_global_batch, default_seq_length, resolve_cluster, resolve_model
+from ..errors import ToolError
 
 ASSUMPTIONS = [
     "Peaks are the dense BF16/FP8 figures; MFU is model FLOPs by Megatron's formula "

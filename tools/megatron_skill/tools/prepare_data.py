@@ -89,7 +89,7 @@ def load_tokenizer(spec: str):
         import tokenizers  # noqa: F401
     except ImportError:
         raise ToolError("environment", "the 'tokenizers' package is not installed", where="/tokenizer",
-                        fix="pip install tokenizers (tools/setup.sh does), or use tokenizer 'byte'")
+                        fix="pip install tokenizers (tools/setup.sh does), or use tokenizer 'byte'") from None
     return HFTokenizer(spec)
 
 
@@ -276,12 +276,12 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
                             f"write {files['bin']}, {files['idx']}, {files['json']} under temporary names, "
                             "then rename them into place together (the record last)"]}
     try:
-        from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
         import numpy as np
         import torch
+        from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
     except ImportError as e:
         raise ToolError("environment", f"megatron-core is not importable: {e}", where="megatron.core",
-                        fix="run tools/setup.sh (Python 3.12, torch, megatron-core)")
+                        fix="run tools/setup.sh (Python 3.12, torch, megatron-core)") from None
     prefix.parent.mkdir(parents=True, exist_ok=True)
     try:
         lock = FileLock(files["lock"]).acquire()

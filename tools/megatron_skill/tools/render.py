@@ -8,23 +8,22 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import os
 import re
 import shlex
 from pathlib import Path
 from typing import Any
 
-from ..adapter import arguments as megatron_args, flags as megatron_flags
+from ..adapter import arguments as megatron_args
+from ..adapter import flags as megatron_flags
 from ..contract import ROOT, Context, Tool
-from ..errors import ToolError
 from ..core.flops import padded_vocab_size
 from ..core.layout import RULES, Layout, check_layout
-from ..locks import write_atomic
-from ..core.memory import GIB
 from ..core.options import RuntimeOptions
 from ..core.planner import cost, rank, search
-from .prepare_data import match_tokenizer
 from ..core.resolve import DEFAULT_TRAIN_ITERS, default_global_batch, default_seq_length, resolve_cluster, resolve_model
+from ..errors import ToolError
+from ..locks import write_atomic
+from .prepare_data import match_tokenizer
 
 TEMPLATES = ROOT / "templates"
 LAUNCHERS = {"torchrun": "torchrun.sh.j2", "torchrun-multinode": "torchrun_multinode.sh.j2",
@@ -213,7 +212,8 @@ def build(req: dict, ctx: Context) -> dict[str, Any]:
         "run_id": run_id, "label": lay.label(), "model_name": model.name, "gpu": gpu.key, "num_gpus": n_gpus,
         "nodes": nodes, "gpus_per_node": gpus_here, "run_dir": run_dir, "python": req["python"],
         "entry": entry, "env": env, "arg_lines": _group_args(common_argv), "no_te_flags": local_flags,
-        "te_fp8_args": te_fp8, "needs_te": _needs_te(lay, model, gpu), "fp8": lay.precision == "fp8", "fp8_local": fp8_local, "parser_check": parser_check, "master_port": req["master_port"],
+        "te_fp8_args": te_fp8, "needs_te": _needs_te(lay, model, gpu), "fp8": lay.precision == "fp8",
+        "fp8_local": fp8_local, "parser_check": parser_check, "master_port": req["master_port"],
         "peak_gib": f"{cand.peak_gib:.1f}", "tokens_per_s": f"{cand.tokens_per_s:,.0f}",
         "mfu": f"{cand.mfu:.3f}", "slurm": slurm, "script_name": SCRIPT_NAMES[launcher],
         "fake_rank": fake, "world_size": lay.world_size,

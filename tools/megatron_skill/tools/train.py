@@ -12,7 +12,6 @@ when the request says resume, and refused otherwise.
 from __future__ import annotations
 
 import contextlib
-import json
 import re
 import shlex
 import subprocess
@@ -22,15 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from ..adapter import log as megatron_log
-
-from . import render
-from ..core.catalog import gpu_by_device_name
 from ..contract import Context, Tool, invoke, request_fields
+from ..core.catalog import gpu_by_device_name
+from ..core.resolve import DEFAULT_TRAIN_ITERS
 from ..environment import gpu_count_and_name, have_transformer_engine
 from ..errors import ToolError
-from .prepare_data import check_datasets
-from ..core.resolve import DEFAULT_TRAIN_ITERS
 from ..runs import RunLock, latest_checkpoint, read_state, write_state
+from .prepare_data import check_datasets
 
 
 def _backend(req: dict) -> str:

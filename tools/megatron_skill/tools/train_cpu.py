@@ -6,9 +6,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..errors import ToolError
 from ..core.flops import padded_vocab_size, training_flops
 from ..core.resolve import default_global_batch, resolve_model
+from ..errors import ToolError
 
 CPU_MAX_PARAMS = 60e6  # enough for tests and demos; anything larger belongs on a GPU
 LOOP = Path(__file__).resolve().parents[1] / "runtime" / "cpu_loop.py"

@@ -20,14 +20,17 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from ..adapter import arguments as megatron_args, flags as megatron_flags, parser as megatron_parser, script as script_args
-from ..core.catalog import get_gpu
+from ..adapter import arguments as megatron_args
+from ..adapter import flags as megatron_flags
+from ..adapter import parser as megatron_parser
+from ..adapter import script as script_args
 from ..contract import Context, Tool, invoke
-from ..errors import ToolError
+from ..core.catalog import get_gpu
 from ..core.flops import padded_vocab_size
 from ..core.layout import RULES, Layout, broken_rules
 from ..core.memory import GIB, MemoryOptions, memory_report, unfused_score_bytes
 from ..core.model import ModelSpec, build_spec
+from ..errors import ToolError
 
 # Layout rules that validate reports with a fix of its own words.
 RULE_FIXES = {
@@ -510,7 +513,7 @@ def read_script(path: Path) -> str:
         with open(path, "rb") as f:
             data = f.read(MAX_SCRIPT_BYTES + 1)
     except OSError as e:
-        raise ToolError("not_found", f"cannot read {path}: {e.strerror}", where="/script", fix=fix)
+        raise ToolError("not_found", f"cannot read {path}: {e.strerror}", where="/script", fix=fix) from None
     if b"\0" in data:
         raise ToolError("bad_request", f"{path} holds NUL bytes: a binary file, not a script", where="/script",
                         fix=fix)
