@@ -10,7 +10,6 @@ backward milliseconds of one micro-batch's worth of work (4 x 4096 tokens; hidde
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -19,21 +18,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from megatron_skill.runtime.calibrate import cuda_time  # noqa: E402
+
 S, B, HEADS, GROUPS, D, HIDDEN, VOCAB, CHUNK = 4096, 4, 32, 8, 64, 2048, 128256, 4096
 
 
 def timed(fn, reps: int = 20, warm: int = 5) -> float:
-    for _ in range(warm):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return round(statistics.median(times), 3)
+    """Median milliseconds of fn on the GPU (the calibration's CUDA-event timer)."""
+    return round(cuda_time(fn, reps, warm) * 1e3, 3)
 
 
 def rope() -> dict:

@@ -22,9 +22,9 @@ sys.path.insert(0, str(ROOT / "tools"))
 from megatron_skill.core.catalog import get_gpu  # noqa: E402
 from megatron_skill.core.flops import padded_vocab_size  # noqa: E402
 from megatron_skill.core.layout import Layout  # noqa: E402
-from megatron_skill.core.memory import GIB, MemoryOptions, stage_memory  # noqa: E402
+from megatron_skill.core.memory import GIB, MemoryOptions, peak, stage_memory  # noqa: E402
 from megatron_skill.core.options import RuntimeOptions  # noqa: E402
-from megatron_skill.core.planner import cost, rank  # noqa: E402
+from megatron_skill.core.planner import cost, error_pct, rank  # noqa: E402
 from megatron_skill.core.resolve import resolve_model  # noqa: E402
 
 SHAPES = {"llama-1b-shape": "llama-1b-shape-bf16.json", "llama-3b-shape": "llama-3b-shape-bf16.json"}
@@ -66,10 +66,6 @@ def _ref(path: Path) -> str:
         return str(path)
 
 
-def pct(pred: float, meas: float) -> float:
-    return round((pred - meas) / meas * 100, 1)
-
-
 def single_gpu(results: Path) -> list[dict]:
     out = []
     folders = ("levers", "ranking", "default-path")
@@ -87,7 +83,7 @@ def single_gpu(results: Path) -> list[dict]:
         out.append({"result": _ref(path), "model": res["model"]["name"], "lay": lay,
                     "label": f"{res['model']['name']} {lay.label()}" + (f" ({', '.join(notes)})" if notes else ""),
                     "iter_ms": (round(c.time.total * 1e3), res["measured"]["iter_ms"]),
-                    "gib": (round(max(m.allocated for m in c.memory.values()) / GIB, 2),
+                    "gib": (round(peak(c.memory, "allocated") / GIB, 2),
                             res["measured"]["max_allocated_gib"]), "default": not notes and lay.precision == "bf16",
                     "current": rt.get("native_gqa", True)})
     return out
@@ -127,15 +123,15 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         (pt, mt), (pm, mm) = r["iter_ms"], r["gib"]
-        print(f"| {r['label']} | {pt:,} | {mt:,.0f} | {pct(pt, mt):+.1f} % | {pm} | {mm:.2f} | {pct(pm, mm):+.1f} % | "
-              f"`{r['result']}` |")
+        print(f"| {r['label']} | {pt:,} | {mt:,.0f} | {error_pct(pt, mt):+.1f} % | {pm} | {mm:.2f} | "
+              f"{error_pct(pm, mm):+.1f} % | `{r['result']}` |")
     print()
     print("| layout (64 GPUs) | rank (stage) | peak GiB predicted | measured | error | reserved GiB | "
           "NCCL + context allowance GiB | result |")
     print("|---|---|---|---|---|---|---|---|")
     for r in fake_ranks(results):
         (pm, mm) = r["gib"]
-        print(f"| {r['label']} | {r['rank']} ({r['stage']}) | {pm} | {mm:.2f} | {pct(pm, mm):+.1f} % | "
+        print(f"| {r['label']} | {r['rank']} ({r['stage']}) | {pm} | {mm:.2f} | {error_pct(pm, mm):+.1f} % | "
               f"{r['reserved']:.2f} | {r['allowance']} | `{r['result']}` |")
     print()
     by_pred, by_meas = ranking(rows)

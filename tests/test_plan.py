@@ -198,13 +198,13 @@ def test_planner_against_the_measured_h200_results():
     assert len(rows) >= 8
     for r in rows:
         (pt, mt), (pm, mm) = r["iter_ms"], r["gib"]
-        assert abs(pvm.pct(pm, mm)) <= 5, r
+        assert abs(pvm.error_pct(pm, mm)) <= 5, r
         if r["current"]:
-            assert abs(pvm.pct(pt, mt)) <= 10, r
+            assert abs(pvm.error_pct(pt, mt)) <= 10, r
     ranks = pvm.fake_ranks(results)
     assert len(ranks) >= 18
     for r in ranks:
-        assert abs(pvm.pct(*r["gib"])) <= 5, r
+        assert abs(pvm.error_pct(*r["gib"])) <= 5, r
     by_pred, by_meas = pvm.ranking(rows)
     assert len(by_pred) >= 5 and by_pred[0] is by_meas[0]
 

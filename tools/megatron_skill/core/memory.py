@@ -342,6 +342,12 @@ def stage_memory(model: ModelSpec, lay: Layout, rank: int, padded_vocab: int,
                        logits=logits, transient=transient, allowance=allowance)
 
 
+def peak(report: dict[str, StageMemory], kind: str = "total") -> float:
+    """The largest of a report's stages, in bytes: their total (with what lies outside the
+    allocator) or what torch's allocator holds (allocated)."""
+    return max(getattr(m, kind) for m in report.values())
+
+
 def ranks_to_check(lay: Layout) -> list[int]:
     """The first and last pipeline ranks (embedding, loss) and, when there is one, the second,
     which holds as many layers as any middle rank with the most micro-batches among them."""

@@ -18,7 +18,7 @@ from typing import Any, Iterable
 from .catalog import GPUSpec
 from .flops import padded_vocab_size, training_flops
 from .layout import RULES, Layout, check_layout
-from .memory import GIB, memory_report
+from .memory import GIB, memory_report, peak
 from .model import ModelSpec
 from .options import RuntimeOptions
 from .timing import calibration, step_time
@@ -253,9 +253,8 @@ def _try_recompute(model, gpu, lay, allowed, capacity, rej, out, opts: RuntimeOp
     options = _recompute_options(model, lay, allowed)
     for i, opt in enumerate(options):
         mem = memory_report(model, opt, padded, opts.memory(opt))
-        peak = max(m.total for m in mem.values())
-        if peak > capacity:
-            rej.add("out_of_memory", f"{opt.label()}: {peak / GIB:.0f} GiB")
+        if peak(mem) > capacity:
+            rej.add("out_of_memory", f"{opt.label()}: {peak(mem) / GIB:.0f} GiB")
             continue
         out.append(cost(model, gpu, opt, padded, opts, mem))
         if len(options) - i - 1:
@@ -277,4 +276,9 @@ def cost(model: ModelSpec, gpu: GPUSpec, lay: Layout, padded: int, opts: Runtime
     tflops = model_flops / step / lay.world_size / 1e12
     return Candidate(layout=lay, memory=mem, time=t, tokens_per_s=tokens / step,
                      tflops_per_gpu=tflops, mfu=tflops / gpu.bf16_dense_tflops,
-                     peak_gib=max(m.total for m in mem.values()) / GIB)
+                     peak_gib=peak(mem) / GIB)
+
+
+def error_pct(predicted: float, measured: float) -> float:
+    """How far a prediction is from its measurement, in per cent of the measurement."""
+    return round((predicted - measured) / measured * 100, 1)

@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 
-def _time(fn, iters: int = 20, warmup: int = 5) -> float:
+def cuda_time(fn, iters: int = 20, warmup: int = 5) -> float:
+    """Median seconds of fn on the GPU, timed with CUDA events after warm-up calls."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -41,7 +42,7 @@ def gemm(m: int, n: int, k: int, dtype: str) -> float:
         a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
         b = torch.randn(k, n, device=dev, dtype=torch.bfloat16)
         fn = lambda: a @ b  # noqa: E731
-    return 2 * m * n * k / _time(fn) / 1e12
+    return 2 * m * n * k / cuda_time(fn) / 1e12
 
 
 def attention(batch: int, heads: int, groups: int, seq: int, dim: int, backend: str | None = None,
@@ -68,7 +69,7 @@ def attention(batch: int, heads: int, groups: int, seq: int, dim: int, backend: 
 
     flops = 3 * 2 * batch * seq * seq * heads * dim  # fwd: 2 GEMMs x 2 FMA x s^2/2 causal; x3 fwd+bwd
     try:
-        return flops / _time(step, iters=10) / 1e12
+        return flops / cuda_time(step, iters=10) / 1e12
     except RuntimeError:
         return 0.0
 
@@ -88,7 +89,7 @@ def hbm() -> float:
     """GB/s of a device-to-device copy (read + write)."""
     x = torch.empty(2**28, device="cuda", dtype=torch.float32)
     y = torch.empty_like(x)
-    return 2 * x.numel() * 4 / _time(lambda: y.copy_(x)) / 1e9
+    return 2 * x.numel() * 4 / cuda_time(lambda: y.copy_(x)) / 1e9
 
 
 def measure(peak_bf16: float, peak_fp8: float | None, hbm_gbps: float) -> dict[str, Any]:

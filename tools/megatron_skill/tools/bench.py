@@ -20,16 +20,12 @@ from ..contract import Context, Tool, invoke, request_fields
 from ..core.catalog import get_gpu, gpu_by_device_name
 from ..core.flops import padded_vocab_size
 from ..core.layout import Layout
-from ..core.memory import GIB, stage_memory
+from ..core.memory import GIB, peak, stage_memory
 from ..core.options import RuntimeOptions
-from ..core.planner import cost
+from ..core.planner import cost, error_pct
 from ..core.resolve import resolve_model
 from ..environment import gpu_count_and_name, have_transformer_engine
 from ..errors import ToolError
-
-
-def _pct(measured: float, predicted: float) -> float:
-    return round((predicted - measured) / measured * 100, 1)
 
 
 def _gpu(req: dict):
@@ -143,7 +139,7 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
     te = have_transformer_engine()
     opts = RuntimeOptions.from_request(req.get("runtime"), te=te)
     pred = cost(model, gpu, lay, padded_vocab_size(model.vocab_size, lay.tp), opts)
-    pred_alloc = max(m.allocated for m in pred.memory.values()) / GIB
+    pred_alloc = peak(pred.memory, "allocated") / GIB
     out = {
         "run_id": run_id, "run_dir": result["run_dir"], "gpu": gpu.key, "num_gpus": world,
         "model": model.summary(), "label": lay.label(), "layout": lay_json,
@@ -158,8 +154,8 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
                       "allocated_gib": round(pred_alloc, 2)},
         "loss_curve": [[r["iteration"], r.get("loss")] for r in parsed["iterations"]],
     }
-    out["error_pct"] = {"tokens_per_s": _pct(tokens, pred.tokens_per_s),
-                        "memory": _pct(max_alloc, pred_alloc) if max_alloc else None}
+    out["error_pct"] = {"tokens_per_s": error_pct(pred.tokens_per_s, tokens),
+                        "memory": error_pct(pred_alloc, max_alloc) if max_alloc else None}
     out["files"] = _write_reports(out, Path(result["run_dir"]), parsed)
     if req["profile"] and profile_path.exists():
         prof = json.loads(profile_path.read_text())
@@ -192,7 +188,7 @@ def _fake_rank_result(req: dict, result: dict, parsed: dict, model, gpu, run_id:
            "measured": {"max_allocated_gib": round(measured, 2),
                         "max_reserved_gib": round(mem["max_reserved_mb"] / 1024, 2)},
            "predicted": {"allocated_gib": round(pred.allocated / GIB, 2), "stage": pred.to_json()},
-           "error_pct": {"memory": _pct(measured, pred.allocated / GIB)},
+           "error_pct": {"memory": error_pct(pred.allocated / GIB, measured)},
            "note": "one rank under a fake process group: memory only (collectives skipped, no NCCL buffers)"}
     run_dir = Path(result["run_dir"])
     (run_dir / "bench.json").write_text(json.dumps(out, indent=1))

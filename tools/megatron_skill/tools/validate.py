@@ -29,6 +29,7 @@ from ..core.catalog import get_gpu
 from ..core.flops import padded_vocab_size
 from ..core.layout import RULES, Layout, broken_rules
 from ..core.memory import GIB, MemoryOptions, memory_report, unfused_score_bytes
+from ..core.memory import peak as memory_peak
 from ..core.model import ModelSpec, build_spec
 from ..errors import ToolError
 
@@ -396,7 +397,7 @@ def _memory(launch: Launch, ns: argparse.Namespace, model: ModelSpec, lay: Layou
     except (ZeroDivisionError, ValueError) as e:   # a layout broken past costing (see its error)
         return {"skipped": f"the layout cannot be costed: {e}"}
     attention = "unfused" if opts.score_bytes else ("sdpa" if opts.fused_head else "flash")
-    peak = max(m.total for m in mem.values()) / GIB
+    peak = memory_peak(mem) / GIB
     out = {"peak_gib": round(peak, 2), "attention": attention,
            "stages": {name: round(m.total / GIB, 2) for name, m in mem.items()}}
     if gpu is None:
