@@ -24,7 +24,7 @@ from megatron_skill.core.flops import padded_vocab_size  # noqa: E402
 from megatron_skill.core.layout import Layout  # noqa: E402
 from megatron_skill.core.memory import GIB, MemoryOptions, peak, stage_memory  # noqa: E402
 from megatron_skill.core.options import RuntimeOptions  # noqa: E402
-from megatron_skill.core.planner import cost, error_pct, rank  # noqa: E402
+from megatron_skill.core.planner import error_pct, predict, rank  # noqa: E402
 from megatron_skill.core.resolve import resolve_model  # noqa: E402
 
 SHAPES = {"llama-1b-shape": "llama-1b-shape-bf16.json", "llama-3b-shape": "llama-3b-shape-bf16.json"}
@@ -75,7 +75,7 @@ def single_gpu(results: Path) -> list[dict]:
         model, lay, rt = model_of(res), layout_of(res), runtime_of(res, path)
         # a result without fused_wgrad_accumulation ran before the option existed: unfused
         opts = RuntimeOptions.from_request({"fused_wgrad_accumulation": False, **rt}, te=False)
-        c = cost(model, get_gpu(res["gpu"]), lay, padded_vocab_size(model.vocab_size, lay.tp), opts)
+        c = predict(model, get_gpu(res["gpu"]), lay, padded_vocab_size(model.vocab_size, lay.tp), opts)
         notes = (["FP8 linear"] if rt.get("fp8_linear") else []) + ([] if rt.get("native_gqa", True) else
                                                                      ["K/V expanded"])
         if rt.get("fused_wgrad_accumulation") is False:          # turned off on purpose (a lever)

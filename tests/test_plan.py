@@ -244,7 +244,8 @@ def test_every_calibration_figure_the_model_reads_exists_for_every_gpu():
     from megatron_skill.core.timing import calibration
 
     data = json.loads((CATALOG_DIR / "calibration.json").read_text())
-    needed = set(data["default"]) - {"status", "source"}
+    needed = set(data["default"]) - {"status", "sources"}
+    assert needed <= set(data["default"]["sources"]), "every figure names its source"
     read: set[str] = set()
 
     class Recording(dict):

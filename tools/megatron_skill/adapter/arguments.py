@@ -10,7 +10,7 @@ from typing import Any
 
 from ..core.catalog import GPUSpec
 from ..core.layout import Layout
-from ..core.model import ModelSpec
+from ..core.model import ModelConfig
 from ..core.options import RuntimeOptions
 
 # Needed when neither Transformer Engine nor apex is installed: each of these fused paths
@@ -59,7 +59,7 @@ def local_impl_flags(opts: RuntimeOptions | None = None, skill_entry: bool = Tru
     return flags + ["--no-create-attention-mask-in-dataloader"] + opts.entry_flags()
 
 
-def model_args(m: ModelSpec, seq_length: int | None = None) -> list[str]:
+def model_args(m: ModelConfig, seq_length: int | None = None) -> list[str]:
     # Megatron requires --max-position-embeddings >= --seq-length even with RoPE, which has no
     # position table: raise it for a longer sequence (learned positions are a hard limit instead).
     positions = m.max_position_embeddings
@@ -118,7 +118,7 @@ def fp8_recipe(gpu: GPUSpec | None) -> str:
     return "mxfp8" if gpu is not None and gpu.arch == "blackwell" else "tensorwise"
 
 
-def layout_args(lay: Layout, model: ModelSpec, gpu: GPUSpec | None = None) -> list[str]:
+def layout_args(lay: Layout, model: ModelConfig, gpu: GPUSpec | None = None) -> list[str]:
     a: list[Any] = ["--tensor-model-parallel-size", lay.tp, "--pipeline-model-parallel-size", lay.pp,
                     "--context-parallel-size", lay.cp,
                     "--micro-batch-size", lay.mbs, "--global-batch-size", lay.gbs,
@@ -184,7 +184,7 @@ def training_args(settings: dict[str, Any]) -> list[str]:
     return [str(x) for x in a]
 
 
-def full_args(model: ModelSpec, lay: Layout, settings: dict[str, Any], have_te: bool) -> list[str]:
+def full_args(model: ModelConfig, lay: Layout, settings: dict[str, Any], have_te: bool) -> list[str]:
     a = model_args(model, lay.seq_length) + layout_args(lay, model) + training_args(settings)
     if have_te:
         a += ["--transformer-impl", "transformer_engine", "--attention-backend", "auto"]

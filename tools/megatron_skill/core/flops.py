@@ -8,13 +8,13 @@ figures compare one-to-one with Megatron's ``throughput per GPU (TFLOP/s/GPU)`` 
 """
 from __future__ import annotations
 
-from .model import ModelSpec
+from .model import ModelConfig
 
 FWD_BWD = 3  # forward, backward-data, backward-weight GEMMs
 FMA = 2      # a multiply-add is two floating-point operations
 
 
-def attention_proj_flops_per_token(m: ModelSpec) -> float:
+def attention_proj_flops_per_token(m: ModelConfig) -> float:
     """Forward FLOPs of the attention projections (QKV / MLA low-rank and output), one token."""
     h = m.hidden_size
     if m.multi_latent_attention:
@@ -27,7 +27,7 @@ def attention_proj_flops_per_token(m: ModelSpec) -> float:
     return FMA * (h * (q + kv) + q * h)
 
 
-def core_attention_flops_per_token(m: ModelSpec, seq_length: int) -> float:
+def core_attention_flops_per_token(m: ModelConfig, seq_length: int) -> float:
     """Forward FLOPs of QK^T and softmax(QK^T)V for one token, causal (half the square)."""
     if m.multi_latent_attention:
         a = m.num_attention_heads
@@ -36,29 +36,29 @@ def core_attention_flops_per_token(m: ModelSpec, seq_length: int) -> float:
     return FMA * seq_length * m.head_dim * m.num_attention_heads  # /2 causal, x2 for the two GEMMs
 
 
-def mlp_flops_per_token(m: ModelSpec, ffn: int) -> float:
+def mlp_flops_per_token(m: ModelConfig, ffn: int) -> float:
     return FMA * m.hidden_size * ffn * (3 if m.gated else 2)
 
 
-def moe_flops_per_token(m: ModelSpec) -> float:
+def moe_flops_per_token(m: ModelConfig) -> float:
     """Routed top-k experts plus the shared expert (the router GEMM is not counted, as Megatron)."""
     routed = mlp_flops_per_token(m, m.expert_ffn) * m.moe_router_topk
     shared = mlp_flops_per_token(m, m.moe_shared_expert_intermediate_size or 0)
     return routed + shared
 
 
-def logits_flops_per_token(m: ModelSpec, padded_vocab: int) -> float:
+def logits_flops_per_token(m: ModelConfig, padded_vocab: int) -> float:
     return FMA * m.hidden_size * padded_vocab
 
 
-def mtp_layer_counts(m: ModelSpec) -> tuple[int, int]:
+def mtp_layer_counts(m: ModelConfig) -> tuple[int, int]:
     """(dense, moe) layers that MTP adds; MTP copies the kind of the last layer."""
     n = m.mtp_num_layers or 0
     last_moe = m.moe_pattern()[-1] if m.is_moe else 0
     return (n * (1 - last_moe), n * last_moe)
 
 
-def training_flops(m: ModelSpec, seq_length: int, batch: int, padded_vocab: int) -> float:
+def training_flops(m: ModelConfig, seq_length: int, batch: int, padded_vocab: int) -> float:
     """FLOPs of one training step over ``batch`` sequences (Megatron's formula)."""
     mtp = m.mtp_num_layers or 0
     mtp_dense, mtp_moe = mtp_layer_counts(m)

@@ -9,7 +9,7 @@ import dataclasses
 from typing import Any, Iterator
 
 from .catalog import GPUSpec
-from .model import ModelSpec
+from .model import ModelConfig
 
 RECOMPUTE = ("none", "selective", "full")
 PRECISIONS = ("bf16", "fp8")
@@ -83,7 +83,7 @@ class Layout:
             return sizes
         return [L // n] * n if L % n == 0 else None
 
-    def stage_layers(self, model: ModelSpec) -> tuple[int, int]:
+    def stage_layers(self, model: ModelConfig) -> tuple[int, int]:
         """Transformer layers on the first and on the last pipeline rank."""
         counts = self.rank_layer_counts(model.num_layers) or [model.num_layers // self.pp]
         return counts[0], counts[-1]
@@ -156,7 +156,7 @@ RULES = {
 }
 
 
-def broken_rules(lay: Layout, model: ModelSpec, gpu: GPUSpec, n_gpus: int, te: bool = True) -> Iterator[str]:
+def broken_rules(lay: Layout, model: ModelConfig, gpu: GPUSpec, n_gpus: int, te: bool = True) -> Iterator[str]:
     """The names of the rules the layout breaks, in the order they are checked; te: whether the
     job's layers are Transformer Engine's (plan, render, validate and train ask the same
     question here)."""
@@ -212,6 +212,6 @@ def broken_rules(lay: Layout, model: ModelSpec, gpu: GPUSpec, n_gpus: int, te: b
         yield "seq_positions"
 
 
-def check_layout(lay: Layout, model: ModelSpec, gpu: GPUSpec, n_gpus: int, te: bool = True) -> str | None:
+def check_layout(lay: Layout, model: ModelConfig, gpu: GPUSpec, n_gpus: int, te: bool = True) -> str | None:
     """The name of the first rule the layout breaks, or None."""
     return next(broken_rules(lay, model, gpu, n_gpus, te), None)

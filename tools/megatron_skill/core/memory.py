@@ -18,19 +18,22 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 from typing import Any
 
+from .catalog import CATALOG_DIR
 from .layout import Layout
-from .model import ModelSpec
+from .model import ModelConfig
 
 GIB = 2**30
 FP8, BF16, FP32 = 1, 2, 4
 # Outside torch's allocator, so never in max_memory_allocated: the CUDA context, cuBLAS
-# workspaces, and NCCL's buffers (~0.5 GiB for each kind of process group a rank talks on).
-CONTEXT_GIB = 1.0
-NCCL_GIB_PER_GROUP = 0.5
-# The caching allocator's fragmentation on top of the live tensors.
-FRAGMENTATION = 0.05
+# workspaces and NCCL's buffers; and the caching allocator's fragmentation on top of the live
+# tensors. Figures and their sources: catalog/calibration.json, "memory".
+_OUTSIDE = json.loads((CATALOG_DIR / "calibration.json").read_text())["memory"]
+CONTEXT_GIB = _OUTSIDE["context_gib"]
+NCCL_GIB_PER_GROUP = _OUTSIDE["nccl_gib_per_group"]
+FRAGMENTATION = _OUTSIDE["fragmentation"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +52,7 @@ class MemoryOptions:
     recompute_modules: frozenset[str] | None = None   # --recompute-modules under selective; None: the skill's set
 
 
-def chunk_layers(model: ModelSpec, lay: Layout) -> list[list[int]]:
+def chunk_layers(model: ModelConfig, lay: Layout) -> list[list[int]]:
     """Layer indices of each model chunk, chunk c living on pipeline rank c % PP."""
     return _chunk_layers(model.num_layers, lay.pp, lay.vp, lay.pipeline_split, lay.first_stage_layers,
                          lay.last_stage_layers)
@@ -65,7 +68,7 @@ def _chunk_layers(L: int, pp: int, vp: int, split: str, first: int, last: int) -
     return out
 
 
-def rank_layers(model: ModelSpec, lay: Layout, rank: int) -> list[int]:
+def rank_layers(model: ModelConfig, lay: Layout, rank: int) -> list[int]:
     return list(_rank_layers(model.num_layers, lay.pp, lay.vp, lay.pipeline_split, lay.first_stage_layers,
                              lay.last_stage_layers, rank))
 
@@ -89,7 +92,7 @@ def inflight_chunks(lay: Layout, rank: int) -> int:
 
 
 # ---- activations of one layer, bytes per token of the (CP-local) sequence -------------------
-def attention_saved_bytes(model: ModelSpec) -> float:
+def attention_saved_bytes(model: ModelConfig) -> float:
     """Bytes per token that core attention keeps for its backward (TP 1, grouped-query heads
     read natively): Q and K after RoPE (new tensors), V (a view of the QKV projection's
     output, which therefore stays alive whole), the output O, and the fp32 log-sum-exp per
@@ -123,7 +126,7 @@ def recomputed_modules(lay: Layout, opts: "MemoryOptions") -> frozenset[str]:
     return opts.recompute_modules if opts.recompute_modules is not None else SELECTIVE_MODULES
 
 
-def layer_activation_bytes(model: ModelSpec, lay: Layout, moe: bool, opts: "MemoryOptions | None" = None) -> float:
+def layer_activation_bytes(model: ModelConfig, lay: Layout, moe: bool, opts: "MemoryOptions | None" = None) -> float:
     """Bytes per token one layer keeps for its backward."""
     opts = opts or MemoryOptions()
     h, t = model.hidden_size, lay.tp
@@ -165,7 +168,7 @@ def layer_activation_bytes(model: ModelSpec, lay: Layout, moe: bool, opts: "Memo
     return norms + attn + mlp
 
 
-def layer_input_bytes(model: ModelSpec, lay: Layout) -> float:
+def layer_input_bytes(model: ModelConfig, lay: Layout) -> float:
     """What a fully recomputed layer keeps: its input."""
     sp = lay.sequence_parallel or lay.tp == 1
     return BF16 * model.hidden_size / (lay.tp if sp else 1)
@@ -205,7 +208,7 @@ class StageMemory:
                 "total_gib": g(self.total)}
 
 
-def param_split(model: ModelSpec, n_dense: int, n_moe: int) -> tuple[float, float, float]:
+def param_split(model: ModelConfig, n_dense: int, n_moe: int) -> tuple[float, float, float]:
     """(TP-sharded, replicated, expert) parameters of n_dense dense and n_moe MoE layers."""
     norms, attn = 2 * model.norm_params, model.attention_params()
     tp_sharded = (n_dense * (attn + model.mlp_params(model.ffn_hidden_size))
@@ -220,7 +223,7 @@ def param_split(model: ModelSpec, n_dense: int, n_moe: int) -> tuple[float, floa
 FUSED_HEAD_CHUNK = 4096
 
 
-def fp8_linear_saved_bytes(model: ModelSpec, lay: Layout) -> float:
+def fp8_linear_saved_bytes(model: ModelConfig, lay: Layout) -> float:
     """Per token and dense layer, what the skill's FP8 linear layers (runtime/fp8_linear.py)
     change in the saved activations, against BF16: QKV's and FC1's inputs (the norms' outputs,
     which nothing else keeps) and FC2's (SwiGLU's output) saved in FP8, half the bytes; the
@@ -231,7 +234,7 @@ def fp8_linear_saved_bytes(model: ModelSpec, lay: Layout) -> float:
     return -(h + f) / lay.tp          # -h (QKV) - h (FC1) - f (FC2) + h (projection's copy)
 
 
-def stage_memory(model: ModelSpec, lay: Layout, rank: int, padded_vocab: int,
+def stage_memory(model: ModelConfig, lay: Layout, rank: int, padded_vocab: int,
                  opts: MemoryOptions = MemoryOptions()) -> StageMemory:
     layers = rank_layers(model, lay, rank)
     first, last = rank == 0, rank == lay.pp - 1
@@ -354,7 +357,7 @@ def ranks_to_check(lay: Layout) -> list[int]:
     return sorted({0, lay.pp - 1} | ({1} if lay.pp > 2 else set()))
 
 
-def memory_report(model: ModelSpec, lay: Layout, padded_vocab: int,
+def memory_report(model: ModelConfig, lay: Layout, padded_vocab: int,
                   opts: MemoryOptions = MemoryOptions()) -> dict[str, StageMemory]:
     """Memory of the first, last (and a middle) pipeline rank; one entry when PP = 1."""
     names = {0: "first_stage", lay.pp - 1: "last_stage", 1: "middle_stage"}

@@ -55,7 +55,7 @@ ENUMS = {
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelSpec:
+class ModelConfig:
     name: str
     num_layers: int
     hidden_size: int
@@ -267,9 +267,9 @@ def moe_layer_pattern(freq: int | str | list, num_layers: int) -> list[int]:
     return pattern
 
 
-def build_spec(name: str, fields: dict[str, Any], where: str = "model") -> ModelSpec:
+def build_spec(name: str, fields: dict[str, Any], where: str = "model") -> ModelConfig:
     """A spec from field values: defaults filled in, every field checked."""
-    known = {f.name for f in dataclasses.fields(ModelSpec)} - {"name"}
+    known = {f.name for f in dataclasses.fields(ModelConfig)} - {"name"}
     unknown = sorted(set(fields) - known)
     if unknown:
         raise ToolError("bad_model", f"unknown model field(s) {unknown}", where=where,
@@ -289,7 +289,7 @@ def build_spec(name: str, fields: dict[str, Any], where: str = "model") -> Model
         if values[key] not in choices:
             raise ToolError("bad_model", f"{key} must be one of {list(choices)}, got {values[key]!r}",
                             where=f"{where}.{key}", fix=f"choose one of {list(choices)}")
-    spec = ModelSpec(name=name, **values)
+    spec = ModelConfig(name=name, **values)
     if not spec.multi_latent_attention and spec.num_attention_heads % spec.query_groups:
         raise ToolError("bad_model", "num_attention_heads must be a multiple of num_query_groups",
                         where=f"{where}.num_query_groups", fix="use a divisor of num_attention_heads")
@@ -302,7 +302,7 @@ def build_spec(name: str, fields: dict[str, Any], where: str = "model") -> Model
 
 
 # ---- Hugging Face config.json --------------------------------------------------------
-def from_hf_config(path: str | Path) -> ModelSpec:
+def from_hf_config(path: str | Path) -> ModelConfig:
     """Read a local Hugging Face config.json (Llama, Mixtral, Qwen2/3, Qwen3-MoE, DeepSeek-V3)."""
     p = Path(path)
     if p.is_dir():

@@ -19,7 +19,7 @@ from .catalog import GPUSpec
 from .flops import padded_vocab_size, training_flops
 from .layout import RULES, Layout, check_layout
 from .memory import GIB, memory_report, peak
-from .model import ModelSpec
+from .model import ModelConfig
 from .options import RuntimeOptions
 from .timing import calibration, step_time
 
@@ -75,9 +75,8 @@ class _Rejections:
 
 
 # Predicted throughputs closer than this are a tie: the step-time model is good to a few per
-# cent (references/benchmarks.md), so of tied layouts the one with the lower peak memory goes
-# first.  On the H200 the 1B shape's micro-batch 16 was predicted 0.4 % above micro-batch 8 and
-# measured 1.7 % below it, with 40 GiB more memory.
+# cent, so of tied layouts the one with the lower peak memory goes first (references/
+# benchmarks.md has the measurement that showed a near tie going the other way).
 TIE = 0.01
 RANKED_BY_TIES = 64   # the head of the list, where the order is read; the rest by throughput
 
@@ -109,7 +108,7 @@ _SEARCHES: "collections.OrderedDict[str, SearchResult]" = collections.OrderedDic
 _SEARCHES_KEPT = 32
 
 
-def search(model: ModelSpec, gpu: GPUSpec, n_gpus: int, seq_length: int, gbs: int,
+def search(model: ModelConfig, gpu: GPUSpec, n_gpus: int, seq_length: int, gbs: int,
            precisions: list[str], constraints: dict[str, Any] | None = None,
            headroom_gib: float = 0.0, opts: RuntimeOptions | None = None) -> SearchResult:
     """Every layout that fits, costed for the runtime paths ``opts`` says the run takes (TE's
@@ -131,7 +130,7 @@ def search(model: ModelSpec, gpu: GPUSpec, n_gpus: int, seq_length: int, gbs: in
                         evaluated=found.evaluated)
 
 
-def _search(model: ModelSpec, gpu: GPUSpec, n_gpus: int, seq_length: int, gbs: int,
+def _search(model: ModelConfig, gpu: GPUSpec, n_gpus: int, seq_length: int, gbs: int,
             precisions: list[str], constraints: dict[str, Any] | None, headroom_gib: float,
             opts: RuntimeOptions) -> SearchResult:
     c = constraints or {}
@@ -202,7 +201,7 @@ def pipeline_splits(num_layers: int, pp: int) -> list[dict[str, Any]]:
     return out
 
 
-def _search_stage(model: ModelSpec, gpu: GPUSpec, n_gpus: int, lay: Layout, c: dict, mbss: list[int],
+def _search_stage(model: ModelConfig, gpu: GPUSpec, n_gpus: int, lay: Layout, c: dict, mbss: list[int],
                   capacity: float, rej: _Rejections, out: list[Candidate], opts: RuntimeOptions) -> None:
     # Virtual stages the layout's own split allows (Layout.chunk_sizes: whole chunks on every rank).
     vps = [1] if lay.pp == 1 else [v for v in range(1, 17)
@@ -235,7 +234,7 @@ def _search_stage(model: ModelSpec, gpu: GPUSpec, n_gpus: int, lay: Layout, c: d
                     _try_recompute(model, gpu, cand, recomputes, capacity, rej, out, opts)
 
 
-def _recompute_options(model: ModelSpec, lay: Layout, allowed: list[str]) -> list[Layout]:
+def _recompute_options(model: ModelConfig, lay: Layout, allowed: list[str]) -> list[Layout]:
     opts = []
     if "none" in allowed:
         opts.append(dataclasses.replace(lay, recompute="none"))
@@ -256,13 +255,13 @@ def _try_recompute(model, gpu, lay, allowed, capacity, rej, out, opts: RuntimeOp
         if peak(mem) > capacity:
             rej.add("out_of_memory", f"{opt.label()}: {peak(mem) / GIB:.0f} GiB")
             continue
-        out.append(cost(model, gpu, opt, padded, opts, mem))
+        out.append(predict(model, gpu, opt, padded, opts, mem))
         if len(options) - i - 1:
             rej.add("dominated", f"{options[-1].label()} (heavier recompute than needed)", len(options) - i - 1)
         return
 
 
-def cost(model: ModelSpec, gpu: GPUSpec, lay: Layout, padded: int, opts: RuntimeOptions | None = None,
+def predict(model: ModelConfig, gpu: GPUSpec, lay: Layout, padded: int, opts: RuntimeOptions | None = None,
          mem=None) -> Candidate:
     """The predicted memory, step time and throughput of one layout under the runtime paths opts
     says the run takes (TE's layers by default)."""

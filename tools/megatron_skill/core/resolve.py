@@ -8,10 +8,10 @@ from typing import Any
 from ..errors import ToolError
 from . import catalog
 from .catalog import GPUSpec
-from .model import ModelSpec, build_spec, from_hf_config
+from .model import ModelConfig, build_spec, from_hf_config
 
 
-def resolve_model(req: dict[str, Any]) -> ModelSpec:
+def resolve_model(req: dict[str, Any]) -> ModelConfig:
     model, hf = req.get("model"), req.get("hf_config")
     if model is not None and hf is not None:
         raise ToolError("bad_request", "give model or hf_config, not both", where="/hf_config",
@@ -55,7 +55,7 @@ def resolve_cluster(req: dict[str, Any]) -> tuple[GPUSpec, int, int]:
 DEFAULT_TRAIN_ITERS = {"gpu": 1000, "cpu": 50}
 
 
-def default_seq_length(model: ModelSpec) -> int:
+def default_seq_length(model: ModelConfig) -> int:
     return model.default_seq_length or min(8192, model.max_position_embeddings)
 
 

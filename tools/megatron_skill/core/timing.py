@@ -14,11 +14,11 @@ import json
 import math
 from typing import Any
 
-from . import flops as F
+from . import flops
 from .catalog import CATALOG_DIR, GPUSpec
 from .layout import Layout
 from .memory import BF16, FP32, param_split, rank_layers, ranks_to_check
-from .model import ModelSpec
+from .model import ModelConfig
 
 
 @functools.lru_cache(maxsize=None)
@@ -54,7 +54,7 @@ class StepTime:
         return out
 
 
-class _Cost:
+class _Rates:
     """Seconds for the primitive operations on one GPU of a given kind."""
 
     def __init__(self, gpu: GPUSpec, precision: str, te: bool):
@@ -79,7 +79,8 @@ class _Cost:
         thin shapes pay for their bytes, plus a penalty for dimensions too small to fill the GPU."""
         if m <= 0 or n <= 0 or k <= 0:
             return 0.0
-        small = (1 + 64 / n) * (1 + 64 / k) * (1 + 64 / m)
+        d = self.cal["gemm_small_dim"]
+        small = (1 + d / n) * (1 + d / k) * (1 + d / m)
         compute = 2 * m * n * k / self.gemm_rate * small
         bytes_ = self.in_bytes * (m * k + k * n) + BF16 * m * n
         return 3 * max(compute, bytes_ / self.hbm)
@@ -106,20 +107,20 @@ class _Cost:
         return factor * (group - 1) / group * nbytes / bw
 
 
-def _layer_gemms(model: ModelSpec, lay: Layout, cost: _Cost, tokens: float, moe: bool) -> float:
+def _layer_gemms(model: ModelConfig, lay: Layout, rates: _Rates, tokens: float, moe: bool) -> float:
     h, t = model.hidden_size, lay.tp
     if model.multi_latent_attention:
         a, qk = model.num_attention_heads, model.qk_head_dim + model.qk_pos_emb_head_dim
         ql, kvl = model.q_lora_rank, model.kv_lora_rank
-        time = (cost.gemm(tokens, ql, h) + cost.gemm(tokens, a * qk / t, ql) if ql
-                else cost.gemm(tokens, a * qk / t, h))
-        time += cost.gemm(tokens, kvl + model.qk_pos_emb_head_dim, h)
-        time += cost.gemm(tokens, a * (model.qk_head_dim + model.v_head_dim) / t, kvl)
-        time += cost.gemm(tokens, h, a * model.v_head_dim / t)
+        time = (rates.gemm(tokens, ql, h) + rates.gemm(tokens, a * qk / t, ql) if ql
+                else rates.gemm(tokens, a * qk / t, h))
+        time += rates.gemm(tokens, kvl + model.qk_pos_emb_head_dim, h)
+        time += rates.gemm(tokens, a * (model.qk_head_dim + model.v_head_dim) / t, kvl)
+        time += rates.gemm(tokens, h, a * model.v_head_dim / t)
     else:
         q = model.num_attention_heads * model.head_dim
         kv = 2 * model.query_groups * model.head_dim
-        time = cost.gemm(tokens, (q + kv) / t, h) + cost.gemm(tokens, h, q / t)
+        time = rates.gemm(tokens, (q + kv) / t, h) + rates.gemm(tokens, h, q / t)
     up = 2 if model.gated else 1
     if moe:
         k, fe, ep, etp = model.moe_router_topk, model.expert_ffn, lay.ep, lay.etp
@@ -128,18 +129,18 @@ def _layer_gemms(model: ModelSpec, lay: Layout, cost: _Cost, tokens: float, moe:
         local_experts = model.num_experts // ep
         routed_tokens = tokens * k * etp / t
         per_expert = routed_tokens / local_experts
-        time += local_experts * (cost.gemm(per_expert, up * fe / etp, h) + cost.gemm(per_expert, h, fe / etp))
-        time += cost.gemm(tokens, model.num_experts, h)  # router
+        time += local_experts * (rates.gemm(per_expert, up * fe / etp, h) + rates.gemm(per_expert, h, fe / etp))
+        time += rates.gemm(tokens, model.num_experts, h)  # router
         fs = model.moe_shared_expert_intermediate_size
         if fs:
-            time += cost.gemm(tokens, up * fs / t, h) + cost.gemm(tokens, h, fs / t)
+            time += rates.gemm(tokens, up * fs / t, h) + rates.gemm(tokens, h, fs / t)
     else:
         f = model.ffn_hidden_size
-        time += cost.gemm(tokens, up * f / t, h) + cost.gemm(tokens, h, f / t)
+        time += rates.gemm(tokens, up * f / t, h) + rates.gemm(tokens, h, f / t)
     return time
 
 
-def _layer_elementwise_bytes(model: ModelSpec, lay: Layout, moe: bool) -> float:
+def _layer_elementwise_bytes(model: ModelConfig, lay: Layout, moe: bool) -> float:
     """Bytes that norms, RoPE, the activation function and residual adds move per token,
     forward and backward (about three passes over what the forward writes)."""
     h, t = model.hidden_size, lay.tp
@@ -152,7 +153,7 @@ def _layer_elementwise_bytes(model: ModelSpec, lay: Layout, moe: bool) -> float:
     return 3 * fwd
 
 
-def _layer_fp8_cast_bytes(model: ModelSpec, lay: Layout) -> float:
+def _layer_fp8_cast_bytes(model: ModelConfig, lay: Layout) -> float:
     """Bytes per token that per-tensor FP8 casting moves around one layer's four linear
     layers: every GEMM input (forward activations, backward output gradients) read twice
     (amax, then the cast) and written as FP8 in both layouts; weights are cast once a step."""
@@ -164,7 +165,7 @@ def _layer_fp8_cast_bytes(model: ModelSpec, lay: Layout) -> float:
     return (2 * BF16 + 2) * elements / t
 
 
-def _unfused_grad_params(model: ModelSpec, lay: Layout, rank: int, n_dense: int, n_moe: int, padded_vocab: int,
+def _unfused_grad_params(model: ModelConfig, lay: Layout, rank: int, n_dense: int, n_moe: int, padded_vocab: int,
                          te: bool, fused_head: bool, fp8_linear: bool, fused_wgrad: bool) -> float:
     """Parameters of this rank whose weight gradient is written in bf16 and then added into
     the fp32 main_grad by DDP's hook, once per micro-batch.  The rest accumulate inside their
@@ -186,12 +187,12 @@ def _unfused_grad_params(model: ModelSpec, lay: Layout, rank: int, n_dense: int,
     return out
 
 
-def step_time(model: ModelSpec, lay: Layout, gpu: GPUSpec, padded_vocab: int, te: bool = True,
+def step_time(model: ModelConfig, lay: Layout, gpu: GPUSpec, padded_vocab: int, te: bool = True,
               fused_head: bool = False, fp8_linear: bool = False, fused_wgrad: bool = True) -> StepTime:
     # Without TE, FP8 is the skill's own linear layers (fp8_linear; precision fp8 asks for them
     # too): attention and MLP GEMMs at the FP8 rate, plus their casts; the rest stays BF16.
-    cost = _Cost(gpu, lay.precision if te else "bf16", te)
-    layer_cost = _Cost(gpu, "fp8", te) if fp8_linear else cost
+    rates = _Rates(gpu, lay.precision if te else "bf16", te)
+    layer_rates = _Rates(gpu, "fp8", te) if fp8_linear else rates
     st = StepTime()
     h, t, s = model.hidden_size, lay.tp, lay.seq_length
     tokens = lay.mbs * s / lay.cp                      # tokens of one micro-batch on this rank
@@ -208,54 +209,54 @@ def step_time(model: ModelSpec, lay: Layout, gpu: GPUSpec, padded_vocab: int, te
         for moe, n in ((False, n_dense), (True, n_moe)):
             if n == 0:
                 continue
-            r.gemm += n * _layer_gemms(model, lay, cost if moe else layer_cost, tokens, moe)
-            if layer_cost is not cost and not moe:
-                r.elementwise += n * cost.cal["fp8_cast_factor"] * cost.memory_bound(
+            r.gemm += n * _layer_gemms(model, lay, rates if moe else layer_rates, tokens, moe)
+            if layer_rates is not rates and not moe:
+                r.elementwise += n * rates.cal["fp8_cast_factor"] * rates.memory_bound(
                     _layer_fp8_cast_bytes(model, lay) * tokens)
-            core = F.core_attention_flops_per_token(model, s) * tokens / t
+            core = flops.core_attention_flops_per_token(model, s) * tokens / t
             # Load-balanced causal CP runs attention as 2 x CP smaller blocks per rank: less efficient.
             head_dim = model.head_dim if not model.multi_latent_attention else model.qk_head_dim
-            attn_rate = cost.attention_rate(s // lay.cp, head_dim) / (1 + 0.1 * (lay.cp - 1))
+            attn_rate = rates.attention_rate(s // lay.cp, head_dim) / (1 + rates.cal["cp_block_penalty"] * (lay.cp - 1))
             r.attention += n * 3 * core / attn_rate
             # Without TE, Megatron's local layers run RoPE, norms, residual adds and casts as
             # separate torch kernels: calibrated as a multiple of the fused byte count.
-            unfused = 1.0 if te else cost.cal["elementwise_local_factor"]
-            r.elementwise += n * unfused * cost.memory_bound(_layer_elementwise_bytes(model, lay, moe) * tokens)
+            unfused = 1.0 if te else rates.cal["elementwise_local_factor"]
+            r.elementwise += n * unfused * rates.memory_bound(_layer_elementwise_bytes(model, lay, moe) * tokens)
             # TP: 2 all-gathers + 2 reduce-scatters forward (or 2 all-reduces without SP),
             # as many backward; the backward ones overlap half with the weight-gradient GEMMs.
             act = BF16 * tokens * h
-            tp_one = cost.collective(act, t, t <= node, "ag") + (cost.latency if t > 1 else 0.0)
-            r.tp_comm += n * tp_one * 8 * cost.tp_exposed
+            tp_one = rates.collective(act, t, t <= node, "ag") + (rates.latency if t > 1 else 0.0)
+            r.tp_comm += n * tp_one * 8 * rates.tp_exposed
             if lay.cp > 1:
                 kv = (2 * model.query_groups * model.head_dim if not model.multi_latent_attention
                       else model.num_attention_heads * (model.qk_head_dim + model.qk_pos_emb_head_dim + model.v_head_dim))
                 fast = t * lay.cp <= node
-                ring = 3 * (lay.cp - 1) * (BF16 * tokens * kv / t / (cost.nvlink if fast else cost.network)
-                                           + cost.latency)
+                ring = 3 * (lay.cp - 1) * (BF16 * tokens * kv / t / (rates.nvlink if fast else rates.network)
+                                           + rates.latency)
                 # The ring overlaps with attention blocks, but never completely.
-                r.cp_comm += n * max(0.25 * ring, ring - 3 * core / attn_rate)
+                r.cp_comm += n * max(rates.cal["cp_ring_min_exposed"] * ring, ring - 3 * core / attn_rate)
             if moe:
                 # Dispatch and combine, forward and backward: 4 all-to-alls of the routed tokens.
                 a2a = BF16 * tokens / (t if sp else 1) * model.moe_router_topk * h * (lay.ep - 1) / lay.ep
                 fast = t * lay.ep <= node
-                r.ep_comm += n * 4 * (a2a / (cost.nvlink if fast else cost.network) + cost.latency)
+                r.ep_comm += n * 4 * (a2a / (rates.nvlink if fast else rates.network) + rates.latency)
         if lay.recompute == "full":
             per_chunk = len(layers) / lay.vp
             frac = min(lay.recompute_layers, per_chunk) / max(per_chunk, 1)
             r.recompute = frac * (r.gemm + r.attention + r.elementwise + r.tp_comm / 2) / 3
         elif lay.recompute == "selective":
-            r.recompute = 0.1 * r.elementwise
+            r.recompute = rates.cal["selective_recompute_share"] * r.elementwise
         if rank == lay.pp - 1:  # output layer and the loss over the (padded) vocabulary
-            r.gemm += cost.gemm(tokens, padded_vocab / t, h) * (1 + (model.mtp_num_layers or 0))
+            r.gemm += rates.gemm(tokens, padded_vocab / t, h) * (1 + (model.mtp_num_layers or 0))
             # Megatron's loss: bf16 logits, an fp32 copy, softmax and its gradient (~4 fp32
             # passes); the fused head's compiled kernels: fp32 logits written, read twice.
             per_entry = 2 * FP32 + BF16 if fused_head else BF16 + 4 * FP32
-            r.loss += cost.memory_bound(tokens * padded_vocab / t * per_entry)
+            r.loss += rates.memory_bound(tokens * padded_vocab / t * per_entry)
         # main_grad += bf16 gradient: fp32 read and write, bf16 read; a mixed-dtype kernel, so
         # slower than the HBM roofline by a calibrated factor.
         unfused = _unfused_grad_params(model, lay, rank, n_dense, n_moe, padded_vocab, te, fused_head,
                                        fp8_linear, fused_wgrad)
-        r.grad_accum = cost.cal["grad_accum_factor"] * cost.memory_bound(unfused * (2 * FP32 + BF16))
+        r.grad_accum = rates.cal["grad_accum_factor"] * rates.memory_bound(unfused * (2 * FP32 + BF16))
         return r, len(layers)
 
     ranks = ranks_to_check(lay)
@@ -269,8 +270,8 @@ def step_time(model: ModelSpec, lay: Layout, gpu: GPUSpec, padded_vocab: int, te
     if lay.pp > 1:  # activations to the next stage and gradients back, per micro-batch and chunk
         p2p = BF16 * tokens * h / (t if sp else 1)
         fast = lay.world_size <= node
-        per_mb = 2 * lay.vp * (p2p / (cost.nvlink if fast else cost.network) + cost.latency)
-        st.pp_comm = m * per_mb * (0.2 if lay.vp > 1 else 1.0)
+        per_mb = 2 * lay.vp * (p2p / (rates.nvlink if fast else rates.network) + rates.latency)
+        st.pp_comm = m * per_mb * (rates.cal["pp_comm_interleaved_exposed"] if lay.vp > 1 else 1.0)
 
     # Data parallel: reduce-scatter fp32 gradients, all-gather bf16 weights (or one all-reduce).
     # Megatron starts them bucket by bucket during the last micro-batch's backward and the
@@ -285,25 +286,27 @@ def step_time(model: ModelSpec, lay: Layout, gpu: GPUSpec, padded_vocab: int, te
     dp_fast = lay.tp * dp_group <= node
     edp_fast = lay.etp * lay.ep * lay.expert_dp <= node
     if lay.distributed_optimizer:
-        rs = cost.collective(FP32 * dense_local, dp_group, dp_fast, "ag") + \
-            cost.collective(FP32 * expert_local, lay.expert_dp, edp_fast, "ag")
-        ag = cost.collective(BF16 * dense_local, dp_group, dp_fast, "ag") + \
-            cost.collective(BF16 * expert_local, lay.expert_dp, edp_fast, "ag")
+        rs = rates.collective(FP32 * dense_local, dp_group, dp_fast, "ag") + \
+            rates.collective(FP32 * expert_local, lay.expert_dp, edp_fast, "ag")
+        ag = rates.collective(BF16 * dense_local, dp_group, dp_fast, "ag") + \
+            rates.collective(BF16 * expert_local, lay.expert_dp, edp_fast, "ag")
     else:
-        rs = cost.collective(FP32 * dense_local, dp_group, dp_fast, "ar") + \
-            cost.collective(FP32 * expert_local, lay.expert_dp, edp_fast, "ar")
+        rs = rates.collective(FP32 * dense_local, dp_group, dp_fast, "ar") + \
+            rates.collective(FP32 * expert_local, lay.expert_dp, edp_fast, "ar")
         ag = 0.0
     # The reduce-scatter hides behind the backward passes of the pipeline's cool-down (the last
     # micro-batch, plus the bubble's (PP-1)/VP slots), the gather behind the next warm-up.
     window = busiest.total * (1 + (lay.pp - 1) / lay.vp)
-    st.dp_comm_exposed = max(0.05 * rs, rs - 0.6 * window) + max(0.05 * ag, ag - 0.3 * window)
+    least = rates.cal["dp_min_exposed"]
+    st.dp_comm_exposed = max(least * rs, rs - rates.cal["dp_reduce_window"] * window) + \
+        max(least * ag, ag - rates.cal["dp_gather_window"] * window)
 
     # Adam over this rank's shard: fp32 master, two moments, the gradient, the bf16 weight.
     shard = dp_group if lay.distributed_optimizer else 1
     eshard = lay.expert_dp if lay.distributed_optimizer else 1
     opt_params = dense_local / shard + expert_local / eshard
-    st.optimizer = cost.memory_bound(opt_params * (3 * 2 * FP32 + FP32 + BF16) + (dense_local + expert_local) * FP32)
+    st.optimizer = rates.memory_bound(opt_params * (3 * 2 * FP32 + FP32 + BF16) + (dense_local + expert_local) * FP32)
     n_layers = max(len(rank_layers(model, lay, r)) for r in ranks)
-    st.host = m * (lay.vp * cost.cal["host_overhead_ms_per_microbatch"]
-                   + n_layers * cost.cal["layer_overhead_ms"]) * 1e-3
+    st.host = m * (lay.vp * rates.cal["host_overhead_ms_per_microbatch"]
+                   + n_layers * rates.cal["layer_overhead_ms"]) * 1e-3
     return st

@@ -6,12 +6,12 @@
 2. Resuming with the distributed optimizer and neither TE nor apex: DistributedOptimizer.
    state_dict() reads the Adam 'step' from the inner torch optimizer's state, which is
    empty before the first step, so load_checkpoint fails its ``assert len(steps) == 1``
-   (megatron-core 0.19.2, seen on an H200).  Megatron's own Megatron-FSDP path first fills
+   (megatron-core 0.19.2).  Megatron's own Megatron-FSDP path first fills
    the state with dummy values that the load then overwrites; the fix does the same here.
 3. Selective recompute of the norms (--recompute-modules layernorm) without TE:
    CheckpointWithoutOutput sets ``self.fp8 = fp8 is not None``, true for its default
    fp8=False, and so calls TE's FP8GlobalStateManager, which is not there (NameError,
-   megatron-core 0.19.2 on an H200).  Without TE there is no FP8 state to save: off.
+   megatron-core 0.19.2).  Without TE there is no FP8 state to save: off.
 """
 from __future__ import annotations
 

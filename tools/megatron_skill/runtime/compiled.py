@@ -2,7 +2,7 @@
 
 Without Transformer Engine, the work between the GEMMs (RoPE, the loss's softmax over a 128k
 vocabulary, FP8 casts) runs as chains of separate torch kernels, each reading and writing the
-whole tensor; the H200 profile put a third of a 1B step there.  Compiling one small function
+whole tensor (references/benchmarks.md has the profile).  Compiling one small function
 per job lets Inductor fuse each chain into one or two kernels.  The same function runs eager
 where compiling is off or impossible, so the CPU tests compare the two directly.
 

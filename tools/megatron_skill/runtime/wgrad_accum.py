@@ -6,7 +6,7 @@ main_grad)``: one GEMM whose fp32 accumulator is added into the buffer (cuBLAS b
 Without the extension Megatron turns the fusion off, so every weight gradient is first
 written in bf16 and DDP's hook then adds it to main_grad: an fp32 read-add-write of every
 weight in every micro-batch, in a mixed-dtype kernel that runs at half the HBM rate
-(51 ms of a 2.16 s step at the 1B shape on an H200, references/benchmarks.md).
+(references/benchmarks.md has what it costs).
 
 ``torch.addmm(..., out_dtype=torch.float32)`` is that GEMM on CUDA (torch >= 2.8); this
 module stands in for the extension under its name, so Megatron's own code paths (the

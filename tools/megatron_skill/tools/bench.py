@@ -22,7 +22,7 @@ from ..core.flops import padded_vocab_size
 from ..core.layout import Layout
 from ..core.memory import GIB, peak, stage_memory
 from ..core.options import RuntimeOptions
-from ..core.planner import cost, error_pct
+from ..core.planner import error_pct, predict
 from ..core.resolve import resolve_model
 from ..environment import gpu_count_and_name, have_transformer_engine
 from ..errors import ToolError
@@ -138,7 +138,7 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
     lay = Layout.from_json(lay_json)
     te = have_transformer_engine()
     opts = RuntimeOptions.from_request(req.get("runtime"), te=te)
-    pred = cost(model, gpu, lay, padded_vocab_size(model.vocab_size, lay.tp), opts)
+    pred = predict(model, gpu, lay, padded_vocab_size(model.vocab_size, lay.tp), opts)
     pred_alloc = peak(pred.memory, "allocated") / GIB
     out = {
         "run_id": run_id, "run_dir": result["run_dir"], "gpu": gpu.key, "num_gpus": world,

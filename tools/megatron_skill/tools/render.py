@@ -19,7 +19,7 @@ from ..contract import ROOT, Context, Tool
 from ..core.flops import padded_vocab_size
 from ..core.layout import RULES, Layout, check_layout
 from ..core.options import RuntimeOptions
-from ..core.planner import cost, rank, search
+from ..core.planner import predict, rank, search
 from ..core.resolve import DEFAULT_TRAIN_ITERS, default_global_batch, default_seq_length, resolve_cluster, resolve_model
 from ..errors import ToolError
 from ..locks import write_atomic
@@ -94,7 +94,7 @@ def _layout_from_request(req: dict, model, gpu, n_gpus: int, seq: int, gbs: int)
             raise ToolError("infeasible", f"the layout {lay.label()} breaks the rule {rule!r}: {RULES[rule]}",
                             where="/layout", fix="run plan and take one of its layouts")
         opts = RuntimeOptions.from_request(req.get("runtime"), te=req["transformer_engine"])
-        cand = cost(model, gpu, lay, padded_vocab_size(model.vocab_size, lay.tp), opts)
+        cand = predict(model, gpu, lay, padded_vocab_size(model.vocab_size, lay.tp), opts)
         if cand.peak_gib > gpu.memory_gib:
             raise ToolError("infeasible", f"the layout {lay.label()} needs {cand.peak_gib:.1f} GiB per GPU, "
                             f"more than the {gpu.memory_gib} GiB of {gpu.key}", where="/layout",

@@ -30,7 +30,7 @@ from ..core.flops import padded_vocab_size
 from ..core.layout import RULES, Layout, broken_rules
 from ..core.memory import GIB, MemoryOptions, memory_report, unfused_score_bytes
 from ..core.memory import peak as memory_peak
-from ..core.model import ModelSpec, build_spec
+from ..core.model import ModelConfig, build_spec
 from ..errors import ToolError
 
 # Layout rules that validate reports with a fix of its own words.
@@ -127,7 +127,7 @@ def _vocab_size(ns: argparse.Namespace, assumed: dict[str, str]) -> int:
     return 128256
 
 
-def model_from_flags(ns: argparse.Namespace, assumed: dict[str, str]) -> tuple[ModelSpec | None, str | None]:
+def model_from_flags(ns: argparse.Namespace, assumed: dict[str, str]) -> tuple[ModelConfig | None, str | None]:
     """The model a Megatron argument vector describes, read whole with Megatron's own defaults for
     what it leaves out (GELU, LayerNorm, learned positions, biases on, tied embeddings)."""
     required = ("num_layers", "hidden_size", "num_attention_heads")
@@ -172,7 +172,7 @@ def model_from_flags(ns: argparse.Namespace, assumed: dict[str, str]) -> tuple[M
         return None, e.message
 
 
-def layout_from_flags(ns: argparse.Namespace, model: ModelSpec, world: int | None,
+def layout_from_flags(ns: argparse.Namespace, model: ModelConfig, world: int | None,
                       assumed: dict[str, str]) -> Layout:
     tp, pp, cp = ns.tensor_model_parallel_size or 1, ns.pipeline_model_parallel_size or 1, ns.context_parallel_size or 1
     vp = ns.num_virtual_stages_per_pipeline_rank or 1
@@ -351,7 +351,7 @@ def check_launch(launch: Launch, gpu_name: str | None, recheck_fix: bool = True)
     return _close(result, findings, launch, gpu_name, recheck_fix)
 
 
-def _check_layout(launch: Launch, ns: argparse.Namespace, model: ModelSpec, gpu: Any, findings: list[dict],
+def _check_layout(launch: Launch, ns: argparse.Namespace, model: ModelConfig, gpu: Any, findings: list[dict],
                   result: dict[str, Any], assumed: dict[str, str], have_megatron: bool) -> None:
     world = launch.world
     lay = layout_from_flags(ns, model, world, assumed)
@@ -388,7 +388,7 @@ def _check_layout(launch: Launch, ns: argparse.Namespace, model: ModelSpec, gpu:
     result["predicted_peak_gib"] = result["memory"].get("peak_gib")
 
 
-def _memory(launch: Launch, ns: argparse.Namespace, model: ModelSpec, lay: Layout, gpu: Any,
+def _memory(launch: Launch, ns: argparse.Namespace, model: ModelConfig, lay: Layout, gpu: Any,
             findings: list[dict], assumed: dict[str, str]) -> dict[str, Any]:
     """The planner's memory for this layout and attention path, whatever else was found."""
     opts = memory_options(launch, ns, model, assumed)
@@ -415,7 +415,7 @@ def _memory(launch: Launch, ns: argparse.Namespace, model: ModelSpec, lay: Layou
     return out
 
 
-def memory_options(launch: Launch, ns: argparse.Namespace, model: ModelSpec, assumed: dict[str, str]) -> MemoryOptions:
+def memory_options(launch: Launch, ns: argparse.Namespace, model: ModelConfig, assumed: dict[str, str]) -> MemoryOptions:
     """The flags of a vector that change memory beyond its layout, as the planner's options;
     each choice that is not read from a flag is named in `assumed`."""
     attention, why = attention_path(launch, ns)

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import ToolError
-from ..model import ModelSpec, build_spec
+from ..model import ModelConfig, build_spec
 
 CATALOG_DIR = Path(__file__).resolve().parent
 
@@ -42,7 +42,7 @@ def gpu_names() -> list[str]:
     return sorted(_load("gpus.json")["gpus"])
 
 
-def get_model(name: str, where: str = "model") -> ModelSpec:
+def get_model(name: str, where: str = "model") -> ModelConfig:
     data = _load("models.json")
     key, fields = _lookup("model", data["models"], data["aliases"], name, where)
     return build_spec(key, dict(fields), where=where)
