@@ -74,12 +74,12 @@ def test_output_processor_runs_the_output_layers_forward_pre_hooks(monkeypatch):
     """Megatron's DDP finishes the weight's all-gather in a forward pre-hook of the output
     layer (--overlap-param-gather); the fused head uses the weight without calling the
     layer, so it must run those hooks itself."""
+    from functools import partial
     from types import SimpleNamespace
 
-    from megatron_skill.runtime import fused_head
     from megatron_skill.runtime.fused_head import output_processor
 
-    monkeypatch.setattr(fused_head, "CHUNK_TOKENS", 4)  # 10 tokens: more than two chunks, fused
+    output_processor = partial(output_processor, chunk_tokens=4)  # 10 tokens: more than two chunks, fused
     layer = torch.nn.Linear(8, 11, bias=False)
     seen = []
     layer.register_forward_pre_hook(lambda module, args: seen.append(module))
@@ -127,15 +127,14 @@ def test_fp8_layers_swap_in_only_for_the_dense_linears_and_fall_back_with_tp_com
     from megatron_skill.runtime.fp8_linear import FP8ColumnParallelLinear, FP8RowParallelLinear, _fp8_ok
 
     cfg = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True)
-    specs.FP8_LINEAR = True
-    try:
-        layer = specs.local_sdpa_spec()
-    finally:
-        specs.FP8_LINEAR = False
+    from megatron_skill.core.options import RuntimeOptions
+
+    layer = specs.local_sdpa_spec(RuntimeOptions.from_request({"fp8_linear": True}, te=False))
     attn, mlp = layer.submodules.self_attention.submodules, layer.submodules.mlp.keywords["submodules"]
     assert attn.linear_qkv is FP8ColumnParallelLinear and attn.linear_proj is FP8RowParallelLinear
     assert mlp.linear_fc1 is FP8ColumnParallelLinear and mlp.linear_fc2 is FP8RowParallelLinear
-    assert specs.local_sdpa_spec().submodules.mlp.keywords["submodules"].linear_fc1 is ColumnParallelLinear
+    plain = specs.local_sdpa_spec(RuntimeOptions.from_request(None, te=False))
+    assert plain.submodules.mlp.keywords["submodules"].linear_fc1 is ColumnParallelLinear
     x, w = torch.randn(32, 64), torch.randn(128, 64, requires_grad=True)
     assert _fp8_ok(x, w, {"sequence_parallel": False, "allreduce_dgrad": False})
     assert not _fp8_ok(x, w, {"sequence_parallel": True})          # TP communication inside: BF16 path
@@ -251,47 +250,52 @@ def test_native_gqa_attention_matches_expanded_keys_and_values():
 
     cfg = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=8, num_query_groups=2,
                             kv_channels=8, attention_dropout=0.0, use_cpu_initialization=True)
-    attn = attention.SDPAttention(cfg, 1, AttnMaskType.causal)
     g = torch.Generator().manual_seed(4)
     q0 = torch.randn(16, 2, 8, 8, generator=g)
     k0, v0 = torch.randn(16, 2, 2, 8, generator=g), torch.randn(16, 2, 2, 8, generator=g)
     outs = []
     for native in (False, True):
-        attention.NATIVE_GQA = native
-        try:
-            q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
-            out = attn(q, k, v, None)
-            out.pow(2).sum().backward()
-            outs.append((out, q.grad, k.grad, v.grad))
-        finally:
-            attention.NATIVE_GQA = False
+        attn = attention.SDPAttention(cfg, 1, AttnMaskType.causal, native_gqa=native)
+        q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
+        out = attn(q, k, v, None)
+        out.pow(2).sum().backward()
+        outs.append((out, q.grad, k.grad, v.grad))
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-def test_fp8_weight_copies_are_reused_within_a_step_and_dropped_after():
-    """With the per-step cache on (the entry script clears it around every train_step), a
-    weight is cast once for all micro-batches; after a clear the new values are cast."""
+def test_fp8_weight_copies_are_reused_within_a_step_and_dropped_by_the_optimizer_step():
+    """With the per-step cache on (the entry script's FP8 path), a weight is cast once for all
+    micro-batches of a step, and the optimizer's step empties the cache through torch's own
+    optimizer hook, whatever loop calls it: Megatron's optimizers (which need CUDA to build)
+    step a torch optimizer inside, as this test's AdamW steps here. After the step the next
+    micro-batch casts the new weights."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
     from megatron_skill.runtime import fp8_linear
 
     torch.manual_seed(5)
-    x, w = torch.randn(32, 64), torch.randn(48, 64, requires_grad=True)
-    plain = fp8_linear.FP8Matmul.apply(x, w)
-    fp8_linear.WEIGHT_CACHE_ENABLED = True
+    cfg = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True)
+    layer = fp8_linear.FP8ColumnParallelLinear(64, 48, config=cfg, init_method=torch.nn.init.normal_, bias=False,
+                                               gather_output=False)
+    optimizer = torch.optim.AdamW(layer.parameters(), lr=0.5)
+    x = torch.randn(32, 1, 64)
+    fp8_linear.WEIGHT_CACHE.enable()
     try:
-        fp8_linear.clear_weight_cache()
-        assert torch.equal(fp8_linear.FP8Matmul.apply(x, w), plain)
-        first = fp8_linear._weight_cache[next(iter(fp8_linear._weight_cache))][0]
-        fp8_linear.FP8Matmul.apply(x, w)
-        assert len(fp8_linear._weight_cache) == 1
-        assert fp8_linear._weight_cache[next(iter(fp8_linear._weight_cache))][0] is first   # reused
-        with torch.no_grad():
-            w.mul_(2)                     # the optimizer step: the entry script clears the cache
-        fp8_linear.clear_weight_cache()
-        torch.testing.assert_close(fp8_linear.FP8Matmul.apply(x, w), plain * 2, rtol=0.07, atol=0.05)
+        first = layer(x)[0]
+        cached = next(iter(fp8_linear.WEIGHT_CACHE.entries.values()))[0]
+        layer(x)[0].sum().backward()                    # a second micro-batch: the same FP8 copy
+        assert len(fp8_linear.WEIGHT_CACHE.entries) == 1
+        assert next(iter(fp8_linear.WEIGHT_CACHE.entries.values()))[0] is cached
+        optimizer.step()                                 # the weights change
+        assert not fp8_linear.WEIGHT_CACHE.entries       # and their FP8 copies are gone
+        after = layer(x)[0]
+        expected = fp8_linear.FP8Matmul.apply(x.view(32, 64), layer.weight.detach()).view(32, 1, 48)
+        assert not torch.allclose(after, first) and torch.equal(after, expected)
     finally:
-        fp8_linear.WEIGHT_CACHE_ENABLED = False
-        fp8_linear.clear_weight_cache()
+        fp8_linear.WEIGHT_CACHE.disable()
+    layer(x)
+    assert not fp8_linear.WEIGHT_CACHE.entries           # off again: nothing kept
 
 
 WGRAD = r"""

@@ -27,7 +27,7 @@ def test_sample_corpus_becomes_a_dataset_that_gpt_dataset_reads(tmp_path, cli):
     from megatron.core.datasets.indexed_dataset import IndexedDataset
     from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
 
-    from megatron_skill.runtime import compat
+    from megatron_skill.runtime import patches
 
     prefix = tmp_path / "corpus"
     rc, out, err = cli("prepare-data", "--input", str(CORPUS), "--output-prefix", str(prefix), "--workers", "2")
@@ -44,7 +44,7 @@ def test_sample_corpus_becomes_a_dataset_that_gpt_dataset_reads(tmp_path, cli):
         assert ids[-1] == 256 and bytes(ids[:-1].astype(np.uint8)).decode() == lines[i]["text"]
     assert sum(len(ds[i]) for i in range(len(ds))) == res["tokens"]
     # Megatron's GPTDataset over it, as train builds it (NullTokenizer, vocabulary 257).
-    compat.apply()
+    patches.by_name("dataset helpers").apply()
     cfg = GPTDatasetConfig(random_seed=1, sequence_length=128, blend=([str(prefix)], None), split="100,0,0",
                            tokenizer=NullTokenizer(vocab_size=257), reset_position_ids=False,
                            reset_attention_mask=False, eod_mask_loss=False, path_to_cache=str(tmp_path / "cache"),

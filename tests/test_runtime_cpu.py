@@ -87,15 +87,18 @@ def test_the_local_path_renders_no_dataloader_mask_so_attention_runs_causal():
 def test_layer_spec_swaps_only_core_attention():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+    from megatron_skill.core.options import RuntimeOptions
     from megatron_skill.runtime.attention import SDPAttention
     from megatron_skill.runtime.specs import local_sdpa_spec
 
-    ours, stock = local_sdpa_spec(normalization="RMSNorm"), get_gpt_layer_local_spec(normalization="RMSNorm")
-    assert ours.submodules.self_attention.submodules.core_attention is SDPAttention
+    opts = RuntimeOptions.from_request({"native_gqa": True, "sdpa_backend": "flash"}, te=False)
+    ours, stock = local_sdpa_spec(opts, normalization="RMSNorm"), get_gpt_layer_local_spec(normalization="RMSNorm")
+    core = ours.submodules.self_attention.submodules.core_attention
+    assert core.module is SDPAttention and core.params == {"native_gqa": True, "backend": "flash"}
     assert ours.submodules.self_attention.submodules.linear_qkv == stock.submodules.self_attention.submodules.linear_qkv
     assert repr(ours.submodules.mlp) == repr(stock.submodules.mlp)  # partials compare by identity
-    moe = local_sdpa_spec(num_experts=4, normalization="RMSNorm")
-    assert moe.submodules.self_attention.submodules.core_attention is SDPAttention
+    moe = local_sdpa_spec(opts, num_experts=4, normalization="RMSNorm")
+    assert moe.submodules.self_attention.submodules.core_attention.module is SDPAttention
 
 
 def test_norms_allow_sequence_parallel_and_mark_their_weights():
@@ -109,7 +112,9 @@ def test_norms_allow_sequence_parallel_and_mark_their_weights():
     cfg.sequence_parallel = True  # what a TP > 1 run sets; Megatron's torch norm refuses it
     norm = SequenceParallelNorm(cfg, 64)
     assert isinstance(norm, torch.nn.RMSNorm) and all(p.sequence_parallel for p in norm.parameters())
-    block = block_spec(cfg, pp_rank=0)
+    from megatron_skill.core.options import RuntimeOptions
+
+    block = block_spec(cfg, RuntimeOptions.from_request(None, te=False), pp_rank=0)
     assert block.layer_norm is SequenceParallelNorm
     assert all(s.submodules.input_layernorm is SequenceParallelNorm for s in block.layer_specs)
 
@@ -117,11 +122,10 @@ def test_norms_allow_sequence_parallel_and_mark_their_weights():
 def test_compat_uses_the_prebuilt_dataset_helpers():
     import megatron.core.datasets.utils as dataset_utils
 
-    from megatron_skill.runtime import compat
+    from megatron_skill.runtime import compat, patches
 
-    done = compat.apply()
     assert compat.prebuilt_helpers_available()
-    assert any("helpers" in d for d in done)
+    assert patches.by_name("dataset helpers").apply()
     dataset_utils.compile_helpers()  # a no-op now: would run make and exit otherwise
 
 
@@ -131,11 +135,10 @@ def test_norm_recompute_without_te_leaves_the_fp8_branch_alone():
     switches the branch off without TE.  (Its forward needs CUDA's RNG state: GPU only.)"""
     from megatron.core.tensor_parallel import random
 
-    from megatron_skill.runtime import compat
+    from megatron_skill.runtime import patches
 
     assert not random.HAVE_TE and random.CheckpointWithoutOutput.__init__ is not None
-    done = compat.apply()
-    assert any("CheckpointWithoutOutput" in d for d in done)
+    assert patches.by_name("selective recompute").apply()
     assert random.CheckpointWithoutOutput().fp8 is False
     assert random.CheckpointWithoutOutput(fp8="tensorwise").fp8 is False
 
@@ -190,9 +193,9 @@ def test_gpt_dataset_over_an_indexed_dataset(tmp_path):
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
     from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
 
-    from megatron_skill.runtime import compat
+    from megatron_skill.runtime import patches
 
-    compat.apply()
+    patches.by_name("dataset helpers").apply()
     prefix = str(tmp_path / "corpus")
     builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
     rng = np.random.default_rng(0)

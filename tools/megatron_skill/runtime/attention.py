@@ -15,29 +15,30 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-_BACKENDS: list | None = None  # None: torch's own choice among the kernels that take the shape
-NATIVE_GQA = False  # --skill-native-gqa: the kernel reads the shared key/value heads itself
 
-
-def set_backend(name: str) -> None:
-    """Pin SDPA to one kernel family (skill flag --skill-sdpa-backend); "auto" lets torch choose."""
-    global _BACKENDS
+def _backends(name: str) -> list | None:
+    """The SDPA kernel family to pin (--skill-sdpa-backend); None for auto: torch's own choice
+    among the kernels that take the shape."""
     if name == "auto":
-        _BACKENDS = None
-        return
+        return None
     from torch.nn.attention import SDPBackend
-    _BACKENDS = [{"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
-                  "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[name]]
+    return [{"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+             "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[name]]
 
 
 class SDPAttention(MegatronModule):
-    """Causal (or masked) attention over [s, b, heads, dim] tensors, GQA and MLA included."""
+    """Causal (or masked) attention over [s, b, heads, dim] tensors, GQA and MLA included.
+
+    native_gqa and backend come from the layer spec (ModuleSpec params, specs.py): the kernel
+    reads shared key/value heads itself (enable_gqa), and the SDPA kernel family to pin."""
 
     def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
                  attention_type: str = "self", attention_dropout: Optional[float] = None,
                  softmax_scale: Optional[float] = None, cp_comm_type: Optional[str] = None,
-                 pg_collection=None):
+                 pg_collection=None, native_gqa: bool = False, backend: str = "auto"):
         super().__init__(config=config)
+        self.native_gqa = native_gqa
+        self.backends = _backends(backend)
         if config.context_parallel_size != 1:
             raise ValueError("SDPAttention does not do context parallelism: use Transformer Engine for CP > 1")
         self.attn_mask_type = attn_mask_type
@@ -62,19 +63,19 @@ class SDPAttention(MegatronModule):
             mask = ~attention_mask  # Megatron's masks are True where attention is NOT allowed
         gqa = {}
         if k.shape[1] != heads:
-            if NATIVE_GQA:
+            if self.native_gqa:
                 gqa["enable_gqa"] = True
             else:
                 # GQA: expand keys and values to the query heads (enable_gqa is not taken by every kernel).
                 k = k.repeat_interleave(heads // k.shape[1], dim=1)
                 v = v.repeat_interleave(heads // v.shape[1], dim=1)
         dropout = self.dropout if self.training else 0.0
-        if _BACKENDS is None:
+        if self.backends is None:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal,
                                                  scale=self.softmax_scale, **gqa)
         else:
             from torch.nn.attention import sdpa_kernel
-            with sdpa_kernel(_BACKENDS):
+            with sdpa_kernel(self.backends):
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal,
                                                      scale=self.softmax_scale, **gqa)
         return out.permute(2, 0, 1, 3).reshape(sq, b, heads * v.shape[-1])

@@ -24,19 +24,15 @@ def prebuilt_helpers_available() -> bool:
         return False
 
 
-def apply() -> list[str]:
-    """Apply what this megatron-core needs; returns what was done, for the log."""
-    done = []
-    if prebuilt_helpers_available():
-        import megatron.core.datasets.utils as dataset_utils
+def skip_helper_build() -> bool:
+    """megatron.training's start-up compiles the dataset helpers with make: with the prebuilt
+    module present, there is nothing to compile."""
+    if not prebuilt_helpers_available():
+        return False
+    import megatron.core.datasets.utils as dataset_utils
 
-        dataset_utils.compile_helpers = lambda: None
-        done.append("dataset helpers: using the prebuilt helpers_cpp (no make)")
-    if _patch_dist_optimizer_resume():
-        done.append("distributed optimizer: optimizer state initialised before loading a checkpoint (no TE/apex)")
-    if _patch_checkpoint_without_output():
-        done.append("selective recompute: CheckpointWithoutOutput without TE's FP8 state")
-    return done
+    dataset_utils.compile_helpers = lambda: None
+    return True
 
 
 def _wrap_method(cls, name: str, make) -> None:
@@ -49,7 +45,7 @@ def _wrap_method(cls, name: str, make) -> None:
     setattr(cls, name, wrapped)
 
 
-def _patch_checkpoint_without_output() -> bool:
+def patch_checkpoint_without_output() -> bool:
     from megatron.core.tensor_parallel import random
 
     if getattr(random, "HAVE_TE", True):
@@ -65,7 +61,7 @@ def _patch_checkpoint_without_output() -> bool:
     return True
 
 
-def _patch_dist_optimizer_resume() -> bool:
+def patch_dist_optimizer_resume() -> bool:
     from megatron.core.optimizer import distrib_optimizer
 
     if getattr(distrib_optimizer, "HAVE_APEX_OR_TE", True):

@@ -13,6 +13,7 @@ import math
 import os
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 
@@ -21,14 +22,16 @@ def build_model(cfg: dict):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from . import attention, fused_rope, specs
+    from ..core.options import RuntimeOptions
+    from . import patches
     from .cpu_rope import keep_rope_on_cpu
     from .specs import block_spec
 
-    specs.FP8_LINEAR = bool(cfg.get("fp8_linear"))
-    attention.NATIVE_GQA = bool(cfg.get("native_gqa"))
-    if cfg.get("compiled_rope"):
-        fused_rope.install()
+    opts = RuntimeOptions.from_request({"fp8_linear": bool(cfg.get("fp8_linear")),
+                                        "native_gqa": bool(cfg.get("native_gqa")),
+                                        "compiled_rope": bool(cfg.get("compiled_rope"))}, te=False)
+    if opts.compiled_rope:
+        patches.by_name("RoPE").apply()
 
     m = cfg["model"]
     act = {"swiglu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu,
@@ -53,7 +56,7 @@ def build_model(cfg: dict):
     from megatron.core import parallel_state as ps
 
     config.pipeline_model_parallel_size = cfg.get("pp", 1)
-    model = GPTModel(config=config, transformer_layer_spec=block_spec(config), vocab_size=cfg["padded_vocab_size"],
+    model = GPTModel(config=config, transformer_layer_spec=block_spec(config, opts), vocab_size=cfg["padded_vocab_size"],
                      max_sequence_length=cfg["seq_length"], position_embedding_type="rope",
                      rotary_base=m.get("rotary_base", 10000),
                      share_embeddings_and_output_weights=not m.get("untie_embeddings_and_output_weights", True),
@@ -227,9 +230,10 @@ def main(config_path: str) -> None:
     rank = dist.get_rank()
     from megatron.core import parallel_state as ps
 
+    from ..core.memory import FUSED_HEAD_CHUNK
     from . import fused_head
 
-    fused_head.CHUNK_TOKENS = cfg.get("fused_head_chunk", fused_head.CHUNK_TOKENS)
+    head = partial(fused_head.output_processor, chunk_tokens=cfg.get("fused_head_chunk", FUSED_HEAD_CHUNK))
     pp = cfg.get("pp", 1)
     ps.initialize_model_parallel(tensor_model_parallel_size=cfg["tp"], pipeline_model_parallel_size=pp)
     torch.manual_seed(cfg["seed"])
@@ -262,7 +266,7 @@ def main(config_path: str) -> None:
             if pp > 1:
                 losses = _pipeline_micro_batch(model, b, 1.0 / (per_dp // mbs))
             else:
-                extra = {"loss_mask": b["loss_mask"], "output_processor": fused_head.output_processor} \
+                extra = {"loss_mask": b["loss_mask"], "output_processor": head} \
                     if cfg.get("fused_head") else {}
                 losses = model(b["tokens"], b["position_ids"], None, labels=b["labels"], **extra)
                 (torch.sum(losses.float() * mask) / (mask.sum() * (per_dp // mbs))).backward()

@@ -19,7 +19,8 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset  # noqa: E402
 from megatron.core.enums import ModelType  # noqa: E402
 
-from . import attention, compat, fused_head, fused_rope, gpu_profile, specs, wgrad_accum  # noqa: E402
+from ..core.options import RuntimeOptions  # noqa: E402
+from . import fused_head, patches, specs  # noqa: E402
 
 
 def _tokenizer(args):
@@ -81,45 +82,32 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss, num_tokens, {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
 
 
-def forward_step(data_iterator, model, return_schedule_plan: bool = False):
-    from megatron.core.utils import get_attr_wrapped_model
-    from megatron.training import get_timers
+def make_forward_step(fused: bool):
+    """Megatron's forward_step_func; with the fused head, the logits never exist whole (its
+    gradients assume loss_func's masked sum)."""
+    extra = {"output_processor": fused_head.output_processor} if fused else {}
 
-    timers = get_timers()
-    timers("batch-generator", log_level=2).start()
-    vp_stage = get_attr_wrapped_model(model, "vp_stage")
-    tokens, labels, loss_mask, attention_mask, position_ids = _get_batch(data_iterator, vp_stage)
-    timers("batch-generator").stop()
-    extra = {}
-    if _FUSED_HEAD:
-        # the logits never exist whole: loss_func's masked sum is what fused_head's gradients assume
-        extra["output_processor"] = fused_head.output_processor
-    output = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask, **extra)
-    return output, partial(loss_func, loss_mask)
+    def forward_step(data_iterator, model, return_schedule_plan: bool = False):
+        from megatron.core.utils import get_attr_wrapped_model
+        from megatron.training import get_timers
+
+        timers = get_timers()
+        timers("batch-generator", log_level=2).start()
+        vp_stage = get_attr_wrapped_model(model, "vp_stage")
+        tokens, labels, loss_mask, attention_mask, position_ids = _get_batch(data_iterator, vp_stage)
+        timers("batch-generator").stop()
+        output = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask, **extra)
+        return output, partial(loss_func, loss_mask)
+
+    return forward_step
 
 
-_FUSED_HEAD = False
-
-
-def _quantize_weights_once_per_step() -> None:
-    """FP8 weight copies made on the first micro-batch of each optimizer step and reused by
-    the others: the cache is emptied as every train_step begins and again once it has
-    stepped the optimizer (evaluation in between must see the new weights)."""
-    import megatron.training.training as training
-
-    from . import fp8_linear
-
-    original = training.train_step
-
-    def train_step(*args, **kwargs):
-        fp8_linear.clear_weight_cache()
-        try:
-            return original(*args, **kwargs)
-        finally:
-            fp8_linear.clear_weight_cache()
-
-    fp8_linear.WEIGHT_CACHE_ENABLED = True
-    training.train_step = train_step
+def runtime_options(args) -> RuntimeOptions:
+    """The entry's own flags (adapter/skill_flags.py) as the runtime's one options value."""
+    return RuntimeOptions(linear_cross_entropy=args.skill_linear_cross_entropy, compiled_rope=args.skill_compiled_rope,
+                          native_gqa=args.skill_native_gqa, sdpa_backend=args.skill_sdpa_backend,
+                          fused_wgrad_accumulation=args.gradient_accumulation_fusion,
+                          fp8_linear=args.skill_fp8_linear, te=args.transformer_impl != "local")
 
 
 def main() -> None:
@@ -127,40 +115,39 @@ def main() -> None:
     from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
     from megatron.training.arguments import parse_and_validate_args
 
-    fixes = compat.apply()
-    profiling = gpu_profile.install()
-    if profiling:
-        fixes.append(profiling)
+    # the wheel's gaps, and the kernel profile when asked, before anything runs
+    fixes = [p.name for p in map(patches.by_name, ("dataset helpers", "distributed optimizer",
+                                                    "selective recompute", "kernel profile")) if p.apply()]
     from megatron_skill.adapter.skill_flags import add_skill_arguments
 
     args = parse_and_validate_args(extra_args_provider=add_skill_arguments,
                                    args_defaults={"tokenizer_type": "NullTokenizer"})
     model_cfg = gpt_config_from_args(args)
-    global _FUSED_HEAD
-    _FUSED_HEAD = args.skill_linear_cross_entropy and fused_head.usable(args)
-    if _FUSED_HEAD:
+    opts = runtime_options(args)
+    fused = opts.linear_cross_entropy and fused_head.usable(args)
+    if fused:
         fixes.append("output layer + cross-entropy fused chunk by chunk (no full logits)")
-    if args.skill_fp8_linear:
-        specs.FP8_LINEAR = True
-        _quantize_weights_once_per_step()
+    if opts.fp8_linear:
+        from . import fp8_linear
+        fp8_linear.WEIGHT_CACHE.enable()
         fixes.append("FP8 linear layers (per-tensor current scaling, torch._scaled_mm; weights cast once a step)")
-    if args.skill_compiled_rope and fused_rope.install():
-        fixes.append("RoPE: Megatron's unfused function, torch.compile'd")
-    if args.skill_native_gqa:
-        attention.NATIVE_GQA = True
+    rope = patches.by_name("RoPE")
+    if opts.compiled_rope and rope.apply():
+        fixes.append(rope.name)
+    if opts.native_gqa:
         fixes.append("SDPA reads grouped key/value heads itself (enable_gqa)")
-    if args.skill_sdpa_backend != "auto":
-        attention.set_backend(args.skill_sdpa_backend)
-        fixes.append(f"SDPA backend: {args.skill_sdpa_backend}")
-    if args.gradient_accumulation_fusion and wgrad_accum.install():
-        fixes.append("gradient-accumulation fusion: weight gradients added into fp32 main_grad by torch.addmm")
+    if opts.sdpa_backend != "auto":
+        fixes.append(f"SDPA backend: {opts.sdpa_backend}")
+    wgrad = patches.by_name("gradient-accumulation fusion")
+    if args.gradient_accumulation_fusion and wgrad.apply():
+        fixes.append(wgrad.name)
     if args.transformer_impl == "local":
-        model_cfg.transformer_layer_spec = specs.layer_spec_for
+        model_cfg.transformer_layer_spec = specs.layer_spec_for(opts)
         fixes.append("layer spec: Megatron-Core local layers with SDPA core attention")
     cfg = pretrain_cfg_container_from_args(args, model_cfg)
     for fix in fixes:
         print_rank_0(f"> megatron-core-training skill: {fix}")
-    pretrain(cfg, datasets_provider, ModelType.encoder_or_decoder, forward_step)
+    pretrain(cfg, datasets_provider, ModelType.encoder_or_decoder, make_forward_step(fused))
     if args.fake_process_group:
         _report_fake_rank_memory(args)
 

@@ -56,25 +56,43 @@ def scaled_mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tens
     return ((a.float() * sa) @ (b.float() * sb)).to(out_dtype)
 
 
-# Weights are the same in every micro-batch of one optimizer step, so their FP8 copies can be
-# made once per step.  Only the entry script turns this on: it clears the cache at the start
-# of every train_step (a parameter's version counter is no guide: the distributed optimizer
-# and its all-gather write weights without touching it).
-WEIGHT_CACHE_ENABLED = False
-_weight_cache: dict[int, tuple] = {}
+class _WeightCache:
+    """FP8 copies of the weights, made once per optimizer step: weights are the same in every
+    micro-batch of one step. Emptied by a hook on every torch optimizer's step (Megatron's
+    optimizers step a torch one inside), so that whatever loop runs the step, no FP8 copy
+    outlives the weights it was made from (a parameter's version counter is no guide: the
+    distributed optimizer and its all-gather write weights without touching it)."""
+
+    def __init__(self) -> None:
+        self.entries: dict[tuple, tuple] = {}
+        self.hook = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.hook is not None
+
+    def enable(self) -> None:
+        if self.hook is None:
+            from torch.optim.optimizer import register_optimizer_step_post_hook
+            self.hook = register_optimizer_step_post_hook(lambda *_: self.entries.clear())
+
+    def disable(self) -> None:
+        if self.hook is not None:
+            self.hook.remove()
+            self.hook = None
+        self.entries.clear()
 
 
-def clear_weight_cache() -> None:
-    _weight_cache.clear()
+WEIGHT_CACHE = _WeightCache()
 
 
 def _quantized_weight(w: torch.Tensor):
-    if not WEIGHT_CACHE_ENABLED:
+    if not WEIGHT_CACHE.enabled:
         return quantize_with_transpose(w, E4M3)
     key = (id(w), w.data_ptr(), tuple(w.shape))
-    hit = _weight_cache.get(key)
+    hit = WEIGHT_CACHE.entries.get(key)
     if hit is None:
-        hit = _weight_cache[key] = quantize_with_transpose(w, E4M3)
+        hit = WEIGHT_CACHE.entries[key] = quantize_with_transpose(w, E4M3)
     return hit
 
 

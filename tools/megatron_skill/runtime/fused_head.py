@@ -21,10 +21,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..core.memory import FUSED_HEAD_CHUNK
 from . import compiled
 from .wgrad_accum import addmm_fp32_
-
-CHUNK_TOKENS = 4096  # tokens per chunk; micro-batches of at most two chunks take Megatron's path
 
 
 def _all_reduce(t: torch.Tensor, op, group) -> None:
@@ -130,7 +129,8 @@ def usable(config) -> bool:
 
 
 def output_processor(*, hidden_states, output_layer, output_weight, labels, loss_mask, config,
-                     compute_language_model_loss, scale_logits, runtime_gather_output=None, **_):
+                     compute_language_model_loss, scale_logits, runtime_gather_output=None,
+                     chunk_tokens: int = FUSED_HEAD_CHUNK, **_):
     """GPTModel.forward's ``output_processor`` hook (megatron-core >= 0.19): per-token losses
     [b, s] as Megatron's own path returns them, without materialising the logits."""
     from megatron.core.tensor_parallel.mappings import (
@@ -140,7 +140,7 @@ def output_processor(*, hidden_states, output_layer, output_weight, labels, loss
 
     tokens = hidden_states.shape[0] * hidden_states.shape[1] * (
         getattr(config, "tensor_model_parallel_size", 1) if config.sequence_parallel else 1)
-    if labels is None or loss_mask is None or tokens <= 2 * CHUNK_TOKENS:
+    if labels is None or loss_mask is None or tokens <= 2 * chunk_tokens:
         # Inference, or a micro-batch so small that the fused path's fp32 weight gradient would
         # outweigh the logits it saves: Megatron's own output layer and loss.
         logits, _ = output_layer(hidden_states, weight=output_weight, runtime_gather_output=runtime_gather_output)
@@ -157,5 +157,5 @@ def output_processor(*, hidden_states, output_layer, output_weight, labels, loss
         x = copy_to_tensor_model_parallel_region(x, group=group)
     weight = output_weight if output_weight is not None else output_layer.weight
     loss = LinearCrossEntropy.apply(x, weight, labels.transpose(0, 1).contiguous(),
-                                    loss_mask.transpose(0, 1).contiguous(), group, CHUNK_TOKENS)
+                                    loss_mask.transpose(0, 1).contiguous(), group, chunk_tokens)
     return loss.transpose(0, 1).contiguous()

@@ -57,11 +57,11 @@ def summarize(events) -> dict:
     }
 
 
-def install() -> str | None:
+def install() -> bool:
     """Wrap megatron.training.training.train_step when MEGATRON_SKILL_PROFILE is set."""
     path = os.environ.get("MEGATRON_SKILL_PROFILE")
     if not path:
-        return None
+        return False
     if not os.path.isabs(path) and os.environ.get("RUN_DIR"):   # bench names it within the run directory
         path = os.path.join(os.environ["RUN_DIR"], path)
     target = int(os.environ.get("MEGATRON_SKILL_PROFILE_ITER", "4"))
@@ -88,4 +88,4 @@ def install() -> str | None:
         return out
 
     training.train_step = train_step
-    return f"profiling iteration {target} into {path}"
+    return True

@@ -12,25 +12,24 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
+from ..core.options import RuntimeOptions
 from .attention import SDPAttention
 from .norm import SequenceParallelNorm
 
-# Set by the entry script from --skill-fp8-linear (and by the CPU loop from its config): the
-# dense linear layers of attention and MLP run in FP8 (runtime/fp8_linear.py).
-FP8_LINEAR = False
 
-
-def local_sdpa_spec(num_experts=None, moe_grouped_gemm=False, qk_layernorm=False,
+def local_sdpa_spec(opts: RuntimeOptions, num_experts=None, moe_grouped_gemm=False, qk_layernorm=False,
                     multi_latent_attention=False, normalization="RMSNorm") -> ModuleSpec:
     spec = get_gpt_layer_local_spec(num_experts, moe_grouped_gemm, qk_layernorm, multi_latent_attention,
                                     normalization=normalization)
-    return _swap_parts(spec)
+    return _swap_parts(spec, opts)
 
 
-def _swap_parts(spec: ModuleSpec) -> ModuleSpec:
+def _swap_parts(spec: ModuleSpec, opts: RuntimeOptions) -> ModuleSpec:
+    """The runtime options reach the layers here, as the parts' parameters."""
     sub = spec.submodules
-    sub.self_attention.submodules.core_attention = SDPAttention
-    if FP8_LINEAR:
+    sub.self_attention.submodules.core_attention = ModuleSpec(
+        module=SDPAttention, params={"native_gqa": opts.native_gqa, "backend": opts.sdpa_backend})
+    if opts.fp8_linear:
         _fp8_linears(sub)
     for name in ("input_layernorm", "pre_mlp_layernorm"):
         if getattr(sub, name, None) is WrappedTorchNorm:
@@ -65,18 +64,20 @@ def _fp8_linears(sub) -> None:
             setattr(mlp.submodules, name, cls)
 
 
-def block_spec(transformer_config, vp_stage=None, pp_rank=None):
+def block_spec(transformer_config, opts: RuntimeOptions, vp_stage=None, pp_rank=None):
     """Megatron's decoder block spec (dense and MoE layers as --moe-layer-freq says), local
     layers with the swapped parts, and the same norm for the final layer norm."""
     block = get_gpt_decoder_block_spec(transformer_config, use_transformer_engine=False,
                                        normalization=transformer_config.normalization, vp_stage=vp_stage,
                                        pp_rank=pp_rank)
-    block.layer_specs = [_swap_parts(s) for s in block.layer_specs]
+    block.layer_specs = [_swap_parts(s, opts) for s in block.layer_specs]
     if block.layer_norm is WrappedTorchNorm:
         block.layer_norm = SequenceParallelNorm
     return block
 
 
-def layer_spec_for(config, vp_stage=None):
+def layer_spec_for(opts: RuntimeOptions):
     """A transformer_layer_spec callable for megatron.training.models.gpt.GPTModelConfig."""
-    return block_spec(config.transformer, vp_stage=vp_stage)
+    def spec(config, vp_stage=None):
+        return block_spec(config.transformer, opts, vp_stage=vp_stage)
+    return spec
