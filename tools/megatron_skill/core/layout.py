@@ -156,28 +156,36 @@ RULES = {
 }
 
 
-def broken_rules(lay: Layout, model: ModelConfig, gpu: GPUSpec, n_gpus: int, te: bool = True) -> Iterator[str]:
-    """The names of the rules the layout breaks, in the order they are checked; te: whether the
-    job's layers are Transformer Engine's (plan, render, validate and train ask the same
-    question here)."""
-    if lay.world_size != n_gpus:
-        yield "world_size"
+# The rule book, by what each rule looks at, so that the planner can prune its search with
+# the same rules before a layout is whole (a TP, then a CP, then the experts).
+def tp_rules(lay: Layout, model: ModelConfig, gpu: GPUSpec) -> Iterator[str]:
     if model.num_attention_heads % lay.tp:
         yield "tp_heads"
     if not model.multi_latent_attention and model.query_groups % lay.tp:
         yield "tp_query_groups"
     if lay.tp > gpu.nvlink_domain:
         yield "tp_within_nvlink"
+
+
+def expert_rules(lay: Layout, model: ModelConfig) -> Iterator[str]:
     if (lay.ep > 1 or lay.etp > 1) and not model.is_moe:
         yield "ep_without_moe"
     if model.is_moe and model.num_experts % lay.ep:
         yield "ep_experts"
     if (lay.tp * lay.cp * lay.dp) % (lay.ep * lay.etp):
         yield "expert_folding"
+
+
+def sequence_parallel_rules(lay: Layout, model: ModelConfig, te: bool) -> Iterator[str]:
     if lay.sequence_parallel and lay.tp == 1:
         yield "sp_needs_tp"
     if model.is_moe and lay.tp > 1 and not lay.sequence_parallel:
         yield "moe_needs_sp"
+    if model.qk_layernorm and lay.sequence_parallel and not te:
+        yield "qk_norm_sp_needs_te"
+
+
+def pipeline_rules(lay: Layout, model: ModelConfig) -> Iterator[str]:
     pp_broken = None
     if lay.pipeline_split == "uneven":
         counts = lay.rank_layer_counts(model.num_layers)
@@ -194,16 +202,36 @@ def broken_rules(lay: Layout, model: ModelConfig, gpu: GPUSpec, n_gpus: int, te:
             yield "vp_layers"
         if lay.pp > 1 and lay.num_microbatches % lay.pp:
             yield "vp_microbatches"
+
+
+def context_parallel_rules(lay: Layout, te: bool) -> Iterator[str]:
     if lay.seq_length % (2 * lay.cp) and lay.cp > 1:
         yield "cp_sequence"
     if lay.cp > 1 and not te:
         yield "cp_needs_te"
-    if model.qk_layernorm and lay.sequence_parallel and not te:
-        yield "qk_norm_sp_needs_te"
-    if lay.gbs % (lay.mbs * lay.dp):
-        yield "gbs_divisible"
+
+
+def precision_rules(lay: Layout, gpu: GPUSpec) -> Iterator[str]:
     if lay.precision == "fp8" and not gpu.supports_fp8:
         yield "fp8_arch"
+
+
+def broken_rules(lay: Layout, model: ModelConfig, gpu: GPUSpec, n_gpus: int, te: bool = True) -> Iterator[str]:
+    """The names of the rules the layout breaks, in the order they are checked; te: whether the
+    job's layers are Transformer Engine's (plan, render, validate and train ask the same
+    question here)."""
+    if lay.world_size != n_gpus:
+        yield "world_size"
+    yield from tp_rules(lay, model, gpu)
+    yield from expert_rules(lay, model)
+    sp = list(sequence_parallel_rules(lay, model, te))
+    yield from (r for r in sp if r != "qk_norm_sp_needs_te")
+    yield from pipeline_rules(lay, model)
+    yield from context_parallel_rules(lay, te)
+    yield from (r for r in sp if r == "qk_norm_sp_needs_te")
+    if lay.gbs % (lay.mbs * lay.dp):
+        yield "gbs_divisible"
+    yield from precision_rules(lay, gpu)
     if lay.recompute == "full":
         per_chunk = min(lay.chunk_sizes(model.num_layers) or [1])
         if not 1 <= lay.recompute_layers <= max(per_chunk, 1):

@@ -17,7 +17,7 @@ from typing import Any, Iterable
 
 from .catalog import GPUSpec
 from .flops import padded_vocab_size, training_flops
-from .layout import RULES, Layout, check_layout
+from .layout import RULES, Layout, check_layout, context_parallel_rules, expert_rules, precision_rules, tp_rules
 from .memory import GIB, memory_report, peak
 from .model import ModelConfig
 from .options import RuntimeOptions
@@ -145,40 +145,33 @@ def _search(model: ModelConfig, gpu: GPUSpec, n_gpus: int, seq_length: int, gbs:
         for tp in tps:
             base = Layout(tp=tp, seq_length=seq_length, gbs=gbs, precision=precision,
                           sequence_parallel=tp > 1)
-            if tp > max_tp and n_gpus % tp == 0:
-                rej.add("tp_within_nvlink", f"TP{tp}")
-                continue
             if n_gpus % tp:
                 continue
-            for rule, ok in (("tp_heads", model.num_attention_heads % tp == 0),
-                             ("tp_query_groups", model.multi_latent_attention or model.query_groups % tp == 0)):
-                if not ok:
-                    rej.add(rule, f"TP{tp}")
-                    break
-            else:
-                if precision == "fp8" and not gpu.supports_fp8:
-                    rej.add("fp8_arch", f"FP8 on {gpu.key}")
+            # the rule book's TP and precision rules, before anything else is chosen
+            rule = "tp_within_nvlink" if tp > max_tp else next(tp_rules(base, model, gpu), None)
+            rule = rule or next(precision_rules(base, gpu), None)
+            if rule:
+                rej.add(rule, f"FP8 on {gpu.key}" if rule == "fp8_arch" else f"TP{tp}")
+                continue
+            for cp in cps:
+                if n_gpus % (tp * cp):
                     continue
-                for cp in cps:
-                    if n_gpus % (tp * cp):
+                rule = next(context_parallel_rules(dataclasses.replace(base, cp=cp), opts.te), None)
+                if rule:
+                    rej.add(rule, f"CP{cp} seq{seq_length}" if rule == "cp_sequence"
+                            else f"CP{cp} without Transformer Engine")
+                    continue
+                rest = n_gpus // (tp * cp)
+                for pp in _allowed(c, "pp", _divisors(rest)):
+                    if rest % pp or pp > model.num_layers:
                         continue
-                    if cp > 1 and seq_length % (2 * cp):
-                        rej.add("cp_sequence", f"CP{cp} seq{seq_length}")
-                        continue
-                    if cp > 1 and not opts.te:
-                        rej.add("cp_needs_te", f"CP{cp} without Transformer Engine")
-                        continue
-                    rest = n_gpus // (tp * cp)
-                    for pp in _allowed(c, "pp", _divisors(rest)):
-                        if rest % pp or pp > model.num_layers:
-                            continue
-                        dp = rest // pp
-                        splits = pipeline_splits(model.num_layers, pp)
-                        if not splits:
-                            rej.add("pp_layers", f"PP{pp} for {model.num_layers} layers")
-                        for split in splits:
-                            _search_stage(model, gpu, n_gpus, dataclasses.replace(base, cp=cp, pp=pp, dp=dp, **split),
-                                          c, mbss, capacity, rej, out, opts)
+                    dp = rest // pp
+                    splits = pipeline_splits(model.num_layers, pp)
+                    if not splits:
+                        rej.add("pp_layers", f"PP{pp} for {model.num_layers} layers")
+                    for split in splits:
+                        _search_stage(model, gpu, n_gpus, dataclasses.replace(base, cp=cp, pp=pp, dp=dp, **split),
+                                      c, mbss, capacity, rej, out, opts)
     return SearchResult(candidates=out, rejected=rej.table, evaluated=len(out))
 
 
@@ -219,8 +212,9 @@ def _search_stage(model: ModelConfig, gpu: GPUSpec, n_gpus: int, lay: Layout, c:
             continue
         for ep in eps:
             for etp in etps:
-                if (lay.tp * lay.cp * lay.dp) % (ep * etp):
-                    rej.add("expert_folding", f"EP{ep} ETP{etp} with TP{lay.tp} CP{lay.cp} DP{lay.dp}")
+                rule = next(expert_rules(dataclasses.replace(lay, ep=ep, etp=etp), model), None)
+                if rule:
+                    rej.add(rule, f"EP{ep} ETP{etp} with TP{lay.tp} CP{lay.cp} DP{lay.dp}")
                     continue
                 for mbs in mbss:
                     cand = dataclasses.replace(lay, vp=vp, ep=ep, etp=etp, mbs=mbs,

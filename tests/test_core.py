@@ -1,0 +1,139 @@
+"""Unit tests of the core: the rule book (core/layout.py), the step-time model (core/timing.py)
+and the search's parts (core/planner.py), each on small hand-made inputs whose answers are
+known without the code."""
+import dataclasses
+
+import pytest
+
+from megatron_skill.core.catalog import get_gpu, get_model
+from megatron_skill.core.layout import RULES, Layout, broken_rules, check_layout
+from megatron_skill.core.memory import memory_report, peak
+from megatron_skill.core.model import build_spec
+from megatron_skill.core.options import RuntimeOptions
+from megatron_skill.core.planner import _divisors, error_pct, pipeline_splits, predict, rank
+from megatron_skill.core.timing import step_time
+
+H100 = get_gpu("h100-sxm")
+LLAMA8B = get_model("llama3-8b")          # 32 layers, 32 heads, 8 query groups, seq 8192
+MIXTRAL = get_model("mixtral-8x7b")       # 8 experts
+GOOD = Layout(tp=2, pp=2, cp=1, dp=2, mbs=1, gbs=64, seq_length=8192, sequence_parallel=True)
+QK_NORM = build_spec("qk", {"num_layers": 4, "hidden_size": 256, "ffn_hidden_size": 512, "num_attention_heads": 4,
+                            "vocab_size": 1000, "qk_layernorm": True})
+GPT2 = build_spec("gpt2", {"num_layers": 12, "hidden_size": 768, "ffn_hidden_size": 3072, "num_attention_heads": 12,
+                           "vocab_size": 50257, "position_embedding_type": "learned_absolute",
+                           "max_position_embeddings": 1024, "activation": "gelu", "normalization": "LayerNorm"})
+
+# Each rule, broken by one change to a layout that breaks nothing (model, gpu, world, te).
+BREAKS = {
+    "world_size": (LLAMA8B, GOOD, H100, 16, True),
+    "tp_heads": (LLAMA8B, dataclasses.replace(GOOD, tp=3, dp=1, gbs=64), H100, 6, True),
+    "tp_query_groups": (LLAMA8B, dataclasses.replace(GOOD, tp=16, dp=1), H100, 32, True),
+    "tp_within_nvlink": (get_model("llama3-70b"), dataclasses.replace(GOOD, tp=16, dp=1), H100, 32, True),
+    "ep_without_moe": (LLAMA8B, dataclasses.replace(GOOD, ep=2), H100, 8, True),
+    "ep_experts": (MIXTRAL, dataclasses.replace(GOOD, ep=3, dp=3, gbs=60), H100, 12, True),
+    "expert_folding": (MIXTRAL, dataclasses.replace(GOOD, ep=8), H100, 8, True),
+    "sp_needs_tp": (LLAMA8B, dataclasses.replace(GOOD, tp=1, dp=4), H100, 8, True),
+    "moe_needs_sp": (MIXTRAL, dataclasses.replace(GOOD, sequence_parallel=False), H100, 8, True),
+    "pp_layers": (LLAMA8B, dataclasses.replace(GOOD, pp=3, dp=1, gbs=64), H100, 6, True),
+    "pp_uneven": (LLAMA8B, dataclasses.replace(GOOD, pipeline_split="uneven", first_stage_layers=40,
+                                               last_stage_layers=1), H100, 8, True),
+    "vp_layers": (LLAMA8B, dataclasses.replace(GOOD, vp=3), H100, 8, True),
+    "vp_needs_pp": (LLAMA8B, dataclasses.replace(GOOD, pp=1, dp=4, vp=2), H100, 8, True),
+    "vp_microbatches": (LLAMA8B, dataclasses.replace(GOOD, vp=2, gbs=2), H100, 8, True),
+    "cp_sequence": (LLAMA8B, dataclasses.replace(GOOD, cp=2, dp=1, seq_length=8194), H100, 8, True),
+    "cp_needs_te": (LLAMA8B, dataclasses.replace(GOOD, cp=2, dp=1), H100, 8, False),
+    "qk_norm_sp_needs_te": (QK_NORM, dataclasses.replace(GOOD, pp=2), H100, 8, False),
+    "gbs_divisible": (LLAMA8B, dataclasses.replace(GOOD, gbs=65), H100, 8, True),
+    "fp8_arch": (LLAMA8B, dataclasses.replace(GOOD, precision="fp8"), get_gpu("a100-80gb"), 8, True),
+    "recompute_layers": (LLAMA8B, dataclasses.replace(GOOD, recompute="full", recompute_layers=17), H100, 8, True),
+    "seq_positions": (GPT2, dataclasses.replace(GOOD, seq_length=2048), H100, 8, True),
+}
+
+
+def test_the_unbroken_layout_breaks_nothing():
+    assert check_layout(GOOD, LLAMA8B, H100, 8) is None
+    assert check_layout(dataclasses.replace(GOOD, pp=2), QK_NORM, H100, 8, te=True) is None
+
+
+@pytest.mark.parametrize("rule", sorted(BREAKS))
+def test_each_rule_is_broken_by_its_one_change(rule):
+    model, lay, gpu, n, te = BREAKS[rule]
+    assert rule in list(broken_rules(lay, model, gpu, n, te)), list(broken_rules(lay, model, gpu, n, te))
+
+
+def test_every_layout_rule_has_a_case():
+    assert set(RULES) - {"out_of_memory"} == set(BREAKS)
+
+
+# ---- step time: properties that hold whatever the calibration --------------------------
+def _time(lay, model=LLAMA8B, te=True, **kw):
+    return step_time(model, lay, H100, 128256, te, **kw)
+
+
+def test_the_pipeline_bubble_is_pp_minus_one_over_vp_micro_batches_of_the_busiest_stage():
+    per_rank = ("gemm", "attention", "elementwise", "grad_accum", "loss", "recompute", "tp_comm", "cp_comm", "ep_comm")
+    for vp in (1, 2):
+        lay = dataclasses.replace(GOOD, pp=4, dp=1, vp=vp)   # 64 micro-batches
+        t = _time(lay)
+        work = sum(getattr(t, f) for f in per_rank)
+        assert t.bubble == pytest.approx(work * 3 / (vp * lay.num_microbatches))
+
+
+def test_more_tensor_parallel_means_more_tp_communication_and_no_faster_gemms():
+    """The same FLOPs per GPU at TP 2 x DP 4 and TP 8: thinner GEMMs are no faster, and the
+    collectives grow with TP; TP 1 has none."""
+    t2 = _time(dataclasses.replace(GOOD, tp=2, pp=1, dp=4))
+    t8 = _time(dataclasses.replace(GOOD, tp=8, pp=1, dp=1))
+    assert t8.tp_comm > t2.tp_comm > 0
+    assert t8.gemm >= t2.gemm
+    assert _time(dataclasses.replace(GOOD, tp=1, pp=2, dp=4, sequence_parallel=False)).tp_comm == 0
+
+
+def test_fp8_gemms_are_faster_than_bf16_and_recompute_costs_time():
+    bf16 = _time(GOOD)
+    fp8 = _time(dataclasses.replace(GOOD, precision="fp8"))
+    assert fp8.gemm < bf16.gemm
+    full = _time(dataclasses.replace(GOOD, recompute="full", recompute_layers=16))
+    assert full.recompute > 0 and full.total > bf16.total and bf16.recompute == 0
+
+
+def test_local_layers_without_te_pay_for_unfused_element_wise_work():
+    te = _time(GOOD, te=True)
+    local = _time(GOOD, te=False)
+    assert local.elementwise > te.elementwise
+
+
+# ---- planner parts -------------------------------------------------------------------
+@pytest.mark.parametrize("n", [1, 2, 12, 97, 1024, 16384, 2**27, 3 * 5 * 7 * 11 * 13])
+def test_divisors_are_every_divisor_in_order(n):
+    got = _divisors(n)
+    assert got == sorted(got) and all(n % d == 0 for d in got)
+    if n < 100000:
+        assert got == [d for d in range(1, n + 1) if n % d == 0]
+
+
+def test_pipeline_splits_even_embedding_loss_and_uneven():
+    assert pipeline_splits(32, 4) == [{"pipeline_split": "even"}]
+    assert pipeline_splits(30, 4) == [{"pipeline_split": "embedding_loss"}]   # 30 + 2 = 32
+    uneven = pipeline_splits(61, 16)    # DeepSeek-V3
+    assert uneven and all(s["pipeline_split"] == "uneven" for s in uneven)
+    for s in uneven:
+        lay = Layout(pp=16, pipeline_split="uneven", first_stage_layers=s["first_stage_layers"],
+                     last_stage_layers=s["last_stage_layers"])
+        counts = lay.rank_layer_counts(61)
+        assert sum(counts) == 61 and min(counts) >= 1
+
+
+def test_rank_is_fastest_first_with_near_ties_to_the_leaner():
+    from types import SimpleNamespace as C
+
+    fast, lean, slow = C(tokens_per_s=100, peak_gib=80), C(tokens_per_s=99.5, peak_gib=40), C(tokens_per_s=80, peak_gib=1)
+    assert rank([slow, fast, lean]) == [lean, fast, slow]
+    assert error_pct(110, 100) == 10.0 and error_pct(90, 100) == -10.0
+
+
+def test_a_prediction_adds_up():
+    c = predict(LLAMA8B, H100, GOOD, 128256, RuntimeOptions.from_request(None))
+    assert c.peak_gib == pytest.approx(peak(memory_report(LLAMA8B, GOOD, 128256)) / 2**30)
+    assert c.tokens_per_s == pytest.approx(GOOD.gbs * GOOD.seq_length / c.time.total)
+    assert 0 < c.mfu < 1
