@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..adapter import arguments as megatron_args
+from ..adapter import described
 from ..adapter import flags as megatron_flags
 from ..adapter import parser as megatron_parser
 from ..adapter import script as script_args
@@ -28,9 +29,9 @@ from ..contract import Context, Tool, invoke
 from ..core.catalog import get_gpu
 from ..core.flops import padded_vocab_size
 from ..core.layout import RULES, Layout, broken_rules
-from ..core.memory import GIB, MemoryOptions, memory_report, unfused_score_bytes
+from ..core.memory import GIB, memory_report
 from ..core.memory import peak as memory_peak
-from ..core.model import ModelConfig, build_spec
+from ..core.model import ModelConfig
 from ..errors import ToolError
 
 # Layout rules that validate reports with a fix of its own words.
@@ -106,126 +107,6 @@ class Launch:
                 if a.split("=", 1)[0] == flag:
                     return f"line {line}"
         return None
-
-
-# ---- the model and layout a vector describes ------------------------------------------
-def _parse_values(args: list[str]) -> argparse.Namespace:
-    ns, _ = megatron_flags.manifest_parser().parse_known_args(args)
-    return ns
-
-
-def _vocab_size(ns: argparse.Namespace, assumed: dict[str, str]) -> int:
-    """The vocabulary the run will have: --vocab-size where given; else the tokenizer decides at
-    run time, and a Llama-3-sized vocabulary is assumed (said in `assumed`)."""
-    if ns.vocab_size:
-        return ns.vocab_size
-    if ns.tokenizer_type == "GPT2BPETokenizer":
-        assumed["vocab_size"] = "50257, GPT-2's BPE vocabulary"
-        return 50257
-    assumed["vocab_size"] = (f"128256 (the script's tokenizer, {ns.tokenizer_type or 'unnamed'}, decides at run time; "
-                             "add --vocab-size or validate with the tokenizer's size for an exact figure)")
-    return 128256
-
-
-def model_from_flags(ns: argparse.Namespace, assumed: dict[str, str]) -> tuple[ModelConfig | None, str | None]:
-    """The model a Megatron argument vector describes, read whole with Megatron's own defaults for
-    what it leaves out (GELU, LayerNorm, learned positions, biases on, tied embeddings)."""
-    required = ("num_layers", "hidden_size", "num_attention_heads")
-    if any(getattr(ns, k, None) is None for k in required):
-        missing = [f"--{k.replace('_', '-')}" for k in required if getattr(ns, k, None) is None]
-        return None, "the arguments do not set " + ", ".join(missing)
-    if ns.ffn_hidden_size is None:
-        # Megatron's own default: 4h, or 8h/3 rounded to 64 for SwiGLU (arguments.py)
-        ffn = int(4 * ns.hidden_size * 2 / 3 / 64) * 64 if ns.swiglu else 4 * ns.hidden_size
-        assumed["ffn_hidden_size"] = f"{ffn}, Megatron's default for this hidden size"
-    else:
-        ffn = ns.ffn_hidden_size
-    seq = ns.seq_length or ns.decoder_seq_length
-    fields = {
-        "num_layers": ns.num_layers, "hidden_size": ns.hidden_size, "ffn_hidden_size": ffn,
-        "num_attention_heads": ns.num_attention_heads, "vocab_size": _vocab_size(ns, assumed),
-        "num_query_groups": ns.num_query_groups if ns.group_query_attention else None,
-        "kv_channels": ns.kv_channels,
-        "max_position_embeddings": ns.max_position_embeddings or seq or 4096,
-        "untie_embeddings_and_output_weights": bool(ns.untie_embeddings_and_output_weights),
-        "activation": "swiglu" if ns.swiglu else ("squared_relu" if ns.squared_relu else "gelu"),
-        "normalization": ns.normalization if ns.normalization in ("RMSNorm", "LayerNorm") else "LayerNorm",
-        "position_embedding_type": "rope" if ns.position_embedding_type in ("rope", "yarn", "mrope")
-        else "learned_absolute",
-        "add_bias_linear": bool(ns.add_bias_linear), "add_qkv_bias": bool(ns.add_qkv_bias or ns.add_bias_linear),
-        "qk_layernorm": bool(ns.qk_layernorm),
-        "num_experts": ns.num_experts, "moe_router_topk": ns.moe_router_topk or 2,
-        "moe_ffn_hidden_size": ns.moe_ffn_hidden_size,
-        "moe_shared_expert_intermediate_size": ns.moe_shared_expert_intermediate_size,
-        "multi_latent_attention": bool(ns.multi_latent_attention),
-        "mtp_num_layers": ns.mtp_num_layers,
-    }
-    if ns.multi_latent_attention:
-        fields.update(q_lora_rank=ns.q_lora_rank, kv_lora_rank=ns.kv_lora_rank, qk_head_dim=ns.qk_head_dim,
-                      qk_pos_emb_head_dim=ns.qk_pos_emb_head_dim, v_head_dim=ns.v_head_dim)
-    if ns.moe_layer_freq not in (None, 1):
-        fields["moe_layer_freq"] = ns.moe_layer_freq if isinstance(ns.moe_layer_freq, (int, list)) \
-            else str(ns.moe_layer_freq)
-    try:
-        return build_spec("script", {k: v for k, v in fields.items() if v is not None}, where="script"), None
-    except ToolError as e:
-        return None, e.message
-
-
-def layout_from_flags(ns: argparse.Namespace, model: ModelConfig, world: int | None,
-                      assumed: dict[str, str]) -> Layout:
-    tp, pp, cp = ns.tensor_model_parallel_size or 1, ns.pipeline_model_parallel_size or 1, ns.context_parallel_size or 1
-    vp = ns.num_virtual_stages_per_pipeline_rank or 1
-    if ns.num_layers_per_virtual_pipeline_stage:
-        vp = max(1, (model.num_layers // pp) // ns.num_layers_per_virtual_pipeline_stage)
-    if world is None:
-        assumed["world_size"] = f"{tp * pp * cp} (TP x PP x CP: the GPU count is not known; pass num_gpus)"
-    world = world or tp * pp * cp
-    dp = max(1, world // (tp * pp * cp))
-    mbs = ns.micro_batch_size or 1
-    if ns.seq_length is None:
-        assumed["seq_length"] = "4096 (the script sets no --seq-length)"
-    recompute = ns.recompute_granularity or "none"
-    return Layout(tp=tp, pp=pp, vp=vp, cp=cp, ep=ns.expert_model_parallel_size or 1,
-                  etp=ns.expert_tensor_parallel_size or 1, dp=dp, mbs=mbs, gbs=ns.global_batch_size or mbs * dp,
-                  seq_length=ns.seq_length or 4096, recompute=recompute,
-                  recompute_layers=ns.recompute_num_layers or (0 if recompute != "full" else 1),
-                  distributed_optimizer=bool(ns.use_distributed_optimizer),
-                  sequence_parallel=bool(ns.sequence_parallel),
-                  precision="fp8" if ns.fp8 else "bf16", **_pipeline_split(ns, model.num_layers, pp))
-
-
-def _pipeline_split(ns: argparse.Namespace, num_layers: int, pp: int) -> dict[str, Any]:
-    """Layout fields of the script's pipeline split. With only one of the first / last counts
-    given, Megatron spreads the rest evenly over the other ranks, the other end included."""
-    first, last = ns.decoder_first_pipeline_num_layers, ns.decoder_last_pipeline_num_layers
-    if first is None and last is None:
-        return {"pipeline_split": "embedding_loss" if ns.account_for_embedding_in_pipeline_split else "even"}
-    others = pp - (first is not None) - (last is not None)
-    rest = num_layers - (first or 0) - (last or 0)
-    share = rest // others if others > 0 and rest % others == 0 else 0  # 0: not whole, refused as pp_uneven
-    return {"pipeline_split": "uneven", "first_stage_layers": share if first is None else first,
-            "last_stage_layers": share if last is None else last}
-
-
-def attention_path(launch: Launch, ns: argparse.Namespace) -> tuple[str, str]:
-    """The core attention the run will use, and why: the skill's entry runs SDPA; Megatron's
-    Transformer Engine layers run TE's fused / flash kernels; its local layers run the unfused
-    DotProductAttention, which keeps the S x S scores (memory.py counts them)."""
-    if any(a.startswith("--skill-") for a in launch.args):
-        return "sdpa", "the skill's entry: torch SDPA (flash / cuDNN / efficient kernels)"
-    impls = _transformer_impls(launch, ns)
-    if impls == {"local"}:
-        return "unfused", ("--transformer-impl local with Megatron's entry: the local DotProductAttention "
-                           "materialises the S x S attention scores")
-    return "flash", "Transformer Engine's layers: fused / flash attention (no S x S buffer)"
-
-
-def _transformer_impls(launch: Launch, ns: argparse.Namespace) -> set[str]:
-    """The --transformer-impl this launch passes (each way through a script that chooses it at
-    run time is a launch of its own), or Megatron's default, Transformer Engine."""
-    impls = {launch.args[i + 1] for i, a in enumerate(launch.args[:-1]) if a == "--transformer-impl"}
-    return impls or {ns.transformer_impl or "transformer_engine"}
 
 
 # ---- one vector ----------------------------------------------------------------------
@@ -327,12 +208,12 @@ def check_launch(launch: Launch, gpu_name: str | None, recheck_fix: bool = True)
         checks["flags"] = "refused a value: the other checks need the values read"
         result["memory"] = {"skipped": "a value could not be read (see the bad_value error)"}
         return _close(result, findings, launch, gpu_name, recheck_fix)
-    ns = _parse_values(clean)
+    ns = described.parse_values(clean)
     for combo in megatron_flags.COMBINATIONS:
         if combo.when(ns):
             findings.append(_finding(combo.code, combo.message, combo.fix, launch.where(combo.flag)))
     gpu = get_gpu(gpu_name, where="/gpu") if gpu_name else None
-    model, why = model_from_flags(ns, assumed)
+    model, why = described.model_from_args(ns, assumed)
     if model is None:
         findings.append(_finding("incomplete", f"cannot check the layout: {why}", "set the model-size flags",
                                  severity="warning"))
@@ -354,7 +235,7 @@ def check_launch(launch: Launch, gpu_name: str | None, recheck_fix: bool = True)
 def _check_layout(launch: Launch, ns: argparse.Namespace, model: ModelConfig, gpu: Any, findings: list[dict],
                   result: dict[str, Any], assumed: dict[str, str], have_megatron: bool) -> None:
     world = launch.world
-    lay = layout_from_flags(ns, model, world, assumed)
+    lay = described.layout_from_args(ns, model, world, assumed)
     result["layout"] = lay.to_json()
     result["model"] = {"params_b": round(model.total_params() / 1e9, 3), "activation": model.activation,
                        "num_layers": model.num_layers, "hidden_size": model.hidden_size}
@@ -362,7 +243,7 @@ def _check_layout(launch: Launch, ns: argparse.Namespace, model: ModelConfig, gp
         findings.append(_finding("world_size", f"{world} GPUs cannot be split into TP {lay.tp} x PP {lay.pp} x "
                                  f"CP {lay.cp} (DP would be {world / (lay.tp * lay.pp * lay.cp):.2f})",
                                  RULE_FIXES["world_size"]))
-    te = _transformer_impls(launch, ns) != {"local"}
+    te = described.transformer_engine(ns)
     for rule in broken_rules(lay, model, gpu or get_gpu("h100-sxm"), lay.world_size, te=te):
         if rule == "world_size" or (rule == "fp8_arch" and gpu is None):
             continue
@@ -391,7 +272,7 @@ def _check_layout(launch: Launch, ns: argparse.Namespace, model: ModelConfig, gp
 def _memory(launch: Launch, ns: argparse.Namespace, model: ModelConfig, lay: Layout, gpu: Any,
             findings: list[dict], assumed: dict[str, str]) -> dict[str, Any]:
     """The planner's memory for this layout and attention path, whatever else was found."""
-    opts = memory_options(launch, ns, model, assumed)
+    opts = described.memory_options(ns, assumed)
     try:
         mem = memory_report(model, lay, padded_vocab_size(model.vocab_size, lay.tp), opts)
     except (ZeroDivisionError, ValueError) as e:   # a layout broken past costing (see its error)
@@ -413,33 +294,6 @@ def _memory(launch: Launch, ns: argparse.Namespace, model: ModelConfig, lay: Lay
     else:
         out["fit"] = f"fits {gpu.key}'s {gpu.memory_gib} GiB"
     return out
-
-
-def memory_options(launch: Launch, ns: argparse.Namespace, model: ModelConfig, assumed: dict[str, str]) -> MemoryOptions:
-    """The flags of a vector that change memory beyond its layout, as the planner's options;
-    each choice that is not read from a flag is named in `assumed`."""
-    attention, why = attention_path(launch, ns)
-    assumed["attention"] = f"{attention}: {why}"
-    score_bytes = 0.0
-    if attention == "unfused":
-        fp32 = bool(ns.attention_softmax_in_fp32 or ns.apply_query_key_layer_scaling)
-        dropout = (ns.attention_dropout if ns.attention_dropout is not None else 0.1) > 0  # Megatron's default 0.1
-        score_bytes = unfused_score_bytes(fp32, dropout)
-        assumed["attention"] += (f" ({score_bytes:g} bytes per head and score kept: softmax in "
-                                 f"{'fp32' if fp32 else 'bf16'}, attention dropout {'on' if dropout else 'off'})")
-    te = _transformer_impls(launch, ns) != {"local"}
-    # A rendered script picks TE or the local layers at run time: the fused head counts only
-    # where the local path is the one it will run.
-    fused_head = "--skill-linear-cross-entropy" in launch.args and not te
-    fsdp = bool(ns.use_megatron_fsdp) and (ns.data_parallel_sharding_strategy or "optim_grads_params") \
-        == "optim_grads_params"
-    bf16_grads = bool(ns.grad_reduce_in_bf16) or (bool(ns.use_megatron_fsdp)
-                                                   and ns.megatron_fsdp_main_grads_dtype in ("bf16", "bfloat16"))
-    return MemoryOptions(fused_head=fused_head, fp8_linear="--skill-fp8-linear" in launch.args and not te,
-                         te_fp8=te, fp8_params=bool(ns.fp8 and ns.fp8_param_gather and te), score_bytes=score_bytes,
-                         grad_bytes=2 if bf16_grads else 4, fused_cross_entropy=bool(ns.cross_entropy_loss_fusion),
-                         fsdp_params=fsdp,
-                         recompute_modules=frozenset(ns.recompute_modules or ["core_attn"]))   # Megatron's default
 
 
 def _megatron_checks(launch: Launch, clean: list[str], findings: list[dict], checks: dict[str, str],

@@ -1,0 +1,173 @@
+"""What a Megatron argument namespace describes: the model, the layout, and the memory options
+of the run, with Megatron's own defaults for what the arguments leave out.
+
+The namespace comes from an argument vector (validate, through the flag manifest) or from the
+argument dump at the head of a Megatron log (logs): the same reading serves both. Anything not
+read from an argument is named in `assumed`.
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from ..core.layout import Layout
+from ..core.memory import MemoryOptions, unfused_score_bytes
+from ..core.model import ModelConfig, build_spec
+from ..errors import ToolError
+from . import flags as megatron_flags
+
+
+class Args(dict):
+    """A log's argument dump as a namespace: a name it does not hold reads as None."""
+
+    def __getattr__(self, name: str) -> Any:
+        return self.get(name)
+
+
+def parse_values(args: list[str]) -> argparse.Namespace:
+    ns, _ = megatron_flags.manifest_parser().parse_known_args(args)
+    return ns
+
+
+def _vocab_size(ns: Any, assumed: dict[str, str]) -> int:
+    """The vocabulary the run will have: --vocab-size (or the padded size a log reports) where
+    given; else the tokenizer decides at run time, and a Llama-3-sized vocabulary is assumed."""
+    if ns.vocab_size:
+        return ns.vocab_size
+    if getattr(ns, "padded_vocab_size", None):   # in a log's dump
+        return ns.padded_vocab_size
+    if ns.tokenizer_type == "GPT2BPETokenizer":
+        assumed["vocab_size"] = "50257, GPT-2's BPE vocabulary"
+        return 50257
+    assumed["vocab_size"] = (f"128256 (the run's tokenizer, {ns.tokenizer_type or 'unnamed'}, decides at run time; "
+                             "add --vocab-size for an exact figure)")
+    return 128256
+
+
+def model_from_args(ns: Any, assumed: dict[str, str]) -> tuple[ModelConfig | None, str | None]:
+    """The model the arguments describe, read whole with Megatron's own defaults for what they
+    leave out (GELU, LayerNorm, learned positions, biases on, tied embeddings)."""
+    required = ("num_layers", "hidden_size", "num_attention_heads")
+    if any(getattr(ns, k, None) is None for k in required):
+        missing = [f"--{k.replace('_', '-')}" for k in required if getattr(ns, k, None) is None]
+        return None, "the arguments do not set " + ", ".join(missing)
+    if ns.ffn_hidden_size is None:
+        # Megatron's own default: 4h, or 8h/3 rounded to 64 for SwiGLU (arguments.py)
+        ffn = int(4 * ns.hidden_size * 2 / 3 / 64) * 64 if ns.swiglu else 4 * ns.hidden_size
+        assumed["ffn_hidden_size"] = f"{ffn}, Megatron's default for this hidden size"
+    else:
+        ffn = ns.ffn_hidden_size
+    seq = ns.seq_length or ns.decoder_seq_length
+    fields = {
+        "num_layers": ns.num_layers, "hidden_size": ns.hidden_size, "ffn_hidden_size": ffn,
+        "num_attention_heads": ns.num_attention_heads, "vocab_size": _vocab_size(ns, assumed),
+        "num_query_groups": ns.num_query_groups if ns.group_query_attention else None,
+        "kv_channels": ns.kv_channels,
+        "max_position_embeddings": ns.max_position_embeddings or seq or 4096,
+        "untie_embeddings_and_output_weights": bool(ns.untie_embeddings_and_output_weights),
+        "activation": "swiglu" if ns.swiglu else ("squared_relu" if ns.squared_relu else "gelu"),
+        "normalization": ns.normalization if ns.normalization in ("RMSNorm", "LayerNorm") else "LayerNorm",
+        "position_embedding_type": "rope" if ns.position_embedding_type in ("rope", "yarn", "mrope")
+        else "learned_absolute",
+        "add_bias_linear": ns.add_bias_linear is not False,
+        "add_qkv_bias": bool(ns.add_qkv_bias) or ns.add_bias_linear is not False,
+        "qk_layernorm": bool(ns.qk_layernorm),
+        "num_experts": ns.num_experts, "moe_router_topk": ns.moe_router_topk or 2,
+        "moe_ffn_hidden_size": ns.moe_ffn_hidden_size,
+        "moe_shared_expert_intermediate_size": ns.moe_shared_expert_intermediate_size,
+        "multi_latent_attention": bool(ns.multi_latent_attention),
+        "mtp_num_layers": ns.mtp_num_layers,
+    }
+    if ns.multi_latent_attention:
+        fields.update(q_lora_rank=ns.q_lora_rank, kv_lora_rank=ns.kv_lora_rank, qk_head_dim=ns.qk_head_dim,
+                      qk_pos_emb_head_dim=ns.qk_pos_emb_head_dim, v_head_dim=ns.v_head_dim)
+    if ns.moe_layer_freq not in (None, 1):
+        fields["moe_layer_freq"] = ns.moe_layer_freq if isinstance(ns.moe_layer_freq, (int, list)) \
+            else str(ns.moe_layer_freq)
+    try:
+        return build_spec("script", {k: v for k, v in fields.items() if v is not None}, where="script"), None
+    except ToolError as e:
+        return None, e.message
+
+
+def layout_from_args(ns: Any, model: ModelConfig, world: int | None, assumed: dict[str, str]) -> Layout:
+    tp, pp, cp = ns.tensor_model_parallel_size or 1, ns.pipeline_model_parallel_size or 1, ns.context_parallel_size or 1
+    vp = ns.num_virtual_stages_per_pipeline_rank or getattr(ns, "virtual_pipeline_model_parallel_size", None) or 1
+    if ns.num_layers_per_virtual_pipeline_stage:
+        vp = max(1, (model.num_layers // pp) // ns.num_layers_per_virtual_pipeline_stage)
+    world = world or getattr(ns, "world_size", None)   # a log's dump says it
+    if world is None:
+        assumed["world_size"] = f"{tp * pp * cp} (TP x PP x CP: the GPU count is not known; pass num_gpus)"
+    world = world or tp * pp * cp
+    dp = max(1, world // (tp * pp * cp))
+    mbs = ns.micro_batch_size or 1
+    if ns.seq_length is None:
+        assumed["seq_length"] = "4096 (the arguments set no --seq-length)"
+    recompute = ns.recompute_granularity or "none"
+    return Layout(tp=tp, pp=pp, vp=vp, cp=cp, ep=ns.expert_model_parallel_size or 1,
+                  etp=ns.expert_tensor_parallel_size or 1, dp=dp, mbs=mbs, gbs=ns.global_batch_size or mbs * dp,
+                  seq_length=ns.seq_length or 4096, recompute=recompute,
+                  recompute_layers=ns.recompute_num_layers or (0 if recompute != "full" else 1),
+                  distributed_optimizer=bool(ns.use_distributed_optimizer),
+                  sequence_parallel=bool(ns.sequence_parallel),
+                  precision="fp8" if ns.fp8 else "bf16", **_pipeline_split(ns, model.num_layers, pp))
+
+
+def _pipeline_split(ns: Any, num_layers: int, pp: int) -> dict[str, Any]:
+    """Layout fields of the pipeline split. With only one of the first / last counts given,
+    Megatron spreads the rest evenly over the other ranks, the other end included."""
+    first, last = ns.decoder_first_pipeline_num_layers, ns.decoder_last_pipeline_num_layers
+    if first is None and last is None:
+        return {"pipeline_split": "embedding_loss" if ns.account_for_embedding_in_pipeline_split else "even"}
+    others = pp - (first is not None) - (last is not None)
+    rest = num_layers - (first or 0) - (last or 0)
+    share = rest // others if others > 0 and rest % others == 0 else 0  # 0: not whole, refused as pp_uneven
+    return {"pipeline_split": "uneven", "first_stage_layers": share if first is None else first,
+            "last_stage_layers": share if last is None else last}
+
+
+def skill_entry(ns: Any) -> bool:
+    """Whether the arguments are for the skill's entry script (its own flags are set)."""
+    return any(getattr(ns, k, None) for k in ("skill_linear_cross_entropy", "skill_fp8_linear",
+                                               "skill_compiled_rope", "skill_native_gqa"))
+
+
+def transformer_engine(ns: Any) -> bool:
+    return (ns.transformer_impl or "transformer_engine") != "local"
+
+
+def attention_path(ns: Any) -> tuple[str, str]:
+    """The core attention the run uses, and why: the skill's entry runs SDPA; Megatron's
+    Transformer Engine layers run TE's fused / flash kernels; its local layers run the unfused
+    DotProductAttention, which keeps the S x S scores (memory.py counts them)."""
+    if skill_entry(ns) and not transformer_engine(ns):
+        return "sdpa", "the skill's entry: torch SDPA (flash / cuDNN / efficient kernels)"
+    if not transformer_engine(ns):
+        return "unfused", ("--transformer-impl local with Megatron's entry: the local DotProductAttention "
+                           "materialises the S x S attention scores")
+    return "flash", "Transformer Engine's layers: fused / flash attention (no S x S buffer)"
+
+
+def memory_options(ns: Any, assumed: dict[str, str]) -> MemoryOptions:
+    """The arguments that change memory beyond the layout, as the planner's options; each choice
+    not read from an argument is named in `assumed`."""
+    attention, why = attention_path(ns)
+    assumed["attention"] = f"{attention}: {why}"
+    score_bytes = 0.0
+    if attention == "unfused":
+        fp32 = bool(ns.attention_softmax_in_fp32 or ns.apply_query_key_layer_scaling)
+        dropout = (ns.attention_dropout if ns.attention_dropout is not None else 0.1) > 0  # Megatron's default 0.1
+        score_bytes = unfused_score_bytes(fp32, dropout)
+        assumed["attention"] += (f" ({score_bytes:g} bytes per head and score kept: softmax in "
+                                 f"{'fp32' if fp32 else 'bf16'}, attention dropout {'on' if dropout else 'off'})")
+    te = transformer_engine(ns)
+    fsdp = bool(ns.use_megatron_fsdp) and (ns.data_parallel_sharding_strategy or "optim_grads_params") \
+        == "optim_grads_params"
+    bf16_grads = bool(ns.grad_reduce_in_bf16) or (bool(ns.use_megatron_fsdp)
+                                                   and ns.megatron_fsdp_main_grads_dtype in ("bf16", "bfloat16"))
+    modules = ns.recompute_modules or ["core_attn"]   # Megatron's default under selective
+    return MemoryOptions(fused_head=bool(ns.skill_linear_cross_entropy) and not te,
+                         fp8_linear=bool(ns.skill_fp8_linear) and not te, te_fp8=te,
+                         fp8_params=bool(ns.fp8 and ns.fp8_param_gather and te), score_bytes=score_bytes,
+                         grad_bytes=2 if bf16_grads else 4, fused_cross_entropy=bool(ns.cross_entropy_loss_fusion),
+                         fsdp_params=fsdp, recompute_modules=frozenset(modules))
