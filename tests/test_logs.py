@@ -135,3 +135,88 @@ def test_grad_norm_spikes_are_reported(tmp_path):
     res = call("logs", {"log": str(log)})["result"]
     spike = [a for a in res["anomalies"] if a["kind"] == "grad_norm_spike"]
     assert [a["iteration"] for a in spike] == [11] and any("grad-norm spike" in h for h in res["hints"])
+
+
+def _dump(**args):
+    """A Megatron argument dump, as pretrain prints it at start-up (every rank's copy prefixed)."""
+    lines = ["------------------------ arguments ------------------------"]
+    lines += [f"  {k} {'.' * max(3, 40 - len(k))} {v}" for k, v in sorted(args.items())]
+    return lines + ["-------------------- end of arguments ---------------------"]
+
+
+ONE_B = dict(num_layers=16, hidden_size=2048, ffn_hidden_size=8192, num_attention_heads=32, group_query_attention=True,
+             num_query_groups=8, kv_channels=64, seq_length=4096, max_position_embeddings=4096, swiglu=True,
+             normalization="RMSNorm", position_embedding_type="rope", untie_embeddings_and_output_weights=True,
+             vocab_size=128256, padded_vocab_size=128256, micro_batch_size=8, global_batch_size=8, world_size=1,
+             tensor_model_parallel_size=1, pipeline_model_parallel_size=1, transformer_impl="local",
+             attention_dropout=0.0, add_bias_linear=False, log_interval=1)
+
+
+def test_a_stock_local_attention_oom_is_traced_to_its_scores_and_planned_around(tmp_path):
+    """Megatron's own entry with --transformer-impl local: the traceback ends in the unfused
+    attention's baddbmm; the answer names that fix, predicts the log's own layout with the S x S
+    scores counted (over the H200's memory, as the run found), and gives plan's layout that fits."""
+    lines = [f"[rank0]: {x}" for x in _dump(**ONE_B)]
+    lines += ["[rank0]: Traceback (most recent call last):",
+              '[rank0]:   File "/opt/megatron/core/transformer/dot_product_attention.py", line 180, in forward',
+              "[rank0]:     matmul_result = torch.baddbmm(",
+              "[rank0]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 8.00 GiB. GPU 0 has a total "
+              "capacity of 139.81 GiB of which 1.2 GiB is free."]
+    log = tmp_path / "oom.log"
+    log.write_text("\n".join(lines) + "\n")
+    r = call("logs", {"log": str(log), "gpu": "h200"})["result"]
+    oom = next(f for f in r["failures"] if f["code"] == "out_of_memory")
+    assert oom["site"] == "unfused_attention" and "SDPA" in oom["fix"] and oom["ranks"] == [0]
+    pred = r["prediction"]
+    assert pred["assumed"]["attention"].startswith("unfused") and pred["predicted_peak_gib"] > pred["gpu_gib"]
+    assert pred["plan"]["peak_gib"] < pred["gpu_gib"] and r["state"] == "failed"
+    assert any("fits" in h for h in r["hints"])
+
+
+def test_tokens_per_second_and_layout_from_the_log_alone():
+    """The skill's own H200 log: sequence length, batch and layout from its argument dump (no
+    flags), the prediction for its layout beside what it measured, two starts (killed and
+    resumed), finished."""
+    r = call("logs", {"log": str(FIXTURE)})["result"]
+    assert r["arguments"]["seq_length"] == 1024 and r["tokens_per_s"] > 10000
+    assert r["starts"] == 2 and r["state"] == "finished" and r["last_logged"]["iteration"] == 40
+    assert r["prediction"]["assumed"]["attention"].startswith("sdpa")
+    assert abs(r["prediction"]["memory_error_pct"]) < 10
+
+
+def test_ranks_srun_labels_and_nccl_watchdogs(tmp_path):
+    lines = [f"{rank}: " + _line(i) for i in range(1, 6) for rank in (0,)]
+    lines += [f"[rank{r}]:[E1202 10:00:00] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9)"
+              for r in (5, 2, 7)]
+    lines += ["[rank2]: Some NCCL operations have failed or timed out. Due to the asynchronous nature of CUDA kernels"]
+    log = tmp_path / "nccl.log"
+    log.write_text("\n".join(lines) + "\n")
+    r = call("logs", {"log": str(log)})["result"]
+    assert r["logged_iterations"] == 5
+    nccl = next(f for f in r["failures"] if f["code"] == "nccl_timeout")
+    assert nccl["ranks"] == [5, 2, 7] and r["state"] == "failed"
+
+
+def test_a_job_that_stopped_writing_is_called_stalled(tmp_path):
+    import os
+    import time
+
+    log = tmp_path / "train.log"
+    log.write_text("\n".join(_line(i) for i in range(1, 6)) + "\n")
+    assert call("logs", {"log": str(log)})["result"]["state"] == "stopped or running"
+    hour_ago = time.time() - 3600
+    os.utime(log, (hour_ago, hour_ago))
+    r = call("logs", {"log": str(log)})["result"]
+    assert r["state"] == "stalled"
+    stalled = next(a for a in r["anomalies"] if a["kind"] == "stalled")
+    assert stalled["iteration"] == 5 and stalled["silent_s"] >= 3600 and any("hang" in h for h in r["hints"])
+
+
+def test_skipped_iterations_and_a_node_failure(tmp_path):
+    lines = [_line(i) for i in range(1, 4)] + [_line(4).replace("skipped iterations:   0", "skipped iterations:   2")]
+    lines += ["srun: error: node-17: task 3: Exited with exit code 1", "srun: error: Node failure on node-17"]
+    log = tmp_path / "node.log"
+    log.write_text("\n".join(lines) + "\n")
+    r = call("logs", {"log": str(log)})["result"]
+    assert [f["code"] for f in r["failures"]] == ["node_failure"]
+    assert r["skipped_iterations"] == 2 and any("2 iteration(s) skipped" in h for h in r["hints"])

@@ -128,7 +128,7 @@ def _pipeline_split(ns: Any, num_layers: int, pp: int) -> dict[str, Any]:
 
 def skill_entry(ns: Any) -> bool:
     """Whether the arguments are for the skill's entry script (its own flags are set)."""
-    return any(getattr(ns, k, None) for k in ("skill_linear_cross_entropy", "skill_fp8_linear",
+    return any(getattr(ns, k, None) for k in ("skill_entry", "skill_linear_cross_entropy", "skill_fp8_linear",
                                                "skill_compiled_rope", "skill_native_gqa"))
 
 

@@ -37,12 +37,25 @@ FAILURES = [
      "a rank ran out of GPU memory",
      "lower --micro-batch-size, add recompute (--recompute-granularity selective or full), or raise TP/PP; "
      "'launch.py plan' with the same model and GPUs predicts which layouts fit"),
-    ("nccl_timeout", re.compile(r"Watchdog caught collective operation timeout|NCCL.*[Tt]imeout|ProcessGroupNCCL.*timed out"),
+    ("nccl_timeout", re.compile(r"Watchdog caught collective operation timeout|NCCL.*[Tt]imeout|ProcessGroupNCCL.*timed out|"
+                                r"Some NCCL operations have failed or timed out|watchdog (thread )?(got )?stuck|"
+                                r"Heartbeat monitor timed out"),
      "a collective timed out: a rank hung or died, or the network stalled",
      "find the first rank that failed above this line; check NCCL_DEBUG=INFO output, the network (NCCL_SOCKET_IFNAME, "
      "IB), and that every rank runs the same script; raise --distributed-timeout-minutes only for slow checkpoint I/O"),
-    ("nccl_error", re.compile(r"NCCL error|ncclInternalError|ncclSystemError|ncclUnhandledCudaError"),
+    ("nccl_error", re.compile(r"NCCL error|ncclInternalError|ncclSystemError|ncclUnhandledCudaError|ncclRemoteError|"
+                              r"DistBackendError|NCCL communicator was aborted"),
      "NCCL failed", "run with NCCL_DEBUG=INFO; check driver / NCCL versions and the fabric"),
+    ("node_failure", re.compile(r"srun: error: .*(Node failure|NODE_FAIL)|slurmstepd: error: .*(NODE_FAIL|node failure)|"
+                                r"CUDA error: uncorrectable ECC|Xid \d+|GPU has fallen off the bus|"
+                                r"CUDA error: unspecified launch failure"),
+     "a node or GPU failed (hardware or driver), not the training's arithmetic",
+     "resume from the last checkpoint on healthy nodes (exclude the failed one: sbatch --exclude); report the node"),
+    ("killed", re.compile(r"Signals\.SIGKILL|signal 9|exitcode\s*:\s*-9|Killed\b|oom-kill|CANCELLED AT .* DUE TO TIME LIMIT|"
+                          r"DUE TO TIME LIMIT"),
+     "a process was killed from outside (the scheduler's time limit, the host's out-of-memory killer, or a person)",
+     "resume from the last checkpoint; for a time limit, raise it or checkpoint more often (--save-interval); for the "
+     "host's OOM killer, fewer dataloader workers or more host memory"),
     ("make_helpers", re.compile(r"Failed to compile the C\+\+ dataset helper|make: \*\*\*.*helpers"),
      "Megatron tried to build its dataset helpers with make, which the pip wheel cannot",
      "launch through the skill's tools/pretrain_gpt.py, which uses the prebuilt helpers"),
@@ -111,23 +124,46 @@ def _arg_value(text: str) -> Any:
         return _num(text) if re.fullmatch(r"[-+0-9.eE]+", text) else text
 
 
+# A Megatron iteration line starts with its wall-clock time: [2026-12-02 13:24:31.160461].
+STAMP = re.compile(r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)(?:\.\d+)?\]")
+RANK = re.compile(r"^\s*\[(?:default)?(?:rank)?(\d+)\]:|^\s*(\d+):\s|\brank[ =:]?(\d+)\b", re.I)
+SKILL_NOTE = "> megatron-core-training skill:"   # what the skill's entry script says it changed
+FINISHED = re.compile(r"\[after training is done\]|after training is done")
+
+
+def _rank_of(line: str) -> int | None:
+    """The rank a line says it comes from: torchrun's [rankN]: prefix, srun --label's 'N: '."""
+    m = RANK.search(line)
+    if not m:
+        return None
+    return int(next(g for g in m.groups() if g is not None))
+
+
 def parse(lines: Iterable[str]) -> dict[str, Any]:
     iterations: dict[int, dict] = {}
     memory: dict[int, dict] = {}
     failures: list[dict] = []
     arguments: dict[str, Any] = {}
+    dumps = 0          # argument dumps: one per start of the job (a resume adds one)
     in_args = False
     recent: list[str] = []  # the lines just above the current one (a traceback's frames)
     unreadable = 0
+    finished = False
+    last_stamp = None
     for n, line in enumerate(lines, 1):
         if "-- arguments --" in line:
             in_args = True
+            dumps += 1
         elif "-- end of arguments --" in line:
             in_args = False
         elif in_args:
             a = ARG_LINE.match(line)
-            if a and a.group(1) in ARGS_READ and a.group(1) not in arguments:
-                arguments[a.group(1)] = _arg_value(a.group(2))
+            if a and (dumps == 1 or a.group(1) not in arguments):
+                arguments.setdefault(a.group(1), _arg_value(a.group(2)))
+        if FINISHED.search(line):
+            finished = True
+        if SKILL_NOTE in line and "SDPA core attention" in line:
+            arguments["skill_entry"] = True   # the skill's entry said which attention it runs
         recent = (recent + [line])[-80:]
         m = MEMORY.search(line)
         if m:
@@ -138,17 +174,28 @@ def parse(lines: Iterable[str]) -> dict[str, Any]:
         elif "iteration" in line and "|" in line:
             rec = parse_iteration(line)
             if rec and ("loss" in rec or "iter_ms" in rec):
+                stamp = STAMP.search(line)
+                if stamp:
+                    rec["time"] = last_stamp = stamp.group(1)
                 iterations[rec["iteration"]] = {**iterations.get(rec["iteration"], {}), **rec}
             else:
                 unreadable += 1
         for code, rx, meaning, fix in FAILURES:
-            if rx.search(line) and not any(f["code"] == code for f in failures):
-                failure = {"code": code, "line": n, "text": line.strip()[:300], "meaning": meaning, "fix": fix}
+            if not rx.search(line):
+                continue
+            seen = next((f for f in failures if f["code"] == code), None)
+            rank = _rank_of(line)
+            if seen is None:
+                failure = {"code": code, "line": n, "text": line.strip()[:300], "meaning": meaning, "fix": fix,
+                           "ranks": [] if rank is None else [rank]}
                 if code == "out_of_memory":
                     failure.update(_oom_site(recent))
                 failures.append(failure)
+            elif rank is not None and rank not in seen["ranks"] and len(seen["ranks"]) < 64:
+                seen["ranks"].append(rank)
     return {"iterations": [iterations[k] for k in sorted(iterations)], "memory": memory,
-            "failures": failures, "unreadable_lines": unreadable, "arguments": arguments}
+            "failures": failures, "unreadable_lines": unreadable, "arguments": arguments, "starts": dumps,
+            "finished": finished, "last_time": last_stamp}
 
 
 def _oom_site(frames: list[str]) -> dict[str, str]:
@@ -166,9 +213,12 @@ def summarize(parsed: dict[str, Any], seq_length: int | None = None, peak_tflops
     memory, and anomalies (NaN, skipped iterations, loss spikes, divergence)."""
     its = parsed["iterations"]
     out: dict[str, Any] = {"logged_iterations": len(its), "failures": parsed["failures"],
-                           "unreadable_lines": parsed["unreadable_lines"]}
+                           "unreadable_lines": parsed["unreadable_lines"], "starts": parsed.get("starts", 0)}
+    out["state"] = ("failed" if parsed["failures"] else "finished" if parsed.get("finished") or
+                    (its and its[-1]["iteration"] >= its[-1]["train_iters"]) else "stopped or running")
     if not its:
         return out
+    out["last_logged"] = {"iteration": its[-1]["iteration"], "time": its[-1].get("time")}
     out["last_iteration"] = its[-1]["iteration"]
     out["train_iters"] = its[-1]["train_iters"]
     losses = [(r["iteration"], r["loss"]) for r in its if "loss" in r]

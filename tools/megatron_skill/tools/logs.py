@@ -1,15 +1,28 @@
 """The logs tool: a Megatron training log summarised, with the known failures explained."""
 from __future__ import annotations
 
+import dataclasses
 import stat
 import time
 from pathlib import Path
 from typing import Any, Iterator
 
+from ..adapter import described
 from ..adapter import log as megatron_log
-from ..contract import Context, Tool
+from ..contract import Context, Tool, invoke
 from ..core.catalog import get_gpu
+from ..core.flops import padded_vocab_size
+from ..core.memory import GIB, memory_report, peak
+from ..core.planner import error_pct
 from ..errors import ToolError
+
+# The model fields a plan request takes (schemas/common.json, model).
+PLAN_MODEL_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                     "kv_channels", "vocab_size", "max_position_embeddings", "untie_embeddings_and_output_weights",
+                     "activation", "normalization", "position_embedding_type", "add_bias_linear", "add_qkv_bias",
+                     "qk_layernorm", "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
+                     "moe_shared_expert_intermediate_size", "moe_layer_freq", "multi_latent_attention", "q_lora_rank",
+                     "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "mtp_num_layers")
 
 MAX_LINE = 1 << 16  # characters of one line that are read; the rest of a longer line is skipped
 
@@ -51,7 +64,9 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
     seq = req.get("seq_length") or (dumped.get("seq_length") if isinstance(dumped.get("seq_length"), int) else None)
     summary = megatron_log.summarize(parsed, seq, peak)
     if dumped:
-        summary["arguments"] = dumped
+        summary["arguments"] = {k: v for k, v in dumped.items() if k in megatron_log.ARGS_READ}
+        summary["prediction"] = _prediction(dumped, req.get("gpu"), summary, ctx)
+    _stall(summary, path, dumped)
     if not summary.get("logged_iterations") and not summary.get("failures"):
         raise ToolError("invalid_script", f"no Megatron iteration lines in {path}", where="/log",
                         fix="give the log of a Megatron run with --log-interval set (and --log-throughput for TFLOP/s)")
@@ -61,6 +76,14 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
         summary["loss_curve"] = [curve[int(i * step)] for i in range(req["max_points"])] + [curve[-1]]
         summary["lr_curve"] = summary.get("lr_curve", [])[:: max(1, int(step))]
     hints = [f"{f['code']}: {f['meaning']} -> {f['fix']}" for f in summary.get("failures", [])]
+    if summary.get("skipped_iterations"):
+        hints.append(f"{summary['skipped_iterations']} iteration(s) skipped: Megatron drops a step whose gradients hold "
+                     "NaN or Inf (and, with --check-for-nan-in-loss-and-grad, stops); a few early on are the loss "
+                     "scale settling, a steady count is unstable training: lower the learning rate")
+    fitting = (summary.get("prediction") or {}).get("plan")
+    if fitting and any(f["code"] == "out_of_memory" for f in summary.get("failures", [])):
+        hints.append(f"plan for this model on {fitting['num_gpus']} x {fitting['gpu']}: {fitting['label']} fits at "
+                     f"{fitting['peak_gib']} GiB ('launch.py plan' with the same model gives the arguments)")
     for a in summary.get("anomalies", []):
         if a["kind"] == "loss_spike":
             hints.append(f"loss spike at iteration {a['iteration']} ({a['before']:.3g} -> {a['loss']:.3g}): "
@@ -70,6 +93,10 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
         elif a["kind"] == "grad_norm_spike":
             hints.append(f"grad-norm spike at iteration {a['iteration']} ({a['before']:.3g} -> {a['grad_norm']:.3g}): "
                          "watch the loss after it; keep --clip-grad 1.0, lower the learning rate if spikes repeat")
+        elif a["kind"] == "stalled":
+            hints.append(f"no new line for {a['silent_s'] / 60:.0f} minutes after iteration {a['iteration']} (an "
+                         f"iteration takes about {a['iteration_s']:.1f} s): the job may hang; look at its last lines "
+                         "and at every rank (py-spy dump, NCCL_DEBUG=INFO)")
         elif a["kind"] == "divergence":
             hints.append(f"loss rising at the end (best {a['best']:.3g}, now {a['loss']:.3g}): lower the learning "
                          "rate or resume from an earlier checkpoint")
@@ -79,6 +106,57 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
     ctx.progress(f"logs: {summary.get('logged_iterations', 0)} iterations, final loss {summary.get('final_loss')}, "
                  f"{len(hints)} hint(s)")
     return summary
+
+
+def _prediction(dumped: dict, gpu_name: str | None, summary: dict, ctx: Context) -> dict[str, Any] | None:
+    """What the planner predicts for the log's own model and layout (read from its argument
+    dump), beside what the log measured; where the GPU is named, plan's best layout for the
+    same model and GPU count too."""
+    ns = described.Args(dumped)
+    assumed: dict[str, str] = {}
+    model, why = described.model_from_args(ns, assumed)
+    if model is None:
+        return {"skipped": why}
+    lay = described.layout_from_args(ns, model, None, assumed)
+    try:
+        mem = memory_report(model, lay, padded_vocab_size(model.vocab_size, lay.tp), described.memory_options(ns, assumed))
+    except (ZeroDivisionError, ValueError) as e:
+        return {"skipped": f"the log's layout cannot be costed: {e}"}
+    out: dict[str, Any] = {"layout": lay.label(), "predicted_peak_gib": round(peak(mem) / GIB, 2),
+                           "assumed": assumed}
+    if summary.get("max_allocated_gib"):
+        out["measured_max_allocated_gib"] = summary["max_allocated_gib"]
+        out["memory_error_pct"] = error_pct(peak(mem, "allocated") / GIB, summary["max_allocated_gib"])
+    if gpu_name:
+        out["gpu_gib"] = get_gpu(gpu_name, where="/gpu").memory_gib
+        fields = {k: v for k, v in dataclasses.asdict(model).items() if k in PLAN_MODEL_FIELDS and v is not None}
+        request = {"model": {"name": "from the log", **fields}, "gpu": gpu_name, "num_gpus": lay.world_size,
+                   "seq_length": lay.seq_length, "global_batch_size": lay.gbs, "top": 1,
+                   "transformer_engine": described.transformer_engine(ns)}
+        try:
+            best = invoke("plan", request, ctx)
+        except ToolError as e:
+            out["plan"] = {"error": e.message}
+        else:
+            if best.get("plans"):
+                p = best["plans"][0]
+                out["plan"] = {"label": p["label"], "peak_gib": p["memory"]["peak_gib"], "gpu": gpu_name,
+                               "num_gpus": lay.world_size, "tokens_per_s": p["tokens_per_s"]}
+    return out
+
+
+def _stall(summary: dict, path: Path, dumped: dict) -> None:
+    """A job that stopped writing: no failure, not finished, and the log untouched for far longer
+    than its logging interval takes (ten intervals, five minutes at least)."""
+    if summary.get("state") != "stopped or running" or not summary.get("iter_ms_median"):
+        return
+    interval = summary["iter_ms_median"] / 1e3 * (dumped.get("log_interval") or 1)
+    silent = time.time() - path.stat().st_mtime
+    if silent > max(300.0, 10 * interval):
+        summary["state"] = "stalled"
+        summary.setdefault("anomalies", []).append(
+            {"kind": "stalled", "iteration": summary["last_logged"]["iteration"], "silent_s": round(silent),
+             "iteration_s": round(summary["iter_ms_median"] / 1e3, 2)})
 
 
 def _plot(parsed: dict, out: Path) -> str | None:
