@@ -50,7 +50,7 @@ FAILURES = [
                                 r"CUDA error: uncorrectable ECC|Xid \d+|GPU has fallen off the bus|"
                                 r"CUDA error: unspecified launch failure"),
      "a node or GPU failed (hardware or driver), not the training's arithmetic",
-     "resume from the last checkpoint on healthy nodes (exclude the failed one: sbatch --exclude); report the node"),
+     "resume from the last checkpoint on healthy nodes (leave the failed one out: sbatch -x NODE); report the node"),
     ("killed", re.compile(r"Signals\.SIGKILL|signal 9|exitcode\s*:\s*-9|Killed\b|oom-kill|CANCELLED AT .* DUE TO TIME LIMIT|"
                           r"DUE TO TIME LIMIT"),
      "a process was killed from outside (the scheduler's time limit, the host's out-of-memory killer, or a person)",
