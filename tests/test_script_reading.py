@@ -230,7 +230,7 @@ ARGS=(
   --max-position-embeddings 4096 --micro-batch-size 1 --global-batch-size 256 --bf16
   --use-mcore-models --use-flash-attn
 )
-CMD="cd ${MEGATRON_PATH}; python ${MEGATRON_PATH}/pretrain_gpt.py ${ARGS[@]}"
+CMD="cd ${MEGATRON_PATH}; export PYTHONPATH=${MEGATRON_PATH}:${PYTHONPATH}; python ${MEGATRON_PATH}/pretrain_gpt.py ${ARGS[@]}"
 sbatch <<EOF
 #!/bin/bash
 #SBATCH --nodes=your_num_nodes
@@ -314,3 +314,18 @@ def test_each_combination_rule_is_one_megatron_itself_refuses(combo):
     assert combo in [e["code"] for e in res["errors"]]
     with pytest.raises(ToolError):
         megatron_parser.parse(argv, world_size=8)
+
+
+def test_a_command_string_with_a_variable_left_to_the_caller_still_launches():
+    """X=$Y leaves X unknown; a longer string holding $Y keeps the rest (the launch in it)."""
+    text = """
+    A=(--num-layers 2)
+    CMD="cd ${MP}; export PYTHONPATH=${MP}:${PYTHONPATH}; python ${MP}/pretrain_gpt.py ${A[@]}"
+    bash -c "${CMD}"
+    COPY=$UNSET_BY_SCRIPT
+    if [ "$COPY" = "1" ]; then torchrun pretrain_gpt.py --num-layers 4; fi
+    """
+    reading = shell.read(textwrap.dedent(text))
+    vectors = [la.args for p in reading.paths for la in p.launches]
+    assert ["--num-layers", "2"] in vectors and ["--num-layers", "2", "--num-layers", "4"] not in vectors
+    assert len(reading.paths) == 2   # COPY is as unknown as what it copies: both ways

@@ -237,3 +237,15 @@ def test_a_launch_inside_bash_c_with_its_entry_in_a_variable():
     res = call("validate", {"script_text": script, "gpu": "h100-sxm"})["result"]
     assert res["world_size"] == 8 and res["num_megatron_args"] == 16, res  # 7 flags with values, 2 alone
     assert res["valid"] and [w["code"] for w in res["warnings"]].count("obsolete_flag") == 1
+
+
+def test_a_quoted_value_split_by_word_splitting_is_joined_in_the_fixed_vector():
+    """The split words are one value in the fixed vector, and Megatron's own verdict on it shows
+    there (here: a batch-size schedule together with a global batch, which 0.19 refuses)."""
+    args = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "128",
+            "--max-position-embeddings", "128", "--micro-batch-size", "1", "--global-batch-size", "16",
+            "--step-batch-size-schedule", "0:8", "1M:16"]
+    res = call("validate", {"args": args, "num_gpus": 1})["result"]
+    assert [e["code"] for e in res["errors"]] == ["stray_arguments"]
+    assert res["fixed_args"]["args"][-1] == "0:8 1M:16"
+    assert any("--step-batch-size-schedule and --global-batch-size" in e for e in res["fixed_args"]["remaining_errors"])

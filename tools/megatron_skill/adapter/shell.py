@@ -1216,8 +1216,8 @@ class Reader:
             return name, tuple(old) + tuple(items) if append else tuple(items)
         fields, unknown = self.expand(value, p, split=False)
         text = " ".join(fields)
-        if unknown and index is None and not append:
-            return name, UNKNOWN
+        if unknown and index is None and not append and re.fullmatch(r'"?\$\{?\w+\}?"?', value):
+            return name, UNKNOWN   # X=$Y, Y left to the caller: X as unknown as Y (a longer text keeps it literal)
         if index is not None:  # A[i]=v
             arr = p.vars.get(name, ())
             arr = list((arr,) if isinstance(arr, str) else arr)

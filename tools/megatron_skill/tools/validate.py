@@ -177,18 +177,31 @@ def _flag_findings(launch: Launch) -> tuple[list[dict], list[str]]:
 
 
 def fixed_vector(args: list[str]) -> list[str]:
-    """args with every obsolete flag replaced and every unknown flag that is a clear misspelling
-    of a known one corrected; other unknown flags (and their values) kept for the user."""
+    """args with every obsolete flag replaced, every unknown flag that is a clear misspelling of a
+    known one corrected, and words split off a one-value flag's value joined back to it (as the
+    script's quotes meant); other unknown flags (and their values) kept for the user."""
     out, _ = megatron_flags.rewrite_obsolete(args)
     known = megatron_flags.known_flags()
-    fixed = []
+    fixed: list[str] = []
+    room, owner_at = 0, None
     for a in out:
         flag, eq, value = a.partition("=")
-        if a.startswith("--") and flag not in known:
-            hint = megatron_flags.suggest(flag) or ""
-            m = re.fullmatch(r"did you mean (--[\w-]+)\?", hint)
-            if m:
-                a = m.group(1) + eq + value
+        if a.startswith("--"):
+            if flag not in known:
+                hint = megatron_flags.suggest(flag) or ""
+                m = re.fullmatch(r"did you mean (--[\w-]+)\?", hint)
+                if m:
+                    a, flag = m.group(1) + eq + value, m.group(1)
+            n = megatron_flags.arity(flag) if flag in known else None
+            room, owner_at = (0 if eq else n) if n is not None else -1, None
+            fixed.append(a)
+            continue
+        if room == 0 and owner_at is not None and "$" not in a:
+            fixed[owner_at] += " " + a        # a stray word: part of the value before it
+            continue
+        if room > 0:
+            room -= 1
+            owner_at = len(fixed) if room == 0 and megatron_flags.arity(fixed[-1].split("=")[0]) == 1 else None
         fixed.append(a)
     return fixed
 
@@ -339,7 +352,7 @@ def _close(result: dict[str, Any], findings: list[dict], launch: Launch, gpu_nam
            recheck_fix: bool) -> dict[str, Any]:
     """The findings, and where any has an exact fix, the fixed vector checked again."""
     result["findings"] = findings
-    if recheck_fix and any(f["code"] in ("obsolete_flag", "unknown_flag") for f in findings):
+    if recheck_fix and any(f["code"] in ("obsolete_flag", "unknown_flag", "stray_arguments") for f in findings):
         fixed = fixed_vector(launch.args)
         if fixed != launch.args:
             again = check_launch(dataclasses.replace(launch, args=fixed, lines=None), gpu_name, recheck_fix=False)
