@@ -34,7 +34,7 @@ def available() -> bool:
 
 
 def check(argv: list[str], world_size: int | None = None, device_major: int = 9,
-          env: dict[str, str] | None = None) -> list[str]:
+          env: dict[str, str | None] | None = None) -> list[str]:
     """parse's verdict: the warnings Megatron's parser and validate_args emitted, or its
     ToolError raised. Remembered on disk: importing Megatron's parser takes seconds, and its
     verdict depends only on the arguments, the installed megatron-core and the skill's own
@@ -168,7 +168,11 @@ def _parse(arguments: Any, argv: list[str], world_size: int | None, device_major
         torch.cuda.get_device_capability = lambda *a, **k: (device_major, 0)
     env = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if env is None else env
     saved_env = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
+    for k, v in env.items():   # None: the launch leaves it unset
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
     try:
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
             arguments.validate_args(args, {})

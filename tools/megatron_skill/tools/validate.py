@@ -327,7 +327,8 @@ def _megatron_checks(launch: Launch, clean: list[str], findings: list[dict], che
     # An entry other than a training one passes validate_args defaults of its own (inference
     # servers set the micro-batch, for one): there only Megatron's parser speaks for it.
     world = launch.world if launch.kind != "other" else None
-    env = {"CUDA_DEVICE_MAX_CONNECTIONS": launch.env.get("CUDA_DEVICE_MAX_CONNECTIONS", "1")}
+    # what the launch's environment says (None: unset, as a script may leave it for FSDP)
+    env = {"CUDA_DEVICE_MAX_CONNECTIONS": launch.env.get("CUDA_DEVICE_MAX_CONNECTIONS")}
     try:
         said = megatron_parser.check(clean, world_size=world, env=env)
     except ToolError as e:
@@ -512,7 +513,8 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
                             f"hundred (at most {MAX_ARGS:,} are checked)",
                             where="/args" if req.get("args") else "/script",
                             fix="give the launch script itself, not a generated or repeated one")
-    checked = [(launch, check_launch(launch, req.get("gpu"))) for launch in launches]
+    # the fixed vector is checked again for the first launch, the one the answer reports it for
+    checked = [(launch, check_launch(launch, req.get("gpu"), recheck_fix=i == 0)) for i, launch in enumerate(launches)]
     findings = _combine(checked)
     errors = [f for f in findings if f["severity"] == "error"]
     warnings = [f for f in findings if f["severity"] == "warning"]
