@@ -36,6 +36,14 @@ class Layout:
     first_stage_layers: int = 0   # uneven: transformer layers of the first pipeline rank
     last_stage_layers: int = 0    # uneven: of the last; the middle ranks share the rest evenly
 
+    def but(self, **changes: Any) -> "Layout":
+        """This layout with some fields changed: dataclasses.replace without re-running the
+        constructor (a Layout has no checks of its own there), for the planner's inner loops."""
+        new = object.__new__(Layout)
+        new.__dict__.update(self.__dict__)
+        new.__dict__.update(changes)
+        return new
+
     @property
     def world_size(self) -> int:
         return self.tp * self.pp * self.cp * self.dp

@@ -52,20 +52,28 @@ class MemoryOptions:
     recompute_modules: frozenset[str] | None = None   # --recompute-modules under selective; None: the skill's set
 
 
-def chunk_layers(model: ModelConfig, lay: Layout) -> list[list[int]]:
+def chunk_layers(model: ModelConfig, lay: Layout) -> tuple[tuple[int, ...], ...]:
     """Layer indices of each model chunk, chunk c living on pipeline rank c % PP."""
     return _chunk_layers(model.num_layers, lay.pp, lay.vp, lay.pipeline_split, lay.first_stage_layers,
                          lay.last_stage_layers)
 
 
-def _chunk_layers(L: int, pp: int, vp: int, split: str, first: int, last: int) -> list[list[int]]:
+@functools.lru_cache(maxsize=4096)
+def _chunk_layers(L: int, pp: int, vp: int, split: str, first: int, last: int) -> tuple[tuple[int, ...], ...]:
     shape = Layout(pp=pp, vp=vp, pipeline_split=split, first_stage_layers=first, last_stage_layers=last)
     sizes = shape.chunk_sizes(L) or [L // (pp * vp)] * (pp * vp)
     out, start = [], 0
     for n in sizes:
-        out.append(list(range(start, start + n)))
+        out.append(tuple(range(start, start + n)))
         start += n
-    return out
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=65536)
+def moe_layers_among(model: ModelConfig, layers: tuple[int, ...]) -> int:
+    """How many of these layers are mixture-of-experts layers."""
+    pattern = model.moe_pattern()
+    return sum(pattern[i] for i in layers)
 
 
 def rank_layers(model: ModelConfig, lay: Layout, rank: int) -> list[int]:
@@ -129,6 +137,16 @@ def recomputed_modules(lay: Layout, opts: "MemoryOptions") -> frozenset[str]:
 def layer_activation_bytes(model: ModelConfig, lay: Layout, moe: bool, opts: "MemoryOptions | None" = None) -> float:
     """Bytes per token one layer keeps for its backward."""
     opts = opts or MemoryOptions()
+    return _layer_activation_bytes(model, lay.tp, lay.sequence_parallel, lay.recompute, lay.seq_length, lay.cp,
+                                   lay.etp, moe, opts)
+
+
+@functools.lru_cache(maxsize=65536)
+def _layer_activation_bytes(model: ModelConfig, tp: int, sequence_parallel: bool, recompute: str, seq_length: int,
+                            cp: int, etp: int, moe: bool, opts: "MemoryOptions") -> float:
+    # what the layout decides of a layer's activations, and nothing else: cached across layouts
+    lay = Layout(tp=tp, sequence_parallel=sequence_parallel, recompute=recompute, seq_length=seq_length, cp=cp,
+                 etp=etp)
     h, t = model.hidden_size, lay.tp
     sp = lay.sequence_parallel or t == 1
     rep = 1 / t if sp else 1.0     # what TP alone leaves replicated, SP shards
@@ -208,6 +226,7 @@ class StageMemory:
                 "total_gib": g(self.total)}
 
 
+@functools.lru_cache(maxsize=65536)
 def param_split(model: ModelConfig, n_dense: int, n_moe: int) -> tuple[float, float, float]:
     """(TP-sharded, replicated, expert) parameters of n_dense dense and n_moe MoE layers."""
     norms, attn = 2 * model.norm_params, model.attention_params()
@@ -234,12 +253,14 @@ def fp8_linear_saved_bytes(model: ModelConfig, lay: Layout) -> float:
     return -(h + f) / lay.tp          # -h (QKV) - h (FC1) - f (FC2) + h (projection's copy)
 
 
-def stage_memory(model: ModelConfig, lay: Layout, rank: int, padded_vocab: int,
-                 opts: MemoryOptions = MemoryOptions()) -> StageMemory:
-    layers = rank_layers(model, lay, rank)
-    first, last = rank == 0, rank == lay.pp - 1
+@functools.lru_cache(maxsize=65536)
+def _state_bytes(model: ModelConfig, layers: tuple[int, ...], n_moe: int, first: bool, last: bool, pipelined: bool,
+                 tp: int, ep: int, etp: int, dp_cp: int, expert_dp: int, distributed_optimizer: bool, precision: str,
+                 padded_vocab: int, fp8_params: bool, fp8_linear: bool, grad_bytes: int,
+                 fsdp_params: bool) -> tuple[float, float, float, float]:
+    """(parameters, weight, gradient and optimizer bytes) of a rank: what the micro-batch and
+    the recompute do not change, cached across the layouts of a search that share it."""
     pattern = model.moe_pattern()
-    n_moe = sum(pattern[i] for i in layers)
     tp_sharded, replicated, expert = param_split(model, len(layers) - n_moe, n_moe)
     h = model.hidden_size
     if first:
@@ -250,7 +271,7 @@ def stage_memory(model: ModelConfig, lay: Layout, rank: int, padded_vocab: int,
         replicated += model.norm_params
         # The output layer: its own weight when untied, a copy of the embedding when tied
         # and the embedding lives on another rank.
-        if model.untie_embeddings_and_output_weights or lay.pp > 1:
+        if model.untie_embeddings_and_output_weights or pipelined:
             tp_sharded += padded_vocab * h
         if model.mtp_num_layers:  # MTP modules live on the last rank; each copies the last layer's kind
             n, last_moe = model.mtp_num_layers, pattern[-1]
@@ -258,59 +279,89 @@ def stage_memory(model: ModelConfig, lay: Layout, rank: int, padded_vocab: int,
             tp_sharded += n * (mtp_t + 2 * h * h)
             replicated += n * (mtp_r + 3 * model.norm_params)
             expert += n * mtp_e
-    dense_local = tp_sharded / lay.tp + replicated
-    expert_local = expert / (lay.ep * lay.etp)
+    dense_local = tp_sharded / tp + replicated
+    expert_local = expert / (ep * etp)
     params = dense_local + expert_local
 
-    shard = (lay.dp * lay.cp) if lay.distributed_optimizer or opts.fsdp_params else 1
-    eshard = lay.expert_dp if lay.distributed_optimizer or opts.fsdp_params else 1
-    gemm_weights = tp_sharded / lay.tp + expert_local
-    if opts.fp8_params:   # TE's FP8 weights replace the bf16 ones (the fp32 master is the optimizer's)
+    shard = dp_cp if distributed_optimizer or fsdp_params else 1
+    eshard = expert_dp if distributed_optimizer or fsdp_params else 1
+    gemm_weights = tp_sharded / tp + expert_local
+    if fp8_params:   # TE's FP8 weights replace the bf16 ones (the fp32 master is the optimizer's)
         weights = FP8 * gemm_weights + BF16 * (params - gemm_weights)
     else:
         weights = BF16 * params
-        if opts.fp8_linear:
+        if fp8_linear:
             # each dense layer's weights in FP8 and transposed, cast once and kept for the step
-            weights += 2 * FP8 * param_split(model, len(layers) - n_moe, 0)[0] / lay.tp
-        elif lay.precision == "fp8":
+            weights += 2 * FP8 * param_split(model, len(layers) - n_moe, 0)[0] / tp
+        elif precision == "fp8":
             weights += FP8 * gemm_weights  # TE's cached FP8 copies of the GEMM weights
-    gradients = opts.grad_bytes * params
-    if opts.fsdp_params:
+    gradients = grad_bytes * params
+    if fsdp_params:
         # Sharded over data parallel; a layer's weights are gathered while it runs (two layers'
         # worth with Megatron FSDP's double buffer), its gradients reduced as they are made.
-        layer_w = max(param_split(model, 1, 0)[0] / lay.tp, param_split(model, 0, 1)[2] / (lay.ep * lay.etp)
+        layer_w = max(param_split(model, 1, 0)[0] / tp, param_split(model, 0, 1)[2] / (ep * etp)
                       if model.is_moe else 0.0)
         weights = weights * (dense_local / shard + expert_local / eshard) / max(params, 1) + 2 * BF16 * layer_w
-        gradients = opts.grad_bytes * (dense_local / shard + expert_local / eshard) + 2 * BF16 * layer_w
+        gradients = grad_bytes * (dense_local / shard + expert_local / eshard) + 2 * BF16 * layer_w
     # fp32 master weights and two Adam moments; with bf16 main gradients, the optimizer's fp32
     # copy of its gradient shard too
-    per_param = 12 + (FP32 if opts.grad_bytes < FP32 else 0)
+    per_param = 12 + (FP32 if grad_bytes < FP32 else 0)
     optimizer = per_param * (dense_local / shard + expert_local / eshard)
+    return params, weights, gradients, optimizer
 
-    tokens = lay.mbs * lay.seq_length / lay.cp  # per micro-batch on this rank
-    fp8_inputs = (opts.fp8_linear or opts.te_fp8 and lay.precision == "fp8") \
-        and "mlp" not in recomputed_modules(lay, opts)
-    act = {0: layer_activation_bytes(model, lay, False, opts)
-           + (fp8_linear_saved_bytes(model, lay) if fp8_inputs else 0)}
+
+@functools.lru_cache(maxsize=65536)
+def _layer_acts(model: ModelConfig, tp: int, sequence_parallel: bool, recompute: str, seq_length: int, cp: int,
+                etp: int, precision: str, opts: MemoryOptions) -> dict[int, float]:
+    """Bytes per token a dense (0) and an MoE (1) layer keep for the backward, FP8 inputs counted."""
+    lay = Layout(tp=tp, sequence_parallel=sequence_parallel, recompute=recompute, seq_length=seq_length, cp=cp,
+                 etp=etp, precision=precision)
+    fp8_inputs = (opts.fp8_linear or opts.te_fp8 and precision == "fp8") and "mlp" not in recomputed_modules(lay, opts)
+    act = {0: layer_activation_bytes(model, lay, False, opts) + (fp8_linear_saved_bytes(model, lay) if fp8_inputs else 0)}
     if model.is_moe:
         act[1] = layer_activation_bytes(model, lay, True, opts)
-    per_layer = [act[pattern[i]] for i in layers]
+    return act
+
+
+def stage_memory(model: ModelConfig, lay: Layout, rank: int, padded_vocab: int,
+                 opts: MemoryOptions = MemoryOptions()) -> StageMemory:
+    layers = _rank_layers(model.num_layers, lay.pp, lay.vp, lay.pipeline_split, lay.first_stage_layers,
+                          lay.last_stage_layers, rank)
+    first, last = rank == 0, rank == lay.pp - 1
+    n_moe = moe_layers_among(model, layers)
+    h = model.hidden_size
+    params, weights, gradients, optimizer = _state_bytes(
+        model, layers, n_moe, first, last, lay.pp > 1, lay.tp, lay.ep, lay.etp, lay.dp * lay.cp, lay.expert_dp,
+        lay.distributed_optimizer, lay.precision, padded_vocab, opts.fp8_params, opts.fp8_linear, opts.grad_bytes,
+        opts.fsdp_params)
+
+    tokens = lay.mbs * lay.seq_length / lay.cp  # per micro-batch on this rank
+    act = _layer_acts(model, lay.tp, lay.sequence_parallel, lay.recompute, lay.seq_length, lay.cp, lay.etp,
+                      lay.precision, opts)
+    n_dense = len(layers) - n_moe
+    largest = max([act[0]] * bool(n_dense) + [act.get(1, 0.0)] * bool(n_moe), default=0.0)
     chunks = max(lay.vp, 1)
     n_inflight = inflight_chunks(lay, rank)
     # Activations of one micro-batch through one (average) chunk of this rank.
     if lay.recompute == "full":
-        chunk_list = chunk_layers(model, lay)[rank::lay.pp]
         full_chunk = 0.0
-        for c in chunk_list:
-            acts = sorted((act[pattern[i]] for i in c), reverse=True)
-            n_re = min(lay.recompute_layers, len(acts))
-            full_chunk += n_re * layer_input_bytes(model, lay) + sum(acts[n_re:])
+        for c in chunk_layers(model, lay)[rank::lay.pp]:
+            # the largest layers of the chunk are the ones recomputed (keeping their input only)
+            c_moe = moe_layers_among(model, c)
+            kinds = sorted([(act[0], len(c) - c_moe), (act.get(1, 0.0), c_moe)], reverse=True)
+            n_re = min(lay.recompute_layers, len(c))
+            kept = 0.0
+            for size, count in kinds:
+                skip = min(n_re, count)
+                n_re -= skip
+                kept += size * (count - skip)
+            full_chunk += min(lay.recompute_layers, len(c)) * layer_input_bytes(model, lay) + kept
         per_chunk = full_chunk / chunks
         # --recompute-method block checkpoints each of those layers on its own: the backward
         # re-runs one layer at a time, so one layer's activations are the transient.
-        transient = tokens * max(per_layer, default=0.0) if lay.recompute_layers else 0.0
+        transient = tokens * largest if lay.recompute_layers else 0.0
     else:
-        per_chunk = sum(per_layer) / chunks
+        per_chunk = (n_dense * act[0] + n_moe * act.get(1, 0.0)) / chunks
         transient = 0.0
     if opts.score_bytes:
         # The score matrix in flight while a layer's attention runs (forward, and its gradient

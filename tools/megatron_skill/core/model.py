@@ -243,12 +243,12 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
 
-def moe_layer_pattern(freq: int | str | list, num_layers: int) -> list[int]:
+def moe_layer_pattern(freq: int | str | list | tuple, num_layers: int) -> list[int]:
     """Megatron's --moe-layer-freq: an int N (every Nth layer, from layer 0), a list, or
     the string form "([0]*3+[1]*58)".  Parsed without eval."""
     if isinstance(freq, int):
         return [1 if i % freq == 0 else 0 for i in range(num_layers)]
-    if isinstance(freq, list):
+    if isinstance(freq, (list, tuple)):
         pattern = [int(bool(x)) for x in freq]
     else:
         text = str(freq).strip().strip("()").replace(" ", "")
@@ -279,6 +279,8 @@ def build_spec(name: str, fields: dict[str, Any], where: str = "model") -> Model
         raise ToolError("bad_model", f"model is missing {missing}", where=where,
                         fix="give every one of " + ", ".join(REQUIRED))
     values = {**DEFAULTS, **fields}
+    if isinstance(values["moe_layer_freq"], list):   # a tuple: a model is hashable (the planner caches by it)
+        values["moe_layer_freq"] = tuple(values["moe_layer_freq"])
     for key in REQUIRED + ("num_query_groups", "kv_channels", "num_experts", "moe_ffn_hidden_size",
                            "moe_shared_expert_intermediate_size", "q_lora_rank", "mtp_num_layers"):
         v = values[key]

@@ -11,11 +11,12 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import functools
 import json
 import math
 from typing import Any, Iterable
 
-from .catalog import GPUSpec
+from .catalog import CATALOG_DIR, GPUSpec
 from .flops import padded_vocab_size, training_flops
 from .layout import RULES, Layout, check_layout, context_parallel_rules, expert_rules, precision_rules, tp_rules
 from .memory import GIB, memory_report, peak
@@ -46,6 +47,11 @@ class SearchResult:
     candidates: list[Candidate]
     rejected: dict[str, dict[str, Any]]
     evaluated: int
+
+
+@functools.lru_cache(maxsize=1)
+def search_bounds() -> dict[str, Any]:
+    return json.loads((CATALOG_DIR / "calibration.json").read_text())["search"]
 
 
 def _pow2_upto(n: int) -> list[int]:
@@ -105,6 +111,17 @@ def _allowed(constraints: dict, key: str, values: Iterable) -> list:
 
 
 _SEARCHES: "collections.OrderedDict[str, SearchResult]" = collections.OrderedDict()
+
+
+def forget() -> None:
+    """Drop every remembered search and cached cost (a benchmark's fresh start)."""
+    from . import memory, timing
+
+    _SEARCHES.clear()
+    timing.clear_caches()
+    for cached in (memory.param_split, memory.moe_layers_among, memory._layer_activation_bytes, memory._layer_acts,
+                   memory._state_bytes, memory._chunk_layers, memory._rank_layers):
+        cached.cache_clear()
 _SEARCHES_KEPT = 32
 
 
@@ -139,7 +156,9 @@ def _search(model: ModelConfig, gpu: GPUSpec, n_gpus: int, seq_length: int, gbs:
     capacity = gpu.memory_bytes - headroom_gib * GIB
     max_tp = min(gpu.nvlink_domain, n_gpus, 64)
     tps = _allowed(c, "tp", _pow2_upto(max(n_gpus, 1)))
-    cps = _allowed(c, "cp", _pow2_upto(min(n_gpus, 64)))
+    # context parallel while each rank keeps enough of a sequence (a search bound, catalog/calibration.json)
+    cp_floor = search_bounds()["cp_min_tokens_per_rank"]
+    cps = _allowed(c, "cp", [cp for cp in _pow2_upto(min(n_gpus, 64)) if cp == 1 or seq_length // cp >= cp_floor])
     mbss = _allowed(c, "mbs", _pow2_upto(16))
     for precision in precisions:
         for tp in tps:
@@ -156,7 +175,7 @@ def _search(model: ModelConfig, gpu: GPUSpec, n_gpus: int, seq_length: int, gbs:
             for cp in cps:
                 if n_gpus % (tp * cp):
                     continue
-                rule = next(context_parallel_rules(dataclasses.replace(base, cp=cp), opts.te), None)
+                rule = next(context_parallel_rules(base.but(cp=cp), opts.te), None)
                 if rule:
                     rej.add(rule, f"CP{cp} seq{seq_length}" if rule == "cp_sequence"
                             else f"CP{cp} without Transformer Engine")
@@ -170,7 +189,7 @@ def _search(model: ModelConfig, gpu: GPUSpec, n_gpus: int, seq_length: int, gbs:
                     if not splits:
                         rej.add("pp_layers", f"PP{pp} for {model.num_layers} layers")
                     for split in splits:
-                        _search_stage(model, gpu, n_gpus, dataclasses.replace(base, cp=cp, pp=pp, dp=dp, **split),
+                        _search_stage(model, gpu, n_gpus, base.but(cp=cp, pp=pp, dp=dp, **split),
                                       c, mbss, capacity, rej, out, opts)
     return SearchResult(candidates=out, rejected=rej.table, evaluated=len(out))
 
@@ -198,7 +217,7 @@ def _search_stage(model: ModelConfig, gpu: GPUSpec, n_gpus: int, lay: Layout, c:
                   capacity: float, rej: _Rejections, out: list[Candidate], opts: RuntimeOptions) -> None:
     # Virtual stages the layout's own split allows (Layout.chunk_sizes: whole chunks on every rank).
     vps = [1] if lay.pp == 1 else [v for v in range(1, 17)
-                                   if dataclasses.replace(lay, vp=v).chunk_sizes(model.num_layers) is not None]
+                                   if lay.but(vp=v).chunk_sizes(model.num_layers) is not None]
     vps = _allowed(c, "vp", vps)
     if model.is_moe:
         eps = [e for e in _divisors(model.num_experts)]
@@ -212,47 +231,85 @@ def _search_stage(model: ModelConfig, gpu: GPUSpec, n_gpus: int, lay: Layout, c:
             continue
         for ep in eps:
             for etp in etps:
-                rule = next(expert_rules(dataclasses.replace(lay, ep=ep, etp=etp), model), None)
+                rule = next(expert_rules(lay.but(ep=ep, etp=etp), model), None)
                 if rule:
                     rej.add(rule, f"EP{ep} ETP{etp} with TP{lay.tp} CP{lay.cp} DP{lay.dp}")
                     continue
-                for mbs in mbss:
-                    cand = dataclasses.replace(lay, vp=vp, ep=ep, etp=etp, mbs=mbs,
+                best_before = None   # tokens/s of the smaller micro-batches of this layout
+                for k, mbs in enumerate(mbss):
+                    cand = lay.but(vp=vp, ep=ep, etp=etp, mbs=mbs,
                                                distributed_optimizer=c.get("distributed_optimizer", True))
                     if lay.tp > 1 and (c.get("sequence_parallel") is False or (model.qk_layernorm and not opts.te)):
-                        cand = dataclasses.replace(cand, sequence_parallel=False)
+                        cand = cand.but(sequence_parallel=False)
                     rule = check_layout(cand, model, gpu, n_gpus, opts.te)
                     if rule:
                         rej.add(rule, cand.label())
                         continue
-                    _try_recompute(model, gpu, cand, recomputes, capacity, rej, out, opts)
+                    if not _try_recompute(model, gpu, cand, recomputes, capacity, rej, out, opts):
+                        # memory grows with the micro-batch: the larger ones do not fit either
+                        if len(mbss) - k - 1:
+                            rej.add("out_of_memory", f"{cand.label()} and larger micro-batches", len(mbss) - k - 1)
+                        break
+                    speed = out[-1].tokens_per_s
+                    if best_before is not None and speed < (1 - TIE) * best_before:
+                        # past its best micro-batch (larger ones fill the GEMMs no better and
+                        # leave fewer micro-batches to hide the pipeline's bubble): larger ones lose
+                        if len(mbss) - k - 1:
+                            rej.add("dominated", f"{cand.label()}: larger micro-batches only lose", len(mbss) - k - 1)
+                        break
+                    best_before = max(best_before or 0.0, speed)
 
 
 def _recompute_options(model: ModelConfig, lay: Layout, allowed: list[str]) -> list[Layout]:
     opts = []
     if "none" in allowed:
-        opts.append(dataclasses.replace(lay, recompute="none"))
+        opts.append(lay.but(recompute="none"))
     if "selective" in allowed:
-        opts.append(dataclasses.replace(lay, recompute="selective"))
+        opts.append(lay.but(recompute="selective"))
     if "full" in allowed:
         per_chunk = max(1, min(lay.chunk_sizes(model.num_layers) or [1]))
         for n in sorted({max(1, per_chunk // 2), per_chunk}):
-            opts.append(dataclasses.replace(lay, recompute="full", recompute_layers=n))
+            opts.append(lay.but(recompute="full", recompute_layers=n))
     return opts
 
 
-def _try_recompute(model, gpu, lay, allowed, capacity, rej, out, opts: RuntimeOptions) -> None:
+def _try_recompute(model, gpu, lay, allowed, capacity, rej, out, opts: RuntimeOptions) -> bool:
+    """Cost the lightest recompute that fits (the others only lose time, or do not fit); False
+    when none fits. Memory falls as recompute grows: the lightest is tried first (it fits most
+    often), then the heaviest (when it does not fit, nothing does), then those between."""
     padded = padded_vocab_size(model.vocab_size, lay.tp)
     options = _recompute_options(model, lay, allowed)
-    for i, opt in enumerate(options):
-        mem = memory_report(model, opt, padded, opts.memory(opt))
-        if peak(mem) > capacity:
-            rej.add("out_of_memory", f"{opt.label()}: {peak(mem) / GIB:.0f} GiB")
-            continue
-        out.append(predict(model, gpu, opt, padded, opts, mem))
-        if len(options) - i - 1:
-            rej.add("dominated", f"{options[-1].label()} (heavier recompute than needed)", len(options) - i - 1)
-        return
+    if not options:
+        return False
+    reports: dict[int, dict] = {}
+
+    def fits(i: int) -> bool:
+        reports[i] = memory_report(model, options[i], padded, opts.memory(options[i]))
+        return peak(reports[i]) <= capacity
+
+    order = [0] + ([len(options) - 1] if len(options) > 1 else []) + list(range(1, len(options) - 1))
+    chosen = None
+    for i in order:
+        if fits(i):
+            if i == len(options) - 1 and len(options) > 2:
+                continue   # the heaviest fits: the lightest between that fits is the one
+            chosen = i
+            break
+        if i == len(options) - 1:
+            break          # not even the heaviest fits
+    if chosen is None and len(options) - 1 in reports and peak(reports[len(options) - 1]) <= capacity:
+        chosen = len(options) - 1
+    for i, report in reports.items():
+        if peak(report) > capacity:
+            rej.add("out_of_memory", f"{options[i].label()}: {peak(report) / GIB:.0f} GiB")
+    if chosen is None:
+        if len(options) - 1 in reports:   # the ones between cannot fit either
+            rej.add("out_of_memory", f"{lay.label()} with lighter recompute", max(0, len(options) - len(reports)))
+        return False
+    out.append(predict(model, gpu, options[chosen], padded, opts, reports[chosen]))
+    if len(options) - chosen - 1:
+        rej.add("dominated", f"{options[-1].label()} (heavier recompute than needed)", len(options) - chosen - 1)
+    return True
 
 
 def predict(model: ModelConfig, gpu: GPUSpec, lay: Layout, padded: int, opts: RuntimeOptions | None = None,

@@ -17,7 +17,7 @@ from typing import Any
 from . import flops
 from .catalog import CATALOG_DIR, GPUSpec
 from .layout import Layout
-from .memory import BF16, FP32, param_split, rank_layers, ranks_to_check
+from .memory import BF16, FP32, moe_layers_among, param_split, rank_layers, ranks_to_check
 from .model import ModelConfig
 
 
@@ -46,7 +46,7 @@ class StepTime:
 
     @property
     def total(self) -> float:
-        return sum(getattr(self, f.name) for f in dataclasses.fields(self))  # asdict copies: slow in the search
+        return sum(self.__dict__.values())   # every field is a time in seconds
 
     def to_json(self) -> dict[str, float]:
         out = {f"{k}_ms": round(v * 1e3, 2) for k, v in dataclasses.asdict(self).items()}
@@ -187,59 +187,85 @@ def _unfused_grad_params(model: ModelConfig, lay: Layout, rank: int, n_dense: in
     return out
 
 
+def clear_caches() -> None:
+    """After the calibration changes (bench --store-calibration): costs are computed anew."""
+    calibration.cache_clear()
+    _layer_times.cache_clear()
+
+
+LAYER_FIELDS = ("gemm", "attention", "elementwise", "tp_comm", "cp_comm", "ep_comm")
+ZERO_LAYER = (0.0,) * len(LAYER_FIELDS)
+
+
+@functools.lru_cache(maxsize=65536)
+def _layer_times(model: ModelConfig, gpu: GPUSpec, te: bool, fp8_linear: bool, tp: int, cp: int, ep: int, etp: int,
+                 mbs: int, s: int, sp: bool, precision: str) -> dict[bool, tuple[float, ...]]:
+    """Seconds of one dense and one MoE layer for one micro-batch, by LAYER_FIELDS: what the
+    layout decides of them (not the pipeline split or data parallelism, which the planner
+    varies most), so cached across the layouts of a search."""
+    lay = Layout(tp=tp, cp=cp, ep=ep, etp=etp, mbs=mbs, seq_length=s, sequence_parallel=sp, precision=precision)
+    rates = _Rates(gpu, precision if te else "bf16", te)
+    layer_rates = _Rates(gpu, "fp8", te) if fp8_linear else rates
+    h, t = model.hidden_size, tp
+    tokens = mbs * s / cp
+    node = gpu.nvlink_domain
+    out = {}
+    for moe in (False, True) if model.is_moe else (False,):
+        gemm = _layer_gemms(model, lay, rates if moe else layer_rates, tokens, moe)
+        elementwise = 0.0
+        if layer_rates is not rates and not moe:
+            elementwise += rates.cal["fp8_cast_factor"] * rates.memory_bound(_layer_fp8_cast_bytes(model, lay) * tokens)
+        core = flops.core_attention_flops_per_token(model, s) * tokens / t
+        # Load-balanced causal CP runs attention as 2 x CP smaller blocks per rank: less efficient.
+        head_dim = model.head_dim if not model.multi_latent_attention else model.qk_head_dim
+        attn_rate = rates.attention_rate(s // cp, head_dim) / (1 + rates.cal["cp_block_penalty"] * (cp - 1))
+        attention = 3 * core / attn_rate
+        # Without TE, Megatron's local layers run RoPE, norms, residual adds and casts as
+        # separate torch kernels: calibrated as a multiple of the fused byte count.
+        unfused = 1.0 if te else rates.cal["elementwise_local_factor"]
+        elementwise += unfused * rates.memory_bound(_layer_elementwise_bytes(model, lay, moe) * tokens)
+        # TP: 2 all-gathers + 2 reduce-scatters forward (or 2 all-reduces without SP),
+        # as many backward; the backward ones overlap half with the weight-gradient GEMMs.
+        act = BF16 * tokens * h
+        tp_one = rates.collective(act, t, t <= node, "ag") + (rates.latency if t > 1 else 0.0)
+        tp_comm = tp_one * 8 * rates.tp_exposed
+        cp_comm = ep_comm = 0.0
+        if cp > 1:
+            kv = (2 * model.query_groups * model.head_dim if not model.multi_latent_attention
+                  else model.num_attention_heads * (model.qk_head_dim + model.qk_pos_emb_head_dim + model.v_head_dim))
+            fast = t * cp <= node
+            ring = 3 * (cp - 1) * (BF16 * tokens * kv / t / (rates.nvlink if fast else rates.network) + rates.latency)
+            # The ring overlaps with attention blocks, but never completely.
+            cp_comm = max(rates.cal["cp_ring_min_exposed"] * ring, ring - 3 * core / attn_rate)
+        if moe:
+            # Dispatch and combine, forward and backward: 4 all-to-alls of the routed tokens.
+            a2a = BF16 * tokens / (t if sp else 1) * model.moe_router_topk * h * (ep - 1) / ep
+            fast = t * ep <= node
+            ep_comm = 4 * (a2a / (rates.nvlink if fast else rates.network) + rates.latency)
+        out[moe] = (gemm, attention, elementwise, tp_comm, cp_comm, ep_comm)
+    return out
+
+
 def step_time(model: ModelConfig, lay: Layout, gpu: GPUSpec, padded_vocab: int, te: bool = True,
               fused_head: bool = False, fp8_linear: bool = False, fused_wgrad: bool = True) -> StepTime:
     # Without TE, FP8 is the skill's own linear layers (fp8_linear; precision fp8 asks for them
     # too): attention and MLP GEMMs at the FP8 rate, plus their casts; the rest stays BF16.
     rates = _Rates(gpu, lay.precision if te else "bf16", te)
-    layer_rates = _Rates(gpu, "fp8", te) if fp8_linear else rates
-    st = StepTime()
     h, t, s = model.hidden_size, lay.tp, lay.seq_length
     tokens = lay.mbs * s / lay.cp                      # tokens of one micro-batch on this rank
     sp = lay.sequence_parallel or t == 1
-    pattern = model.moe_pattern()
     node = gpu.nvlink_domain
+
+    per_layer = _layer_times(model, gpu, te, fp8_linear, lay.tp, lay.cp, lay.ep, lay.etp, lay.mbs, s, sp,
+                             lay.precision)
 
     # The busiest rank decides the pace of the pipeline: the one with most work per micro-batch.
     def rank_time(rank: int) -> tuple[StepTime, int]:
-        r = StepTime()
         layers = rank_layers(model, lay, rank)
-        n_moe = sum(pattern[i] for i in layers)
+        n_moe = moe_layers_among(model, tuple(layers))
         n_dense = len(layers) - n_moe
-        for moe, n in ((False, n_dense), (True, n_moe)):
-            if n == 0:
-                continue
-            r.gemm += n * _layer_gemms(model, lay, rates if moe else layer_rates, tokens, moe)
-            if layer_rates is not rates and not moe:
-                r.elementwise += n * rates.cal["fp8_cast_factor"] * rates.memory_bound(
-                    _layer_fp8_cast_bytes(model, lay) * tokens)
-            core = flops.core_attention_flops_per_token(model, s) * tokens / t
-            # Load-balanced causal CP runs attention as 2 x CP smaller blocks per rank: less efficient.
-            head_dim = model.head_dim if not model.multi_latent_attention else model.qk_head_dim
-            attn_rate = rates.attention_rate(s // lay.cp, head_dim) / (1 + rates.cal["cp_block_penalty"] * (lay.cp - 1))
-            r.attention += n * 3 * core / attn_rate
-            # Without TE, Megatron's local layers run RoPE, norms, residual adds and casts as
-            # separate torch kernels: calibrated as a multiple of the fused byte count.
-            unfused = 1.0 if te else rates.cal["elementwise_local_factor"]
-            r.elementwise += n * unfused * rates.memory_bound(_layer_elementwise_bytes(model, lay, moe) * tokens)
-            # TP: 2 all-gathers + 2 reduce-scatters forward (or 2 all-reduces without SP),
-            # as many backward; the backward ones overlap half with the weight-gradient GEMMs.
-            act = BF16 * tokens * h
-            tp_one = rates.collective(act, t, t <= node, "ag") + (rates.latency if t > 1 else 0.0)
-            r.tp_comm += n * tp_one * 8 * rates.tp_exposed
-            if lay.cp > 1:
-                kv = (2 * model.query_groups * model.head_dim if not model.multi_latent_attention
-                      else model.num_attention_heads * (model.qk_head_dim + model.qk_pos_emb_head_dim + model.v_head_dim))
-                fast = t * lay.cp <= node
-                ring = 3 * (lay.cp - 1) * (BF16 * tokens * kv / t / (rates.nvlink if fast else rates.network)
-                                           + rates.latency)
-                # The ring overlaps with attention blocks, but never completely.
-                r.cp_comm += n * max(rates.cal["cp_ring_min_exposed"] * ring, ring - 3 * core / attn_rate)
-            if moe:
-                # Dispatch and combine, forward and backward: 4 all-to-alls of the routed tokens.
-                a2a = BF16 * tokens / (t if sp else 1) * model.moe_router_topk * h * (lay.ep - 1) / lay.ep
-                fast = t * lay.ep <= node
-                r.ep_comm += n * 4 * (a2a / (rates.nvlink if fast else rates.network) + rates.latency)
+        dense, moe = per_layer[False], per_layer.get(True, ZERO_LAYER)
+        r = StepTime(**{name: n_dense * d + n_moe * m for name, d, m in zip(LAYER_FIELDS, dense, moe)})
         if lay.recompute == "full":
             per_chunk = len(layers) / lay.vp
             frac = min(lay.recompute_layers, per_chunk) / max(per_chunk, 1)
@@ -263,8 +289,7 @@ def step_time(model: ModelConfig, lay: Layout, gpu: GPUSpec, padded_vocab: int, 
     per_rank = {r: rank_time(r)[0] for r in ranks}
     busiest = max(per_rank.values(), key=lambda r: r.total)
     m = lay.num_microbatches
-    for f in dataclasses.fields(StepTime):
-        setattr(st, f.name, getattr(busiest, f.name) * m)
+    st = StepTime(**{name: value * m for name, value in busiest.__dict__.items()})
     st.bubble = busiest.total * (lay.pp - 1) / lay.vp
 
     if lay.pp > 1:  # activations to the next stage and gradients back, per micro-batch and chunk
@@ -277,7 +302,7 @@ def step_time(model: ModelConfig, lay: Layout, gpu: GPUSpec, padded_vocab: int, 
     # Megatron starts them bucket by bucket during the last micro-batch's backward and the
     # next step's first forward, so only what outlasts one micro-batch shows.
     first = rank_layers(model, lay, 0)
-    n_moe = sum(pattern[i] for i in first)
+    n_moe = moe_layers_among(model, tuple(first))
     ts, rep, exp = param_split(model, len(first) - n_moe, n_moe)
     ts += padded_vocab * h
     dense_local = ts / t + rep

@@ -84,8 +84,8 @@ def store_calibration(gpu, entry: dict, date: str) -> str:
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(data, indent=2) + "\n")
     tmp.replace(path)
-    from ..core.timing import calibration
-    calibration.cache_clear()
+    from ..core.timing import clear_caches
+    clear_caches()
     return str(path)
 
 
