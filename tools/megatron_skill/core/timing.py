@@ -153,16 +153,22 @@ def _layer_elementwise_bytes(model: ModelConfig, lay: Layout, moe: bool) -> floa
     return 3 * fwd
 
 
-def _layer_fp8_cast_bytes(model: ModelConfig, lay: Layout) -> float:
-    """Bytes per token that per-tensor FP8 casting moves around one layer's four linear
-    layers: every GEMM input (forward activations, backward output gradients) read twice
-    (amax, then the cast) and written as FP8 in both layouts; weights are cast once a step."""
+def _layer_fp8_cast_bytes(model: ModelConfig, lay: Layout, moe: bool = False) -> float:
+    """Bytes per token that per-tensor FP8 casting moves around one layer's linear layers:
+    every GEMM input (forward activations, backward output gradients) read twice (amax, then
+    the cast) and written as FP8 in both layouts; weights are cast once a step. In an MoE
+    layer the experts' inputs and output gradients are cast for each of the top-k copies."""
     h, t = model.hidden_size, lay.tp
     q = model.num_attention_heads * model.head_dim
     kv = 2 * model.query_groups * model.head_dim
-    f = model.ffn_hidden_size * (2 if model.gated else 1)
-    elements = (h + q + h + model.ffn_hidden_size) + (q + kv + h + f + h)
-    return (2 * BF16 + 2) * elements / t
+    attention = (h + q) + (q + kv + h)
+    if moe:
+        fe = model.expert_ffn
+        mlp = model.moe_router_topk * ((h + fe) + (fe * (2 if model.gated else 1) + h)) * lay.etp
+    else:
+        f = model.ffn_hidden_size
+        mlp = (h + f) + (f * (2 if model.gated else 1) + h)
+    return (2 * BF16 + 2) * (attention + mlp) / t
 
 
 def _unfused_grad_params(model: ModelConfig, lay: Layout, rank: int, n_dense: int, n_moe: int, padded_vocab: int,
@@ -213,8 +219,10 @@ def _layer_times(model: ModelConfig, gpu: GPUSpec, te: bool, fp8_linear: bool, t
     for moe in (False, True) if model.is_moe else (False,):
         gemm = _layer_gemms(model, lay, rates if moe else layer_rates, tokens, moe)
         elementwise = 0.0
-        if layer_rates is not rates and not moe:
-            elementwise += rates.cal["fp8_cast_factor"] * rates.memory_bound(_layer_fp8_cast_bytes(model, lay) * tokens)
+        if (layer_rates is not rates and not moe) or (te and precision == "fp8"):
+            # the casts of the FP8 GEMMs' inputs: the skill's layers, or TE's current scaling
+            elementwise += rates.cal["fp8_cast_factor"] * rates.memory_bound(
+                _layer_fp8_cast_bytes(model, lay, moe) * tokens)
         core = flops.core_attention_flops_per_token(model, s) * tokens / t
         # Load-balanced causal CP runs attention as 2 x CP smaller blocks per rank: less efficient.
         head_dim = model.head_dim if not model.multi_latent_attention else model.qk_head_dim

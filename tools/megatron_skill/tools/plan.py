@@ -6,11 +6,13 @@ from typing import Any
 
 from ..adapter import arguments as megatron_args
 from ..contract import Context, Tool
+from ..core import evidence
 from ..core.flops import padded_vocab_size
 from ..core.layout import Layout
 from ..core.options import RuntimeOptions
 from ..core.planner import Candidate, rank, search
 from ..core.resolve import default_global_batch, default_seq_length, resolve_cluster, resolve_model
+from ..core.timing import calibration
 from ..errors import ToolError
 
 ASSUMPTIONS = [
@@ -44,6 +46,7 @@ def _plan_json(rank: int, c: Candidate, gpu, model, include_args: bool) -> dict[
         "tokens_per_s_per_gpu": round(c.tokens_per_s / lay.world_size, 1),
         "tflops_per_gpu": round(c.tflops_per_gpu, 1),
         "mfu": round(c.mfu, 4),
+        "forecast": evidence.forecast(model, gpu.key, lay, calibration(gpu.key)["status"]),
     }
     if include_args:
         out["megatron_args"] = megatron_args.model_args(model, lay.seq_length) + megatron_args.layout_args(lay, model, gpu)

@@ -1,0 +1,45 @@
+"""The planner against published multi-GPU runs (core/catalog/published_runs.json): the table in
+references/results is what the planner says today (no drift), dense runs are predicted within the
+goal, and every plan's forecast carries the band and says where it goes beyond the evidence."""
+import json
+import subprocess
+import sys
+
+from conftest import ROOT
+
+from megatron_skill.contract import call
+from megatron_skill.core import evidence
+
+STORED = ROOT / "references" / "results" / "ci-2026-12-05" / "published-runs.md"
+
+
+def test_the_stored_table_is_what_the_planner_says_now():
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "published_runs.py")], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout == STORED.read_text(), "regenerate: python benchmarks/published_runs.py > " + str(STORED)
+
+
+def test_dense_runs_within_ten_per_cent_median_and_twenty_at_most():
+    dense = [abs(r["error_pct"]) for r in evidence.checked() if not r["moe"]]
+    assert len(dense) >= 10
+    assert sorted(dense)[len(dense) // 2] <= 10 and max(dense) <= 20, dense
+
+
+def test_every_run_names_its_source_and_software():
+    for run in evidence.published_runs():
+        assert run["source"] and run["software"] and (run.get("tokens_per_s_per_gpu") or run.get("tflops_per_gpu"))
+
+
+def test_a_forecast_carries_its_band_and_what_lies_beyond_the_evidence():
+    h100 = call("plan", {"model": "llama3-70b", "num_gpus": 64, "gpu": "h100-sxm", "precision": "fp8", "top": 1})
+    f = h100["result"]["plans"][0]["forecast"]
+    lo, hi = f["error_band_pct"]
+    assert lo < 0 < hi and f["checked_runs"] >= 10 and "dense" in f["basis"]
+    assert not any("GPUs: more than" in b for b in f["beyond_evidence"])
+    far = call("plan", {"model": "llama3-8b", "num_gpus": 32768, "gpu": "b200", "top": 1})["result"]["plans"][0]
+    beyond = " ".join(far["forecast"]["beyond_evidence"])
+    assert "b200" in beyond and "32,768 GPUs" in beyond and "assumed" in beyond
+    moe = call("plan", {"model": "mixtral-8x7b", "num_gpus": 64, "gpu": "h100-sxm", "top": 1})["result"]["plans"][0]
+    assert "MoE" in moe["forecast"]["basis"]
+    assert json.dumps(moe["forecast"])   # strict JSON

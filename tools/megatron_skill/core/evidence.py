@@ -1,0 +1,72 @@
+"""What the planner's time figures rest on, and how far to trust them.
+
+Two kinds of evidence: the calibration of the GPU type (catalog/calibration.json: measured on
+that GPU, or assumed), and published multi-GPU runs (catalog/published_runs.json), each costed
+with its exact layout here and compared with what its publisher measured. A forecast carries
+the error band of the published runs of its kind (dense or mixture-of-experts) and says where
+it reaches beyond them (another GPU type, a larger cluster, a precision no run used).
+"""
+from __future__ import annotations
+
+import functools
+import json
+from typing import Any
+
+from .catalog import CATALOG_DIR, get_gpu, get_model
+from .flops import padded_vocab_size
+from .layout import Layout
+from .model import ModelConfig
+from .options import RuntimeOptions
+
+
+def published_runs() -> list[dict[str, Any]]:
+    return json.loads((CATALOG_DIR / "published_runs.json").read_text())["runs"]
+
+
+def run_layout(run: dict[str, Any], model: ModelConfig) -> Layout:
+    dp = run["num_gpus"] // (run["tp"] * run["pp"] * run["cp"])
+    split = "even" if model.num_layers % run["pp"] == 0 else "embedding_loss"
+    return Layout(tp=run["tp"], pp=run["pp"], cp=run["cp"], vp=run["vp"], ep=run["ep"], dp=dp, mbs=run["mbs"],
+                  gbs=run["gbs"], seq_length=run["seq_length"], precision=run["precision"],
+                  sequence_parallel=run["tp"] > 1, pipeline_split=split)
+
+
+def compare(run: dict[str, Any]) -> dict[str, Any]:
+    """One published run beside the planner's prediction for its exact layout: the error in
+    tokens/s per GPU, or in TFLOP/s per GPU where only that was published."""
+    from .planner import error_pct, predict
+
+    model, gpu = get_model(run["model"]), get_gpu(run["gpu"])
+    lay = run_layout(run, model)
+    c = predict(model, gpu, lay, padded_vocab_size(model.vocab_size, lay.tp), RuntimeOptions.from_request(None))
+    if run.get("tokens_per_s_per_gpu"):
+        predicted, measured, metric = c.tokens_per_s / lay.world_size, run["tokens_per_s_per_gpu"], "tokens/s/GPU"
+    else:
+        predicted, measured, metric = c.tflops_per_gpu, run["tflops_per_gpu"], "TFLOP/s/GPU"
+    return {"layout": lay.label(), "metric": metric, "published": measured, "predicted": predicted,
+            "error_pct": error_pct(predicted, measured), "moe": model.is_moe}
+
+
+@functools.lru_cache(maxsize=1)
+def checked() -> tuple[dict[str, Any], ...]:
+    return tuple({**run, **compare(run)} for run in published_runs())
+
+
+def forecast(model: ModelConfig, gpu_key: str, lay: Layout, calibration_status: str) -> dict[str, Any]:
+    """The error band of the published runs like this forecast (dense or MoE), and where the
+    forecast goes beyond them."""
+    kind = [r for r in checked() if r["moe"] == model.is_moe]
+    errors = [r["error_pct"] for r in kind]
+    beyond = []
+    if not any(r["gpu"] == gpu_key for r in kind):
+        beyond.append(f"no published {'MoE' if model.is_moe else 'dense'} run on {gpu_key} has been checked")
+    if lay.world_size > max(r["num_gpus"] for r in kind):
+        beyond.append(f"{lay.world_size:,} GPUs: more than any checked run ({max(r['num_gpus'] for r in kind):,})")
+    if not any(r["precision"] == lay.precision for r in kind):
+        beyond.append(f"no checked run in {lay.precision}")
+    if not calibration_status.startswith("measured"):
+        beyond.append(f"{gpu_key}'s kernel rates are assumed, not measured (bench --calibrate measures them)")
+    return {"error_band_pct": [min(errors), max(errors)], "checked_runs": len(kind),
+            "basis": f"{len(kind)} published {'MoE' if model.is_moe else 'dense'} runs costed with their own "
+                     f"layouts (references/benchmarks.md); {gpu_key}'s calibration: {calibration_status[:120]}",
+            "beyond_evidence": beyond}
