@@ -29,7 +29,7 @@ def _check_every_response() -> None:
     def checked(tool_name, request, ctx=None):
         env = real(tool_name, request, ctx)
         if tool_name not in validators:
-            validators[tool_name] = contract._validator(contract.load_schema(tool_name, "response"))
+            validators[tool_name] = contract.validator(contract.load_schema(tool_name, "response"))
         errors = sorted(validators[tool_name].iter_errors(env), key=lambda e: list(e.absolute_path))
         assert not errors, (f"{tool_name}'s answer breaks schemas/{tool_name}.response.json at "
                             f"/{'/'.join(map(str, errors[0].absolute_path))}: {errors[0].message}")
@@ -135,3 +135,12 @@ def run_inproc(*args: str, stdin: str | None = None, timeout: int = 600, env: di
 @pytest.fixture
 def cli():
     return run_inproc
+
+
+@pytest.fixture(scope="session")
+def slurm():
+    """A one-node Slurm cluster on this machine (tests/slurm_cluster.sh)."""
+    for name in ("sbatch", "slurmctld", "slurmd", "munged"):
+        system_tool(name, "tools/setup.sh installs Slurm as root with apt (apt-get install slurmctld slurmd munge)")
+    subprocess.run([str(ROOT / "tests" / "slurm_cluster.sh"), "start"], check=True, timeout=120)
+    return True

@@ -1,6 +1,8 @@
 """The Markdown is half of the skill: its flags parse, its commands run, its figures have sources."""
+import json
 import re
 import shlex
+from pathlib import Path
 
 import pytest
 from conftest import ROOT, run_cli, run_inproc
@@ -43,8 +45,13 @@ def launcher_option_strings():
 
     torchrun = {opt.replace("_", "-") for a in get_args_parser()._actions for opt in a.option_strings}
     slurm = {"--nodes", "--ntasks-per-node", "--gpus-per-node", "--time", "--partition", "--account", "--output",
-             "--job-name", "--exclusive", "--cpus-per-task", "--kill-on-bad-exit", "--wait", "--chdir"}
-    return torchrun | slurm
+             "--job-name", "--exclusive", "--cpus-per-task", "--kill-on-bad-exit", "--wait", "--chdir", "--comment",
+             "--set", "--jobid", "--fini", "--program", "--exclude"}  # sbatch, srun, strigger
+    import emit_event
+
+    emitter = {opt for sub in emit_event.build_parser()._subparsers._group_actions[0].choices.values()
+               for a in sub._actions for opt in a.option_strings}
+    return torchrun | slurm | emitter
 
 
 def test_every_megatron_flag_in_markdown_code_blocks_and_templates_is_known_to_megatrons_parser():
@@ -129,12 +136,27 @@ def test_every_launch_example_in_the_markdown_runs(doc, line, tmp_path, sample_d
         argv += ["--output-dir", str(tmp_path / "out")]
     if "--pretty" in argv:
         argv.remove("--pretty")
-    rc, out, err = run_inproc(*argv)
+    env = {}
+    if tool == "on-event":  # a real run and a signed event for it: the example's files
+        argv, env = _event_example(argv, tmp_path)
+    rc, out, err = run_inproc(*argv, env=env)
     assert isinstance(out, dict), f"{doc}: {line}\n{err[-2000:]}"
     if tool == "validate":
         assert rc == 0 and out["result"]["valid"], out
     else:
         assert rc == 0 and out["ok"], f"{doc}: {line}\n{out}"
+
+
+def _event_example(argv: list[str], tmp_path: Path) -> tuple[list[str], dict]:
+    from megatron_skill.events import event as ev
+
+    run = tmp_path / "runs" / "r0123456789abcdef"
+    (run / "logs").mkdir(parents=True)
+    (run / "launch.sh").write_text("#!/bin/bash\n")
+    event = ev.sign(ev.new("job.failed", run.name, {"job_id": "7"}, "job", details={"signal": "SIGKILL"}), b"doc")
+    (tmp_path / "event.json").write_text(json.dumps(ev.body(event)))
+    argv = [str(tmp_path / a) if a in ("event.json", "runs") else a for a in argv] + ["--dry-run"]
+    return argv, {ev.SECRET_ENV: "doc"}
 
 
 def test_what_the_text_says_about_plan_outputs_holds():

@@ -160,14 +160,6 @@ def test_hostile_strings_render_as_inert_text(tmp_path, name, value, data):
     shutil.rmtree(work, ignore_errors=True)
 
 
-@pytest.fixture(scope="session")
-def slurm():
-    for name in ("sbatch", "slurmctld", "slurmd", "munged"):
-        system_tool(name, "tools/setup.sh installs Slurm as root with apt (apt-get install slurmctld slurmd munge)")
-    subprocess.run([str(ROOT / "tests" / "slurm_cluster.sh"), "start"], check=True, timeout=120)
-    return True
-
-
 @pytest.mark.slow
 @pytest.mark.slurm
 @pytest.mark.xdist_group("slurm")

@@ -139,7 +139,7 @@ def _check_text(text: str, where: str) -> None:
                         "not Unicode", where=where or "/", fix="send valid UTF-8 text") from None
 
 
-def _validator(schema: dict):
+def validator(schema: dict):
     """Draft 2020-12, except that an integer is an int: 8.0 is refused where a count is asked
     (JSON Schema would accept it, and the tools would then compute with a float)."""
     import jsonschema
@@ -159,8 +159,8 @@ def validate_request(tool: str, request: Any) -> dict:
         raise ToolError("bad_request", "the request must be a JSON object", where="/",
                         fix=f"see schemas/{tool}.request.json")
     check_values(request)
-    validator = _validator(schema)
-    errors = sorted(validator.iter_errors(request), key=lambda e: (len(list(e.absolute_path)), e.message))
+    checker = validator(schema)
+    errors = sorted(checker.iter_errors(request), key=lambda e: (len(list(e.absolute_path)), e.message))
     if errors:
         err = jsonschema.exceptions.best_match(errors) or errors[0]
         where = "/" + "/".join(str(p) for p in err.absolute_path)
@@ -323,7 +323,7 @@ def build_parser(tool: Tool) -> argparse.ArgumentParser:
 def _epilog(tool: str, schema: dict) -> str:
     lines = [f"Request schema: schemas/{tool}.request.json. Output: one JSON object on stdout; progress on "
              "stderr. Exit codes: 0 ok, 2 bad request, 3 not found, 4 infeasible, 5 environment, 6 conflict, "
-             "7 invalid script, 8 runtime failure, 9 internal error (a bug: report it)."]
+             "7 invalid script, 8 runtime failure, 9 internal error (a bug: report it), 10 event refused."]
     props = schema.get("properties", {})
     if "model" in props or "gpu" in props:
         from .core.catalog import gpu_names, model_names

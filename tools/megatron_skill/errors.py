@@ -14,6 +14,7 @@ EXIT_CODES = {
     "invalid_script": 7,  # validate found errors in a launch script or request
     "runtime": 8,         # the work itself failed (training crashed, ...)
     "internal": 9,        # a bug of the skill's own (never the request's fault): please report it
+    "refused": 10,        # an event that is not to be trusted: unsigned, forged or stale
 }
 
 

@@ -177,6 +177,8 @@ def training_args(settings: dict[str, Any]) -> list[str]:
     if s.get("save") and s.get("checkpoint", True):
         a += ["--save", s["save"], "--load", s["save"], "--save-interval", s["save_interval"],
               "--ckpt-format", "torch_dist"]
+        if s.get("override_scheduler"):
+            a += ["--override-opt-param-scheduler"]
     if s.get("log_memory_interval"):
         a += ["--log-memory-interval", s["log_memory_interval"]]
     if s.get("tensorboard_dir"):

@@ -18,6 +18,8 @@ ITER = re.compile(r"iteration\s+(\d+)\s*/\s*(\d+)")
 FIELD = re.compile(r"\|\s*([A-Za-z][A-Za-z0-9 /()_\-]*?)\s*:\s*([-+0-9.eEinfaINFA]+)")
 MEMORY = re.compile(r"\[Rank (\d+)\].*?memory \(MB\)\s*\|\s*allocated:\s*([\d.]+)\s*\|\s*max allocated:\s*([\d.]+)"
                     r"\s*\|\s*reserved:\s*([\d.]+)\s*\|\s*max reserved:\s*([\d.]+)")
+# Megatron's line after a checkpoint is written (the CPU loop prints the same words).
+CHECKPOINT_SAVED = re.compile(r"successfully saved checkpoint from iteration\s+(\d+)")
 KEYS = {
     "consumed samples": "consumed_samples",
     "elapsed time per iteration (ms)": "iter_ms",
@@ -248,8 +250,8 @@ def summarize(parsed: dict[str, Any], seq_length: int | None = None, peak_tflops
     anomalies = []
     vals = [loss for _, loss in losses]
     for k in range(3, len(vals)):
-        base = sorted(vals[max(0, k - 5):k])[len(vals[max(0, k - 5):k]) // 2]
-        if math.isfinite(vals[k]) and base > 0 and vals[k] > 1.5 * base and vals[k] - base > 0.5:
+        base = spike_base(vals[max(0, k - 5):k], vals[k])
+        if base is not None:
             anomalies.append({"kind": "loss_spike", "iteration": losses[k][0], "loss": vals[k], "before": base})
     if any(not math.isfinite(v) for v in vals) or out["nan_iterations"]:
         anomalies.append({"kind": "nan", "iteration": next((i for i, v in losses if not math.isfinite(v)), None)})
@@ -264,6 +266,15 @@ def summarize(parsed: dict[str, Any], seq_length: int | None = None, peak_tflops
                               "before": before})
     out["anomalies"] = anomalies
     return out
+
+
+def spike_base(before: list[float], loss: float) -> float | None:
+    """The median of the losses before when loss stands out as a spike above them (half as high
+    again and 0.5 nats more; a lower or NaN loss is no spike), else None."""
+    if len(before) < 3 or not math.isfinite(loss):
+        return None
+    base = sorted(before)[len(before) // 2]
+    return base if base > 0 and loss > 1.5 * base and loss - base > 0.5 else None
 
 
 def _divergence(vals: list[float]) -> tuple[float, float] | None:

@@ -300,7 +300,8 @@ def main(config_path: str) -> None:
         if cfg.get("save_interval") and (it + 1) % cfg["save_interval"] == 0:
             save_checkpoint(model, optimizer, it + 1, ckpt_root, rank)
             if rank == 0:
-                print(f"saving checkpoint at iteration {it + 1:7d} to {ckpt_root} (per-rank torch files)", flush=True)
+                print(f"successfully saved checkpoint from iteration {it + 1:7d} to {ckpt_root} (per-rank torch files)",
+                      flush=True)
     if cfg.get("save") and cfg["train_iters"] % max(1, cfg.get("save_interval") or cfg["train_iters"]):
         save_checkpoint(model, optimizer, cfg["train_iters"], ckpt_root, rank)
     dist.barrier()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import re
 import shlex
 from pathlib import Path
@@ -30,8 +31,10 @@ LAUNCHERS = {"torchrun": "torchrun.sh.j2", "torchrun-multinode": "torchrun_multi
              "slurm": "slurm.sbatch.j2"}
 SCRIPT_NAMES = {"torchrun": "launch.sh", "torchrun-multinode": "launch_multinode.sh", "slurm": "launch.sbatch"}
 ENTRY_SCRIPT = ROOT / "tools" / "pretrain_gpt.py"
+EMITTER = ROOT / "tools" / "emit_event.py"  # the job's events (references/events.md)
 # #SBATCH lines are read by sbatch, not bash: quoting does not apply, so values must be plain.
 SLURM_SAFE = re.compile(r"^[A-Za-z0-9._:+@-]+$")
+SLURM_PATH = re.compile(r"^/[A-Za-z0-9._/+@-]+$")
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -217,6 +220,12 @@ def build(req: dict, ctx: Context) -> dict[str, Any]:
         "peak_gib": f"{cand.peak_gib:.1f}", "tokens_per_s": f"{cand.tokens_per_s:,.0f}",
         "mfu": f"{cand.mfu:.3f}", "slurm": slurm, "script_name": SCRIPT_NAMES[launcher],
         "fake_rank": fake, "world_size": lay.world_size,
+        "emitter": str(EMITTER), "request_id": ctx.request_id or run_id,
+        # tools/slurm_job_end.sh (a Slurm trigger) finds the run directory here.
+        "slurm_comment": f"megatron-skill:{run_id}:{run_dir}" if SLURM_PATH.match(run_dir) else None,
+        "layout_json": json.dumps({"tp": lay.tp, "pp": lay.pp, "vp": lay.vp, "cp": lay.cp, "ep": lay.ep, "dp": lay.dp,
+                                   "mbs": lay.mbs, "gbs": lay.gbs, "seq_length": lay.seq_length,
+                                   "num_gpus": n_gpus, "nodes": nodes}, separators=(",", ":")),
     }
     text = _environment().get_template(LAUNCHERS[launcher]).render(**context)
     script = out_dir / SCRIPT_NAMES[launcher]

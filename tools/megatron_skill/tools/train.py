@@ -6,12 +6,14 @@ code (Megatron-Core's GPTModel, the skill's layer spec) in a small CPU loop with
 tiny models.  Progress (iteration, loss, tokens/s, ETA) goes to stderr as the log grows.
 
 The same request never starts a second job: a running one is refused; a finished one
-returns its recorded result; a killed or failed one is resumed from its last checkpoint
-when the request says resume, and refused otherwise.
+returns its recorded result; a killed or failed one continues from its last checkpoint.
+The job's start and end are training events (references/events.md).
 """
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import re
 import shlex
 import subprocess
@@ -26,8 +28,11 @@ from ..core.catalog import gpu_by_device_name
 from ..core.resolve import DEFAULT_TRAIN_ITERS
 from ..environment import gpu_count_and_name, have_transformer_engine
 from ..errors import ToolError
+from ..locks import write_atomic
 from ..runs import RunLock, latest_checkpoint, read_state, write_state
 from .prepare_data import check_datasets
+
+EMITTER = Path(__file__).resolve().parents[2] / "emit_event.py"
 
 
 def _backend(req: dict) -> str:
@@ -79,7 +84,6 @@ def stream(cmd: list[str], log_path: Path | None, ctx: Context, seq: int | None,
     The job runs in a process group of its own, watched by a process that stops the group
     when this one dies; keep_fds (the run lock) are inherited, so the lock stays held for as
     long as any process of the job lives."""
-    import os
     import signal
 
     started = time.time()
@@ -111,6 +115,7 @@ def stream(cmd: list[str], log_path: Path | None, ctx: Context, seq: int | None,
 
 
 def run(req: dict, ctx: Context) -> dict[str, Any]:
+    given = req
     backend = _backend(req)
     req = {**req, "python": req.get("python") or sys.executable}
     _check_runtime(req, backend)
@@ -143,25 +148,32 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
 
     run_dir.mkdir(parents=True, exist_ok=True)
     lock = RunLock(run_dir).acquire()  # conflict while another process runs this request
+    events = None
     try:
         state, ckpt = read_state(run_dir), latest_checkpoint(run_dir / "checkpoints")
         if state and state.get("status") == "finished":
             ctx.progress(f"train: run {run_id} already finished; returning its result (nothing launched)")
             return {**state["result"], "already_finished": True}
         start = _start(state, ckpt)
+        attempt = int((state or {}).get("attempts", 0))
+        # The request as it came (its id is this run's name): `train --request RUN_DIR/request.json
+        # --resume` is the same request again, which on-event's resume relies on.
+        write_atomic(run_dir / "request.json", json.dumps(given, indent=1, sort_keys=True))
         write_state(run_dir, status="running", run_id=run_id, backend=backend, request=req, start=start,
-                    resumed_from=ckpt)
+                    resumed_from=ckpt, attempts=attempt + 1, gpu=plan.get("gpu"),
+                    layout=plan.get("layout"), cwd=os.getcwd())  # where its relative paths start
         plan["write"]()
         log_path = run_dir / "logs" / "train.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         ctx.progress(f"train: run {run_id} in {run_dir} ({backend}, {_START_TEXT[start].format(ckpt=ckpt)}); "
                      f"{req['training']['train_iters']} iterations; log {log_path}")
-        own_log = backend == "gpu" and req["launcher"] != "slurm"  # the script tees to logs/train.log
-        rc = stream(plan["command"], None if own_log else log_path, ctx, plan["seq_length"],
-                    env=plan.get("env"), cwd=run_dir, keep_fds=(lock.fd,))
-        if req["launcher"] == "slurm" and backend == "gpu":
-            for out in sorted(run_dir.glob("slurm-*.out")):
-                log_path.write_text(log_path.read_text() + out.read_text() if log_path.exists() else out.read_text())
+        events = JobEvents(run_dir, run_id, f"{run_id}.{attempt}", plan.get("layout"), log_path,
+                           scheduler="slurm" if req["launcher"] == "slurm" and backend == "gpu" else "local")
+        events.started(watch=backend == "cpu")  # a rendered script reports its own start and watches its log
+        rc = stream(plan["command"], None if backend == "gpu" else log_path, ctx, plan["seq_length"],
+                    env={**(plan.get("env") or {}), "MEGATRON_SKILL_JOB_ID": events.job_id}, cwd=run_dir,
+                    keep_fds=(lock.fd,))
+        events.ended(rc)
         parsed = megatron_log.parse(log_path.read_text(errors="replace").splitlines())
         summary = megatron_log.summarize(parsed, plan["seq_length"], plan.get("peak_tflops"))
         result = {"run_id": run_id, "run_dir": str(run_dir), "backend": backend, "returncode": rc,
@@ -182,9 +194,41 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
         return result
     except KeyboardInterrupt:
         write_state(run_dir, status="killed")
+        if events:
+            events.ended(130)
         raise
     finally:
         lock.release()
+
+
+class JobEvents:
+    """The train tool as an emitter of its job's events (references/events.md): start and end of
+    the job, and for CPU runs the log watcher (a rendered script runs its own). Each is sent by
+    a process of its own, so that a slow receiver never holds up the job or this tool."""
+
+    def __init__(self, run_dir: Path, run_id: str, job_id: str, layout: dict | None, log: Path, scheduler: str):
+        self.job_id, self.watcher, self.log_dir = job_id, None, log.parent
+        keys = ("tp", "pp", "vp", "cp", "ep", "dp", "mbs", "gbs", "seq_length")
+        self.base = [sys.executable, str(EMITTER), "--run-id", run_id, "--run-dir", str(run_dir), "--request-id",
+                     run_id, "--job-id", job_id, "--scheduler", scheduler, "--emitter", "train", "--log", str(log),
+                     "--layout", json.dumps({k: v for k, v in (layout or {}).items() if k in keys})]
+
+    def _spawn(self, command: str, *extra: str) -> subprocess.Popen:
+        # Its own output file, not this tool's stderr: a caller reading that to its end must not
+        # wait for a delivery to a slow receiver.
+        argv = self.base[:2] + [command] + self.base[2:] + list(extra)
+        with open(self.log_dir / "events.log", "ab") as out:
+            return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
+
+    def started(self, watch: bool) -> None:
+        self._spawn("send", "--type", "job.started")
+        if watch:
+            self.watcher = self._spawn("watch", "--pid", str(os.getpid()), "--emitter", "watcher")
+
+    def ended(self, rc: int) -> None:
+        if self.watcher:
+            self.watcher.terminate()
+        self._spawn("send", "--end", "--exit-code", str(rc))
 
 
 _START_TEXT = {"new": "new run", "restart": "starting over: the earlier attempt saved no checkpoint",
@@ -293,7 +337,7 @@ def _plan_gpu_run(req: dict, ctx: Context, run_dir: Path) -> dict[str, Any]:
         command = ["bash", str(script)]
     return {"actions": [f"write {script}", " ".join(shlex.quote(c) for c in command)], "write": write,
             "command": command, "seq_length": out["layout"]["seq_length"], "layout": out["layout"],
-            "prediction": out["prediction"], "peak_tflops": peak}
+            "prediction": out["prediction"], "peak_tflops": peak, "gpu": sub["gpu"]}
 
 
 TOOL = Tool(name="train", summary="Run Megatron-Core training (torchrun or Slurm on GPUs; a tiny CPU "

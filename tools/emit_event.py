@@ -1,0 +1,121 @@
+#!/usr/bin/env python3
+"""Send the skill's training events from a job (references/events.md). Standard library only.
+
+    emit_event.py send --type job.started --run-id ID --run-dir DIR [--log LOG] [--layout JSON]
+    emit_event.py send --end --exit-code N ...      # job.finished (N = 0) or job.failed, with the
+                                                    # signal and known failure read from the log
+    emit_event.py watch --log LOG --pid PID ...     # checkpoints, NaN / spikes, slowdowns, NCCL
+                                                    # and node failures, stalls; exits with PID
+
+Every event is appended to RUN_DIR/events.jsonl; where MEGATRON_SKILL_EVENTS_URL is set it is
+POSTed there as {"source": "megatron-skill", "event": {...}}, with the bearer token in
+MEGATRON_SKILL_EVENTS_TOKEN and signed with MEGATRON_SKILL_EVENTS_SECRET (or the file named by
+MEGATRON_SKILL_EVENTS_SECRET_FILE). The job's id comes from SLURM_JOB_ID or
+MEGATRON_SKILL_JOB_ID unless --job-id gives it. This program always exits 0: a receiver that
+is down, slow or refusing never fails the job; what happened is said on stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+
+from megatron_skill.events import emit as emitter
+from megatron_skill.events import event as ev
+
+
+def _job(args: argparse.Namespace) -> dict:
+    env = os.environ
+    slurm = env.get("SLURM_JOB_ID")
+    return {"job_id": args.job_id or slurm or env.get("MEGATRON_SKILL_JOB_ID") or f"{socket.gethostname()}.{os.getppid()}",
+            "scheduler": args.scheduler or ("slurm" if slurm else "torchrun"),
+            "attempt": int(env["SLURM_RESTART_COUNT"]) if env.get("SLURM_RESTART_COUNT", "").isdigit() else None,
+            "host": socket.gethostname()[:255],
+            "nodes": [env["SLURM_JOB_NODELIST"][:255]] if env.get("SLURM_JOB_NODELIST") else None}
+
+
+def _identity(args: argparse.Namespace) -> dict:
+    layout = None
+    if args.layout:
+        try:
+            layout = {k: v for k, v in json.loads(args.layout).items() if isinstance(v, int)}
+        except (ValueError, AttributeError):
+            print("emit: --layout is not a JSON object; left out", file=sys.stderr)
+    return {"request_id": args.request_id, "run_dir": str(Path(args.run_dir).resolve()) if args.run_dir else None,
+            "log": str(Path(args.log).resolve()) if args.log else None, "layout": layout}
+
+
+def _send(args: argparse.Namespace, kind: str, details: dict) -> None:
+    event = ev.new(kind, args.run_id, _job(args), args.emitter, details=details, **_identity(args))
+    out = emitter.emit(event, Path(args.run_dir) if args.run_dir else None, deadline_s=args.deadline_s)
+    if args.print:
+        print(json.dumps(out))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="emit_event.py", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    for name in ("send", "watch"):
+        s = sub.add_parser(name)
+        s.add_argument("--run-id", required=True)
+        s.add_argument("--run-dir")
+        s.add_argument("--request-id")
+        s.add_argument("--job-id")
+        s.add_argument("--scheduler", choices=["slurm", "torchrun", "local", "other"])
+        s.add_argument("--emitter", default="job" if name == "send" else "watcher",
+                       choices=["job", "watcher", "train", "scheduler", "monitor"])
+        s.add_argument("--log")
+        s.add_argument("--layout", help="the layout as a JSON object of integers (tp, pp, dp, mbs, ...)")
+        s.add_argument("--deadline-s", type=float, default=10.0, help="at most this long to deliver one event")
+        s.add_argument("--print", action="store_true", help="print each event and its delivery on stdout")
+    send, watch = sub.choices["send"], sub.choices["watch"]
+    send.add_argument("--type", choices=sorted(ev_types()))
+    send.add_argument("--end", action="store_true", help="the job ended: job.finished or job.failed by --exit-code")
+    send.add_argument("--exit-code", type=int)
+    send.add_argument("--details", help="the event's details as a JSON object")
+    watch.add_argument("--pid", type=int, required=True, help="follow the log until this process is gone")
+    watch.add_argument("--stall-s", type=float, default=600.0, help="seconds without an iteration that make a stall")
+    watch.add_argument("--poll-s", type=float, default=2.0)
+    return p
+
+
+def main(argv: list[str]) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # a bad flag must not fail the job that calls this
+        return 0 if e.code in (0, None) else _refuse("bad arguments")
+    try:
+        if args.command == "watch":
+            emitter.watch(Path(args.log), args.pid, lambda kind, details: _send(args, kind, details),
+                          stall_s=args.stall_s, poll_s=args.poll_s)
+            return 0
+        details = json.loads(args.details) if args.details else {}
+        if args.end or args.type in ("job.finished", "job.failed"):
+            code = args.exit_code if args.exit_code is not None else 0
+            details = {**emitter.ending(code, Path(args.log) if args.log else None), **details}
+            kind = "job.finished" if code == 0 else "job.failed"
+        else:
+            kind = args.type
+        if not kind:
+            return _refuse("give --type or --end")
+        _send(args, kind, details)
+    except Exception as e:  # noqa: BLE001 -- never fail the job over an event
+        return _refuse(f"{type(e).__name__}: {e}")
+    return 0
+
+
+def ev_types() -> list[str]:
+    schema = Path(__file__).resolve().parent.parent / "schemas" / "event.json"
+    return json.loads(schema.read_text())["properties"]["type"]["enum"]
+
+
+def _refuse(why: str) -> int:
+    print(f"emit: no event sent: {why}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

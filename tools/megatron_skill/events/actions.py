@@ -1,0 +1,307 @@
+"""From a training event and what the run's log and record say, the intended next steps.
+
+Each action says what to do (commands, files), why, whether a person must decide, and whether
+the policy lets `on-event --apply` carry it out. The decisions:
+  node, NCCL or kill failure      -> resume: the same request again, from its last checkpoint
+  out of memory                   -> relayout: the layout plan says fits with the error seen
+                                     taken off, rendered, validated, and the script's diff
+  NaN or a loss spike             -> rollback: stop, back to the checkpoint before it, lower LR
+  stall, slowdown, other failure  -> diagnose: the log's last lines, the hung rank, what to run
+  finished                        -> summary: tokens, MFU, final loss
+Tools are called through the contract (plan, render, validate, logs), never around it.
+"""
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import re
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..contract import ROOT, Context, invoke
+from ..errors import ToolError
+from ..runs import latest_checkpoint
+
+LAUNCH = ROOT / "tools" / "launch.py"
+RESUMABLE = {"node_failure", "nccl_timeout", "nccl_error", "killed"}
+# Signals that come from outside the training's arithmetic: a scheduler, a person, a dying node.
+OUTSIDE_SIGNALS = {"SIGKILL", "SIGTERM", "SIGHUP", "SIGINT", "SIGBUS", "SIGUSR1", "SIGUSR2"}
+SCRIPTS = ("launch.sbatch", "launch.sh", "launch_multinode.sh")
+
+
+class Run:
+    """What the run directory holds: the train request (request.json), its state, the launch
+    script, the checkpoints, the log."""
+
+    def __init__(self, run_dir: Path, event: dict[str, Any]):
+        self.dir = run_dir
+        self.request = _json(run_dir / "request.json")
+        self.state = _json(run_dir / "state.json") or {}
+        # train's relative paths (runs_root, data) start where it ran: a resume runs from there too.
+        self.cwd = self.state.get("cwd") or str(run_dir.parent.parent)
+        self.script = next((run_dir / s for s in SCRIPTS if (run_dir / s).is_file()), None)
+        self.ckpt_dir = Path(((self.state.get("request") or {}).get("training") or {}).get("save")
+                             or run_dir / "checkpoints")
+        given = Path(event["log"]) if event.get("log") else None
+        self.log = given if given and given.is_file() else run_dir / "logs" / "train.log"
+
+    def checkpoints(self) -> list[int]:
+        found = []
+        for path in self.ckpt_dir.glob("iter_*"):
+            m = re.fullmatch(r"iter_(\d+)", path.name)
+            if m and path.is_dir():
+                found.append(int(m.group(1)))
+        return sorted(found)
+
+
+def _json(path: Path) -> dict[str, Any] | None:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def facts(run: Run, event: dict[str, Any], ctx: Context) -> dict[str, Any]:
+    """What the log says (the logs tool), and the run's record."""
+    out: dict[str, Any] = {"run_dir": str(run.dir), "log": str(run.log), "checkpoint_iteration":
+                           latest_checkpoint(run.ckpt_dir), "run_state": run.state.get("status")}
+    if not run.log.is_file():
+        out["log_missing"] = True
+        return out
+    request: dict[str, Any] = {"log": str(run.log)}
+    if run.state.get("gpu"):
+        request["gpu"] = run.state["gpu"]
+    if (run.state.get("layout") or {}).get("seq_length"):
+        request["seq_length"] = run.state["layout"]["seq_length"]
+    try:
+        summary = invoke("logs", request, ctx)
+    except ToolError as e:
+        out["log_unreadable"] = e.message
+        return out
+    keep = ("logged_iterations", "last_iteration", "train_iters", "final_loss", "tokens_per_s", "tflops_per_gpu", "mfu",
+            "max_allocated_gib", "nan_iterations", "skipped_iterations", "hints", "prediction")
+    out.update({k: summary[k] for k in keep if k in summary})
+    out["log_state"] = summary.get("state")
+    out["failures"] = [{k: f[k] for k in ("code", "meaning", "fix", "text", "ranks") if k in f}
+                       for f in summary.get("failures", [])]
+    out["anomalies"] = summary.get("anomalies", [])
+    return out
+
+
+def cause(event: dict[str, Any], found: dict[str, Any]) -> str:
+    """Why the job ended, in one word: out_of_memory, a resumable failure, nan, or unknown."""
+    codes = [f["code"] for f in found.get("failures", [])]
+    given = event.get("details", {}).get("failure")
+    if "out_of_memory" in codes or given == "out_of_memory":
+        return "out_of_memory"
+    if any(a["kind"] == "nan" for a in found.get("anomalies", [])):
+        return "nan"
+    for code in codes + ([given] if given else []):
+        if code in RESUMABLE:
+            return code
+    if event.get("details", {}).get("signal") in OUTSIDE_SIGNALS and not codes:
+        return "killed"
+    if event["type"] == "node.failure":
+        return given or "node_failure"
+    return codes[0] if codes else "unknown"
+
+
+# ---- the actions -----------------------------------------------------------------------------
+def _shell(argv: list[str]) -> str:
+    return " ".join(shlex.quote(str(a)) for a in argv)
+
+
+def resume(run: Run, event: dict[str, Any], why: str, failed_node: bool) -> dict[str, Any]:
+    """The same request again: train continues it from its last checkpoint with the same layout;
+    a run launched from a rendered script runs that script again (under Slurm without the node
+    that failed)."""
+    host = (event["job"].get("host") or "") if failed_node else ""
+    action: dict[str, Any] = {"kind": "resume", "why": why, "needs_person": False}
+    if run.request:
+        argv = [sys.executable, str(LAUNCH), "train", "--request", str(run.dir / "request.json")]
+        action["commands"] = [f"cd {shlex.quote(run.cwd)} && {_shell(argv)}"]
+        action.update(argv=argv, cwd=run.cwd)
+    elif run.script and run.script.suffix == ".sbatch":
+        argv = ["sbatch", f"--chdir={run.dir}", *([f"--exclude={host}"] if host else []),
+                str(run.script)]
+        action["commands"] = [_shell(argv)]
+        action["argv"] = argv
+    elif run.script:
+        argv = ["bash", str(run.script)]
+        action["commands"] = [_shell(argv) + f" > {shlex.quote(str(run.dir / 'logs' / 'resume.out'))} 2>&1"]
+        action["argv"] = argv
+    else:
+        action.update(needs_person=True, commands=[],
+                      why=why + "; no train request or launch script in the run directory: launch the job again "
+                                "as it was launched (it loads its last checkpoint)")
+    if host:
+        action["why"] += f"; {host} is left out where the scheduler allows (sbatch --exclude={host})"
+    return action
+
+
+def _train_request(run: Run) -> dict[str, Any]:
+    """The run's train request with what train had filled in (GPU count, GPU type), so that
+    plan and render see the job as it ran."""
+    req = dict(run.request or {})
+    resolved = run.state.get("request") or {}
+    for key in ("num_gpus", "nodes", "gpus_per_node"):
+        if req.get(key) is None and resolved.get(key) is not None:
+            req[key] = resolved[key]
+    if not req.get("gpu") and run.state.get("gpu"):
+        req["gpu"] = run.state["gpu"]
+    return req
+
+
+def _proposal(folder: Path, name: str, request: dict[str, Any]) -> dict[str, Any]:
+    text = json.dumps(request, indent=1, sort_keys=True) + "\n"
+    digest = hashlib.sha256(text.encode()).hexdigest()[:12]
+    return {"path": str(folder / f"{name}-{digest}.json"), "content": text}
+
+
+def relayout(run: Run, found: dict[str, Any], proposals: Path, ctx: Context) -> dict[str, Any]:
+    """A layout that plan says fits once the memory the failed one was short of is counted:
+    plan for the same model, GPUs and batch with headroom for the planner's error on this job
+    (the GPU's memory less what was predicted, which the job went past) and 5 % more."""
+    from .. import contract
+    from ..core.catalog import get_gpu
+
+    req = _train_request(run)
+    if not req.get("gpu"):
+        return {"kind": "relayout", "needs_person": True, "why": "out of memory, and the run's GPU type is not "
+                "recorded: run plan for this model with the GPU named and a smaller micro-batch or more recompute"}
+    old = run.state.get("result", {}).get("layout") or req.get("layout") or {}
+    render_fields = contract.request_fields("render") - {"dry_run", "output_dir", "run_dir"}
+    old_render = invoke("render", {**{k: v for k, v in req.items() if k in render_fields}, "dry_run": True,
+                                   "run_id": run.dir.name, "output_dir": str(run.dir), "run_dir": str(run.dir)}, ctx)
+    capacity = get_gpu(req["gpu"]).memory_gib
+    predicted = old_render["prediction"]["peak_gib"]
+    headroom = round(max(0.0, capacity - predicted) + 0.05 * capacity, 2)
+    plan_fields = contract.request_fields("plan")
+    plan_req = {k: v for k, v in req.items() if k in plan_fields}
+    plan_req.update(top=3, headroom_gib=headroom)
+    try:
+        plans = invoke("plan", plan_req, ctx)["plans"]
+    except ToolError as e:
+        return {"kind": "relayout", "needs_person": True, "why": f"out of memory, and no layout of this model on these "
+                f"GPUs fits with {headroom} GiB kept free: {e.message}; more GPUs, a shorter sequence or a smaller "
+                "batch"}
+    best = plans[0]
+    layout = {k: v for k, v in best["layout"].items() if k not in ("world_size", "expert_dp", "num_microbatches")}
+    training = dict(req.get("training") or {})
+    if training.get("checkpoint", True) and not training.get("save"):
+        training["save"] = str(run.ckpt_dir)  # the new layout continues from this run's checkpoints
+    new_req = {**{k: v for k, v in req.items() if k not in ("resume", "dry_run")}, "layout": layout,
+               "training": training, "backend": "gpu"}
+    proposal = _proposal(proposals, "relayout", new_req)
+    new_render = invoke("render", {**{k: v for k, v in new_req.items() if k in render_fields}, "dry_run": True}, ctx)
+    text = new_render["files"][0]["content"]
+    check = invoke("validate", {"script_text": text, "gpu": req["gpu"]}, ctx)
+    old_text = run.script.read_text(errors="replace") if run.script else old_render["files"][0]["content"]
+    diff = "".join(difflib.unified_diff(old_text.splitlines(True), text.splitlines(True), "before", "after", n=1))
+    argv = [sys.executable, str(LAUNCH), "train", "--request", proposal["path"]]
+    return {"kind": "relayout", "cwd": run.cwd, "needs_person": False,
+            "why": (f"out of memory with {old_render['label']} (predicted {predicted} GiB of {capacity} GiB): "
+                    f"{best['label']} is predicted at {best['memory']['peak_gib']} GiB, within the GPU less "
+                    f"{headroom} GiB kept free for the planner's error on this job; it continues from the "
+                    "run's checkpoints (torch_dist checkpoints load into another layout)"),
+            "layout": {"from": old or old_render["layout"], "to": best["layout"], "from_label": old_render["label"],
+                       "to_label": best["label"]},
+            "request": new_req, "files": [proposal, {"path": new_render["files"][0]["path"], "content": text}],
+            "diff": diff, "validation": {"valid": check.get("valid"), "errors": check.get("errors", [])},
+            "commands": [f"cd {shlex.quote(run.cwd)} && {_shell(argv)}"], "argv": argv}
+
+
+def rollback(run: Run, event: dict[str, Any], found: dict[str, Any], lr_factor: float, proposals: Path,
+             running: bool) -> dict[str, Any]:
+    """Stop, go back to the last checkpoint saved before the loss went bad, and go on with a
+    lower learning rate (the schedule taken from the request, not the checkpoint)."""
+    bad = event.get("details", {}).get("iteration")
+    nan = next((a for a in found.get("anomalies", []) if a["kind"] in ("nan", "loss_spike", "divergence")), None)
+    if bad is None and nan:
+        bad = nan.get("iteration")
+    saved = run.checkpoints()
+    good = max((i for i in saved if bad is None or i < bad), default=None)
+    commands = []
+    if running:
+        commands.append(_stop_command(run, event))
+    why = f"the loss went bad at iteration {bad}" if bad is not None else "the loss went bad"
+    if good is None:
+        return {"kind": "rollback", "needs_person": True, "commands": commands,
+                "why": why + "; no checkpoint was saved before it: start again with a lower learning rate"}
+    tracker = run.ckpt_dir / "latest_checkpointed_iteration.txt"
+    commands.append(f"cp {shlex.quote(str(tracker))} {shlex.quote(str(tracker))}.before-rollback && "
+                    f"echo {good} > {shlex.quote(str(tracker))}")
+    action: dict[str, Any] = {"kind": "rollback", "needs_person": True, "commands": commands,
+                              "why": f"{why}; checkpoint {good} is the last saved before it"}
+    if run.request:
+        req = _train_request(run)
+        training = dict(req.get("training") or {})
+        lr = training.get("lr", 3e-4)
+        training.update(lr=lr * lr_factor, min_lr=min(training.get("min_lr", 3e-5), lr * lr_factor) * lr_factor,
+                        override_scheduler=True, save=training.get("save") or str(run.ckpt_dir))
+        new_req = {**{k: v for k, v in req.items() if k not in ("resume", "dry_run")}, "training": training}
+        proposal = _proposal(proposals, "rollback", new_req)
+        argv = [sys.executable, str(LAUNCH), "train", "--request", proposal["path"]]
+        action.update(request=new_req, files=[proposal])
+        commands.append(f"cd {shlex.quote(run.cwd)} && {_shell(argv)}")
+        action["why"] += (f"; then continue from it with the learning rate {lr:g} -> {lr * lr_factor:g} (a new "
+                          "request: its run shares this run's checkpoints)")
+    return action
+
+
+def _stop_command(run: Run, event: dict[str, Any]) -> str:
+    job = event["job"]
+    if job.get("scheduler") == "slurm":
+        return f"scancel {shlex.quote(job['job_id'])}"
+    try:
+        owner = json.loads((run.dir / "run.lock").read_text() or "{}")
+    except (OSError, ValueError):
+        owner = {}
+    if owner.get("pid"):
+        return f"kill -TERM {int(owner['pid'])}  # the train tool on {owner.get('host', 'its host')}: it stops the job"
+    return f"stop job {job['job_id']} on {job.get('host', 'its host')} (kill its torchrun)"
+
+
+def diagnose(run: Run, event: dict[str, Any], found: dict[str, Any], what: str) -> dict[str, Any]:
+    tail = event.get("details", {}).get("log_tail") or _tail(run.log)
+    ranks = sorted({r for f in found.get("failures", []) for r in f.get("ranks", [])})
+    commands = [_shell([sys.executable, str(LAUNCH), "logs", "--log", str(run.log)])]
+    if event["job"].get("scheduler") == "slurm":
+        commands.append(f"srun --jobid {shlex.quote(event['job']['job_id'])} --overlap py-spy dump --pid $(pgrep -f "
+                        "pretrain_gpt.py | head -n 1)   # the Python stack of a rank, on each node")
+    else:
+        commands.append("py-spy dump --pid $(pgrep -f pretrain_gpt.py | head -n 1)   # the Python stack of a rank")
+    commands.append("nvidia-smi   # GPUs busy at 100 % in a collective, or idle")
+    why = {"training.stalled": f"no iteration for {event.get('details', {}).get('silent_s', '?')} s after iteration "
+                               f"{event.get('details', {}).get('iteration', '?')}: a rank may hang in a collective "
+                               "or on I/O",
+           "throughput.drop": "iterations got slower: a straggler GPU or node, thermal throttling, the network, or "
+                              "checkpoint I/O",
+           }.get(what, f"the job failed ({what}): resuming would repeat it; read the cause first")
+    hints = found.get("hints") or []
+    return {"kind": "diagnose", "needs_person": True, "why": why + (f"; {hints[0]}" if hints else ""),
+            "commands": commands, "log_tail": tail[-20:], **({"ranks": ranks} if ranks else {})}
+
+
+def _tail(log: Path) -> list[str]:
+    from .emit import tail
+
+    return tail(log)
+
+
+def summary(run: Run, found: dict[str, Any]) -> dict[str, Any]:
+    layout = run.state.get("layout") or {}
+    iters = found.get("last_iteration")
+    tokens = iters * layout["gbs"] * layout["seq_length"] if iters and layout.get("gbs") and layout.get("seq_length") \
+        else None
+    parts = [f"{iters} iterations" if iters else None, f"{tokens:,} tokens" if tokens else None,
+             f"final loss {found['final_loss']:.4g}" if isinstance(found.get("final_loss"), (int, float)) else None,
+             f"{found['tokens_per_s']:,.0f} tokens/s" if found.get("tokens_per_s") else None,
+             f"MFU {found['mfu']:.1%}" if found.get("mfu") else None]
+    return {"kind": "summary", "needs_person": False, "why": "the job finished: " + ", ".join(p for p in parts if p),
+            "numbers": {"iterations": iters, "tokens": tokens, "final_loss": found.get("final_loss"),
+                        "tokens_per_s": found.get("tokens_per_s"), "mfu": found.get("mfu")}}

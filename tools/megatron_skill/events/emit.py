@@ -1,0 +1,269 @@
+"""The emitter side: record an event in the run directory and POST it where the environment says.
+
+Nothing here may slow or fail training: every POST has a short timeout and a total deadline,
+errors are reported on stderr and swallowed, and the caller always gets on.  Only the Python
+standard library is used (and the skill's log patterns), so the job's own Python runs it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from ..adapter import log as megatron_log
+from . import event as ev
+
+RECORD = "events.jsonl"  # in the run directory: every event the run's emitters made, one per line
+TAIL_LINES = 20
+
+
+def record(run_dir: Path | None, event: dict[str, Any]) -> None:
+    """Append the event to RUN_DIR/events.jsonl (one write of one line: appends of concurrent
+    emitters do not interleave)."""
+    if not run_dir or not Path(run_dir).is_dir():
+        return
+    line = (json.dumps(event, sort_keys=True, allow_nan=False) + "\n").encode()
+    try:
+        fd = os.open(Path(run_dir) / RECORD, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        print(f"emit: cannot record the event in {run_dir}: {e.strerror}", file=sys.stderr)
+
+
+def post(event: dict[str, Any], url: str, token: str | None, deadline_s: float = 10.0, tries: int = 3) -> str:
+    """POST the event's body; 'delivered', or why not. Retries server errors and unreachable
+    receivers with a short back-off until tries or the deadline run out; a refusal (4xx) is not
+    retried. A receiver that accepts and never answers costs at most deadline_s."""
+    data = json.dumps(ev.body(event), allow_nan=False).encode()
+    headers = {"Content-Type": "application/json", "User-Agent": "megatron-skill-events/1"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    end = time.monotonic() + deadline_s
+    why = "not sent"
+    for attempt in range(tries):
+        left = end - time.monotonic()
+        if left <= 0.05:
+            break
+        try:
+            req = urllib.request.Request(url, data=data, headers=headers, method="POST")
+            with urllib.request.urlopen(req, timeout=min(5.0, left)) as resp:
+                return "delivered" if 200 <= resp.status < 300 else f"HTTP {resp.status}"
+        except urllib.error.HTTPError as e:
+            why = f"HTTP {e.code}"
+            if e.code < 500 and e.code != 429:
+                return why
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            why = str(getattr(e, "reason", e))
+        time.sleep(max(0.0, min(0.5 * 2 ** attempt, end - time.monotonic())))
+    return why
+
+
+def emit(event: dict[str, Any], run_dir: Path | None, env: dict[str, str] | None = None,
+         deadline_s: float = 10.0) -> dict[str, Any]:
+    """Sign, record and (where MEGATRON_SKILL_EVENTS_URL is set) POST one event."""
+    env = os.environ if env is None else env
+    secret = ev.secret_from_env(env)
+    signed = ev.sign(event, secret)
+    if len(ev.canonical(signed)) > ev.MAX_BYTES and "details" in signed:
+        signed = ev.sign({**event, "details": {k: v for k, v in event["details"].items() if k != "log_tail"}}, secret)
+    record(run_dir, signed)
+    url = env.get(ev.URL_ENV)
+    status = post(signed, url, env.get(ev.TOKEN_ENV), deadline_s) if url else "no receiver (MEGATRON_SKILL_EVENTS_URL unset)"
+    if url:
+        print(f"emit: {signed['type']} {signed['event_id']}: {status}", file=sys.stderr)
+    return {"event": signed, "delivery": status}
+
+
+# ---- what a job's end says --------------------------------------------------------------
+def _signal_name(number: int) -> str | None:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return None
+
+
+def tail(log: Path | None, lines: int = TAIL_LINES) -> list[str]:
+    """The last lines of the log (read from its end: a log can be large)."""
+    if not log:
+        return []
+    try:
+        with open(log, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 64 * 1024))
+            text = f.read().decode("utf-8", errors="replace")
+    except OSError:
+        return []
+    return [ln[:500] for ln in text.splitlines() if ln.strip()][-lines:]
+
+
+def ending(exit_code: int, log: Path | None) -> dict[str, Any]:
+    """The details of a job's end: exit code, the signal that ended it (from the status: a
+    shell reports 128+N, Python's subprocess -N; or from torchrun's summary in the log), the
+    known failure the log's end shows, and its last lines."""
+    details: dict[str, Any] = {"exit_code": max(-255, min(255, exit_code))}
+    sig = -exit_code if exit_code < 0 else exit_code - 128 if 128 < exit_code < 160 else None
+    lines = tail(log)
+    text = "\n".join(lines)
+    if sig is None:
+        m = re.search(r"Signal (\d+) \(SIG[A-Z]+\) received|exitcode\s*:\s*-(\d+)", text)
+        sig = int(m.group(1) or m.group(2)) if m else None
+    name = _signal_name(sig) if sig else None
+    if name:
+        details["signal"] = name
+    for code, pattern, *_ in megatron_log.FAILURES:
+        if pattern.search(text):
+            details["failure"] = code
+            break
+    if exit_code and lines:
+        details["log_tail"] = lines
+    return details
+
+
+# ---- the log watcher ---------------------------------------------------------------------
+class Watcher:
+    """Reads a growing training log and says what deserves an event: a checkpoint saved, a NaN
+    or spiking loss, a throughput drop, a node or NCCL failure, and a stall (no new iteration
+    for stall_s, or for twenty logging intervals when that is longer). Each is said once per
+    episode: a stall again only after iterations came back."""
+
+    def __init__(self, stall_s: float = 600.0):
+        self.stall_s = stall_s
+        self.losses: list[float] = []
+        self.iter_ms: list[float] = []
+        self.slow = 0
+        self.last_progress = time.monotonic()
+        self.last_iteration: int | None = None
+        self.said: set[str] = set()
+
+    def line(self, text: str) -> list[tuple[str, dict[str, Any]]]:
+        out: list[tuple[str, dict[str, Any]]] = []
+        saved = megatron_log.CHECKPOINT_SAVED.search(text)
+        if saved:
+            details: dict[str, Any] = {"checkpoint_iteration": int(saved.group(1))}
+            if self.losses:
+                details["loss"] = self.losses[-1]
+            out.append(("checkpoint.saved", details))
+        for code, pattern, *_ in megatron_log.FAILURES:
+            if code in ("node_failure", "nccl_timeout", "nccl_error") and pattern.search(text) and code not in self.said:
+                self.said.add(code)
+                out.append(("node.failure", {"failure": code, "message": text.strip()[:1000],
+                                             **self._at()}))
+        rec = megatron_log.parse_iteration(text) if "iteration" in text else None
+        if not rec:
+            return out
+        self.last_progress = time.monotonic()
+        self.said.discard("training.stalled")
+        self.last_iteration = rec["iteration"]
+        out += self._loss(rec) + self._speed(rec)
+        return out
+
+    def _at(self) -> dict[str, Any]:
+        return {"iteration": self.last_iteration} if self.last_iteration is not None else {}
+
+    def _loss(self, rec: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+        loss = rec.get("loss")
+        if loss is None:
+            return []
+        if loss != loss or loss in (float("inf"), float("-inf")):
+            if "nan" in self.said:
+                return []
+            self.said.add("nan")
+            return [("loss.anomaly", {"iteration": rec["iteration"], "loss": str(loss).lower(),
+                                      "message": "the loss is not a number"})]
+        base = megatron_log.spike_base(self.losses[-5:], loss)
+        self.losses.append(loss)
+        if base is None:
+            self.said.discard("spike")
+            return []
+        if "spike" in self.said:
+            return []
+        self.said.add("spike")
+        return [("loss.anomaly", {"iteration": rec["iteration"], "loss": loss, "before": base,
+                                  "message": "loss spike"})]
+
+    def _speed(self, rec: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+        ms = rec.get("iter_ms")
+        if ms is None:
+            return []
+        self.iter_ms.append(ms)
+        steady = self.iter_ms[1:-1]  # the first interval holds compilation and warm-up
+        if len(steady) < 5:
+            return []
+        typical = sorted(steady[-50:])[len(steady[-50:]) // 2]
+        self.slow = self.slow + 1 if ms > 1.5 * typical else 0
+        if self.slow < 3:
+            self.said.discard("slow")
+            return []
+        if "slow" in self.said:
+            return []
+        self.said.add("slow")
+        return [("throughput.drop", {"iteration": rec["iteration"], "iter_ms": ms, "before": typical,
+                                     "message": "three logging intervals in a row took half as long again"})]
+
+    def idle(self) -> list[tuple[str, dict[str, Any]]]:
+        """Called when no line came: a stall once the silence is long enough."""
+        if self.last_iteration is None or "training.stalled" in self.said:
+            return []
+        interval = (sorted(self.iter_ms)[len(self.iter_ms) // 2] / 1e3) if self.iter_ms else 0.0
+        silent = time.monotonic() - self.last_progress
+        if silent < max(self.stall_s, 20 * interval):
+            return []
+        self.said.add("training.stalled")
+        return [("training.stalled", {"iteration": self.last_iteration, "silent_s": round(silent, 1)})]
+
+
+def _alive(pid: int) -> bool:
+    """Whether the process runs: a zombie (ended, not yet reaped by a parent that may itself be
+    waiting for this watcher's output to close) counts as gone."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+
+
+def watch(log: Path, pid: int, on_event, stall_s: float = 600.0, poll_s: float = 2.0) -> None:
+    """Follow log (from its current end: a resumed run does not report its earlier life again)
+    until process pid is gone; on_event(kind, details) for each thing worth an event."""
+    watcher = Watcher(stall_s)
+    offset = log.stat().st_size if log.exists() else 0
+    partial = b""
+    while True:
+        alive = _alive(pid)
+        try:
+            size = log.stat().st_size
+            if size < offset:  # the log was replaced: read the new one from its start
+                offset, partial = 0, b""
+            with open(log, "rb") as f:
+                f.seek(offset)
+                chunk = f.read(1 << 20)
+                offset += len(chunk)
+        except OSError:
+            chunk = b""
+        lines = (partial + chunk).split(b"\n")
+        partial = lines.pop()
+        found = [e for raw in lines for e in watcher.line(raw.decode("utf-8", errors="replace"))]
+        if not lines:
+            found = watcher.idle()
+        for kind, details in found:
+            on_event(kind, details)
+        if not alive and not chunk:
+            return
+        if not chunk:
+            time.sleep(poll_s)

@@ -1,0 +1,115 @@
+"""A training event (schemas/event.json): made, signed, verified, and named by its incident.
+
+The signature is HMAC-SHA256 over the event's canonical JSON without the signature: sorted
+keys, no spaces, UTF-8, and every float that is a whole number written as an integer.  The
+last rule lets an event pass through a JavaScript receiver (OpenClaw's Gateway re-serialises
+payloads, and JSON.stringify writes 3.0 as 3) and still verify.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import hmac
+import json
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+SECRET_ENV = "MEGATRON_SKILL_EVENTS_SECRET"
+SECRET_FILE_ENV = "MEGATRON_SKILL_EVENTS_SECRET_FILE"
+URL_ENV = "MEGATRON_SKILL_EVENTS_URL"
+TOKEN_ENV = "MEGATRON_SKILL_EVENTS_TOKEN"
+SOURCE = "megatron-skill"  # the "source" of the POSTed body, which a Gateway mapping can match on
+MAX_BYTES = 32 * 1024  # an event's canonical size; the log tail is what makes one large
+
+# The events that end a job: whichever emitter reports the end first, the rest are the same incident.
+ENDINGS = ("job.finished", "job.failed", "node.failure")
+
+
+def now_text() -> str:
+    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def parse_time(text: str) -> float:
+    return dt.datetime.strptime(text.replace("Z", "+0000"),
+                                "%Y-%m-%dT%H:%M:%S.%f%z" if "." in text else "%Y-%m-%dT%H:%M:%S%z").timestamp()
+
+
+def new(kind: str, run_id: str, job: dict[str, Any], emitter: str, **fields: Any) -> dict[str, Any]:
+    """An unsigned event of this kind; fields that are None are left out."""
+    event = {"version": 1, "event_id": uuid.uuid4().hex, "type": kind, "time": now_text(), "run_id": run_id,
+             "emitter": emitter, "job": {k: v for k, v in job.items() if v is not None}}
+    event.update({k: v for k, v in fields.items() if v is not None and v != {}})
+    return event
+
+
+def _whole(value: Any) -> Any:
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2 ** 53:
+        return int(value)
+    if isinstance(value, dict):
+        return {k: _whole(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_whole(v) for v in value]
+    return value
+
+
+def canonical(event: dict[str, Any]) -> bytes:
+    body = {k: v for k, v in event.items() if k != "signature"}
+    return json.dumps(_whole(body), sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                      allow_nan=False).encode()
+
+
+def signature(event: dict[str, Any], secret: bytes) -> str:
+    return "sha256=" + hmac.new(secret, canonical(event), hashlib.sha256).hexdigest()
+
+
+def sign(event: dict[str, Any], secret: bytes | None) -> dict[str, Any]:
+    return {**_whole(event), "signature": signature(event, secret)} if secret else _whole(event)
+
+
+def verified(event: dict[str, Any], secret: bytes) -> bool:
+    given = event.get("signature")
+    return isinstance(given, str) and hmac.compare_digest(given, signature(event, secret))
+
+
+def secret_from_env(env: dict[str, str] | None = None) -> bytes | None:
+    """The shared secret: MEGATRON_SKILL_EVENTS_SECRET, or the first line of the file that
+    MEGATRON_SKILL_EVENTS_SECRET_FILE names (for secrets mounted as files)."""
+    env = os.environ if env is None else env
+    if env.get(SECRET_ENV):
+        return env[SECRET_ENV].encode()
+    if env.get(SECRET_FILE_ENV):
+        try:
+            line = Path(env[SECRET_FILE_ENV]).read_text().splitlines()[0].strip()
+        except (OSError, IndexError):
+            return None
+        return line.encode() or None
+    return None
+
+
+def incident(event: dict[str, Any]) -> str:
+    """What the event is about, so that two reports of one thing act once: the end of a job
+    (its trap, the train tool and the scheduler each report it), a stall, a loss anomaly, a
+    throughput drop of one job; a checkpoint by its iteration; a start by its job."""
+    job = event["job"]["job_id"]
+    kind = event["type"]
+    if kind in ENDINGS:
+        what = "end"
+    elif kind == "checkpoint.saved":
+        what = f"checkpoint-{event.get('details', {}).get('checkpoint_iteration', '?')}"
+    else:
+        what = kind
+    return f"{event['run_id']}/{job}/{what}"
+
+
+def body(event: dict[str, Any]) -> dict[str, Any]:
+    """What is POSTed: the event under "event", with a "source" a Gateway mapping can match."""
+    return {"source": SOURCE, "event": event}
+
+
+def unwrap(document: Any) -> Any:
+    """The event of a POSTed body, or the document itself when it is the bare event."""
+    if isinstance(document, dict) and set(document) == {"source", "event"}:
+        return document["event"]
+    return document
