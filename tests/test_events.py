@@ -333,6 +333,46 @@ def test_an_out_of_memory_failure_yields_a_layout_plan_says_fits_rendered_and_va
     assert action["allowed"] is False  # relayout is not in the default policy: a person decides
 
 
+# ---- NaN and stalls: a person decides, with the facts --------------------------------------------
+def _cpu_run(tmp_path: Path, losses: list[str]) -> Path:
+    request = {"model": "tiny-gpt", "backend": "cpu", "runs_root": str(tmp_path / "runs"),
+               "training": {"train_iters": 40, "save_interval": 5, "log_interval": 1, "lr": 4e-4}}
+    run = _run_dir(tmp_path, "nan0123456789abcd")
+    (run / "request.json").write_text(json.dumps(request))
+    (run / "state.json").write_text(json.dumps({"status": "running", "cwd": str(tmp_path),
+                                                "layout": {"gbs": 8, "seq_length": 256}}))
+    for it in (5, 10, 15):
+        (run / "checkpoints" / f"iter_{it:07d}").mkdir(parents=True)
+    (run / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("15")
+    (run / "logs" / "train.log").write_text("\n".join(_iteration(i + 1, x) for i, x in enumerate(losses)) + "\n")
+    return run
+
+
+def test_a_nan_loss_answers_a_rollback_to_the_checkpoint_before_it_with_a_lower_learning_rate(tmp_path, secret):
+    run = _cpu_run(tmp_path, ["5.0E+00"] * 12 + ["nan"] * 4)
+    event = ev.sign(_event("loss.anomaly", run_id=run.name, job_id=f"{run.name}.0", iteration=13, loss="nan"), secret)
+    out = _on_event(event, tmp_path / "runs", apply=True)["result"]
+    (action,) = out["actions"]
+    assert action["kind"] == "rollback" and action["needs_person"] and not action.get("applied")
+    tracker = run / "checkpoints" / "latest_checkpointed_iteration.txt"
+    assert f"echo 10 > {tracker}" in action["commands"][-2]  # 15 came after the NaN at 13
+    proposal = action["request"]["training"]
+    assert proposal["lr"] == 2e-4 and proposal["override_scheduler"] and proposal["save"] == str(run / "checkpoints")
+    assert tracker.read_text() == "15"  # nothing was changed: the rollback is a person's call
+    assert contract.call("train", {**action["request"], "dry_run": True})["ok"]
+
+
+def test_a_stall_answers_a_diagnosis_once(tmp_path, secret):
+    run = _cpu_run(tmp_path, ["5.0E+00"] * 12)
+    stall = ev.sign(_event("training.stalled", run_id=run.name, iteration=12, silent_s=1800), secret)
+    (action,) = _on_event(stall, tmp_path / "runs")["result"]["actions"]
+    assert action["kind"] == "diagnose" and action["needs_person"] and "1800" in action["why"]
+    assert action["log_tail"][-1].startswith(" [2026-12-05 10:00:00] iteration       12")
+    assert any("py-spy dump" in c for c in action["commands"])
+    again = ev.sign(_event("training.stalled", run_id=run.name, iteration=12, silent_s=2400), secret)
+    assert _on_event(again, tmp_path / "runs")["result"]["verdict"] == "duplicate"
+
+
 # ---- end to end: a killed CPU run, one resume, the loss carries on ------------------------------
 def _wait(predicate, timeout: float, what: str):
     end = time.time() + timeout

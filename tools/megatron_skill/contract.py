@@ -171,6 +171,12 @@ def validate_request(tool: str, request: Any) -> dict:
             hint = f"known fields here: {', '.join(known)}" if known else f"see schemas/{tool}.request.json"
         elif "enum" in prop:
             hint = f"one of {prop['enum']}"
+        elif err.validator in ("oneOf", "anyOf") and all(set(alt) == {"required"} for alt in prop[err.validator]):
+            names = [alt["required"][0] for alt in prop[err.validator]]
+            given = [n for n in names if isinstance(err.instance, dict) and n in err.instance]
+            message = (f"give one of {', '.join(names)}" if not given else
+                       f"give only one of {', '.join(names)} (given: {', '.join(given)})")
+            raise ToolError("bad_request", message, where=where, fix=f"see schemas/{tool}.request.json")
         elif err.validator in ("oneOf", "anyOf") and err.absolute_path:
             hint = "give " + " or ".join(_alternative(alt) for alt in prop[err.validator])
         elif err.validator == "type" and "integer" in str(err.validator_value) and isinstance(err.instance, float):
