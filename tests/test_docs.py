@@ -47,11 +47,14 @@ def launcher_option_strings():
     slurm = {"--nodes", "--ntasks-per-node", "--gpus-per-node", "--time", "--partition", "--account", "--output",
              "--job-name", "--exclusive", "--cpus-per-task", "--kill-on-bad-exit", "--wait", "--chdir", "--comment",
              "--set", "--jobid", "--fini", "--program", "--exclude"}  # sbatch, srun, strigger
+    # srun's Pyxis plugin, and apptainer exec
+    containers = {"--container-image", "--container-mounts", "--container-workdir", "--no-container-mount-home",
+                  "--nv", "--bind", "--pwd"}
     import emit_event
 
     emitter = {opt for sub in emit_event.build_parser()._subparsers._group_actions[0].choices.values()
                for a in sub._actions for opt in a.option_strings}
-    return torchrun | slurm | emitter
+    return torchrun | slurm | containers | emitter
 
 
 def test_every_megatron_flag_in_markdown_code_blocks_and_templates_is_known_to_megatrons_parser():

@@ -272,7 +272,7 @@ def test_a_receiver_that_is_down_or_silent_costs_at_most_the_deadline(tmp_path):
 # ---- a rendered script's exit trap ------------------------------------------------------------
 def test_a_rendered_script_reports_its_start_and_its_failure(tmp_path, receiver, secret):
     out = contract.call("render", {"model": "tiny-gpt", "gpu": "h100-sxm", "num_gpus": 1, "dry_run": True,
-                                   "output_dir": str(tmp_path)})["result"]
+                                   "output_dir": str(tmp_path), "skill_home": str(ROOT)})["result"]
     script = tmp_path / "launch.sh"
     script.write_text(out["files"][0]["content"])
     run_dir = tmp_path / "run"

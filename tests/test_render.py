@@ -71,14 +71,24 @@ def test_single_node_script_runs_megatron_args_through_the_entry(tmp_path):
     assert "--no-gradient-accumulation-fusion" in text
 
 
-def test_fp8_plan_uses_te_fp8_where_te_imports_and_the_skills_fp8_linears_elsewhere(tmp_path):
+def _branches(text: str) -> tuple[str, str]:
+    te_branch, local_branch = text.split("IMPL_ARGS=(--transformer-impl transformer_engine")[1].split("else", 1)
+    return te_branch, local_branch.split("\nfi\n")[0]
+
+
+def test_fp8_asked_is_what_runs_te_fp8_where_te_imports_else_a_stop_or_the_skills_layers_when_chosen(tmp_path):
     res, text = _render(tmp_path, model="llama3-8b", num_gpus=8, precision="fp8")
     assert "--fp8-format hybrid" in " ".join(res["megatron_args"])
     assert "--fp8-recipe" in res["megatron_args"]
-    te_branch, local_branch = text.split("IMPL_ARGS=(--transformer-impl transformer_engine")[1].split("else", 1)
+    te_branch, local_branch = _branches(text)
     assert "--fp8-format hybrid --fp8-recipe tensorwise)" in te_branch.splitlines()[0]
-    assert "--skill-fp8-linear" in local_branch and "--fp8-format" not in local_branch
-    assert "exit 5" not in local_branch.split("fi\n")[0]
+    # Planned for TE's FP8: where TE is missing the job stops, naming both ways out.
+    assert "exit 5" in local_branch and "IMPL_ARGS" not in local_branch and "runtime.fp8_linear" in local_branch
+    # The skill's own FP8 layers when the request chose them, saying which layers stay BF16.
+    res, text = _render(tmp_path / "own", model="llama3-8b", num_gpus=8, precision="fp8", runtime={"fp8_linear": True})
+    _, local_branch = _branches(text)
+    assert "--skill-fp8-linear" in local_branch and "--fp8-format" not in local_branch and "exit 5" not in local_branch
+    assert "stay BF16" in local_branch
     assert "MEGATRON_ARGS=(" in text and "--fp8-format" not in text.split("MEGATRON_ARGS=(")[1].split(")")[0]
     _shellcheck(Path(res["files"][0]["path"]))
     # Megatron-LM's own entry has no FP8 path without TE: that script stops with the reason

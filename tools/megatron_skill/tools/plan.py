@@ -90,6 +90,7 @@ def run(req: dict[str, Any], ctx: Context) -> dict[str, Any]:
         "rejected": rejected,
         "assumptions": ASSUMPTIONS,
         "elapsed_s": round(elapsed, 3),
+        "request": req,
     }
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from ..adapter import arguments as megatron_args
 from ..adapter import flags as megatron_flags
-from ..contract import ROOT, Context, Tool
+from ..contract import ROOT, Context, Tool, invoke
 from ..core.flops import padded_vocab_size
 from ..core.layout import RULES, Layout, check_layout
 from ..core.options import RuntimeOptions
@@ -31,7 +31,8 @@ LAUNCHERS = {"torchrun": "torchrun.sh.j2", "torchrun-multinode": "torchrun_multi
              "slurm": "slurm.sbatch.j2"}
 SCRIPT_NAMES = {"torchrun": "launch.sh", "torchrun-multinode": "launch_multinode.sh", "slurm": "launch.sbatch"}
 ENTRY_SCRIPT = ROOT / "tools" / "pretrain_gpt.py"
-EMITTER = ROOT / "tools" / "emit_event.py"  # the job's events (references/events.md)
+# Stands for the run directory where none was given: "$RUN_DIR" in the script (shlex leaves it bare).
+RUN_DIR_MARK = "@RUN_DIR@"
 # #SBATCH lines are read by sbatch, not bash: quoting does not apply, so values must be plain.
 SLURM_SAFE = re.compile(r"^[A-Za-z0-9._:+@-]+$")
 SLURM_PATH = re.compile(r"^/[A-Za-z0-9._/+@-]+$")
@@ -113,6 +114,37 @@ def _layout_from_request(req: dict, model, gpu, n_gpus: int, seq: int, gbs: int)
     return best.layout, best
 
 
+def default_runs_root() -> Path:
+    """Where outputs go when no folder is given: MEGATRON_SKILL_RUNS, else ./runs; never inside
+    the skill's own folder where that cannot be written (an installed skill is often read-only)."""
+    import os
+
+    if os.environ.get("MEGATRON_SKILL_RUNS"):
+        return Path(os.environ["MEGATRON_SKILL_RUNS"])
+    here = Path.cwd().resolve()
+    if here.is_relative_to(ROOT) and not os.access(ROOT, os.W_OK):
+        return Path.home() / "megatron-runs"
+    return Path("runs")
+
+
+def _container(req: dict, launcher: str) -> dict | None:
+    spec = req.get("container")
+    if not spec:
+        return None
+    if launcher != "slurm":
+        raise ToolError("bad_request", f"containers are rendered for Slurm job steps, not for {launcher}",
+                        where="/container", fix="use launcher slurm, or start the torchrun script inside the container")
+    return {"mounts": [], **spec, "command": "singularity" if spec["runtime"] == "singularity" else "apptainer"}
+
+
+def _fp8_local_note(lay: Layout) -> str:
+    """Which layers stay BF16 when FP8 goes through the skill's own linear layers."""
+    if lay.tp > 1:
+        return (f"at TP {lay.tp} every linear layer stays BF16: the skill's FP8 layers are TP 1 only; the "
+                "output layer and embeddings stay BF16")
+    return "attention and MLP linear layers in FP8; the output layer and embeddings stay BF16"
+
+
 def _check_values(req: dict) -> None:
     training = req.get("training") or {}
     if training.get("lr_warmup_iters") is not None and training["lr_warmup_iters"] >= training["train_iters"]:
@@ -183,8 +215,10 @@ def build(req: dict, ctx: Context) -> dict[str, Any]:
                         where="/num_gpus", fix="use a multiple of gpus_per_node")
     gpus_here = 1 if fake is not None else min(per_node, n_gpus)
     run_id = req.get("run_id") or ctx.request_id
-    out_dir = Path(req.get("output_dir") or Path("runs") / run_id)
-    run_dir = req.get("run_dir") or str(out_dir.resolve())
+    out_dir = Path(req.get("output_dir") or default_runs_root() / run_id)
+    # Without a run_dir the job's own working folder holds it (runs/RUN_ID there): the script
+    # carries no path of the machine that rendered it.
+    run_dir = req.get("run_dir") or RUN_DIR_MARK
     training = match_tokenizer(dict(req["training"]), model.vocab_size)
     training.setdefault("vocab_size", model.vocab_size)
     training["save"] = _path(training.get("save") or f"{run_dir}/checkpoints")
@@ -193,12 +227,16 @@ def build(req: dict, ctx: Context) -> dict[str, Any]:
     if training.get("tokenizer_model"):
         training["tokenizer_model"] = _path(training["tokenizer_model"])
     training["tensorboard_dir"] = f"{run_dir}/tensorboard"
+    container = _container(req, launcher)
     argv = (megatron_args.model_args(model, lay.seq_length) + megatron_args.layout_args(lay, model, gpu)
             + megatron_args.training_args(training) + _fake_rank_args(fake, model))
     # Both variants the script may run, with and without Transformer Engine, must parse.  FP8
     # without TE is the skill entry's own linear layers (Megatron-LM's entry has none).
     skill_entry = not req.get("megatron_lm")
-    fp8_local = lay.precision == "fp8" and skill_entry
+    # FP8 through the skill's own layers where TE is missing only when the request chose them
+    # (runtime.fp8_linear, or a plan for local layers); otherwise the job stops: asked is what runs.
+    fp8_local = lay.precision == "fp8" and skill_entry and (
+        (req.get("runtime") or {}).get("fp8_linear") is True or not req["transformer_engine"])
     local = RuntimeOptions.from_request({**(req.get("runtime") or {}), **({"fp8_linear": True} if fp8_local else {})},
                                         te=False)
     local_flags = megatron_args.local_impl_flags(local, skill_entry=skill_entry)
@@ -214,20 +252,25 @@ def build(req: dict, ctx: Context) -> dict[str, Any]:
     context = {
         "run_id": run_id, "label": lay.label(), "model_name": model.name, "gpu": gpu.key, "num_gpus": n_gpus,
         "nodes": nodes, "gpus_per_node": gpus_here, "run_dir": run_dir, "python": req["python"],
+        "skill_home": req.get("skill_home") or "", "megatron_lm": req.get("megatron_lm"), "container": container,
+        "fp8_local_note": _fp8_local_note(lay),
         "entry": entry, "env": env, "arg_lines": _group_args(common_argv), "no_te_flags": local_flags,
         "te_fp8_args": te_fp8, "needs_te": _needs_te(lay, model, gpu), "fp8": lay.precision == "fp8",
         "fp8_local": fp8_local, "parser_check": parser_check, "master_port": req["master_port"],
         "peak_gib": f"{cand.peak_gib:.1f}", "tokens_per_s": f"{cand.tokens_per_s:,.0f}",
         "mfu": f"{cand.mfu:.3f}", "slurm": slurm, "script_name": SCRIPT_NAMES[launcher],
         "fake_rank": fake, "world_size": lay.world_size,
-        "emitter": str(EMITTER), "request_id": ctx.request_id or run_id,
-        # tools/slurm_job_end.sh (a Slurm trigger) finds the run directory here.
-        "slurm_comment": f"megatron-skill:{run_id}:{run_dir}" if SLURM_PATH.match(run_dir) else None,
+        "request_id": ctx.request_id or run_id,
+        # tools/slurm_job_end.sh (a Slurm trigger) finds the run here (without a path: WorkDir/runs/RUN_ID).
+        "slurm_comment": f"megatron-skill:{run_id}" + (f":{run_dir}" if SLURM_PATH.match(run_dir) else ""),
         "layout_json": json.dumps({"tp": lay.tp, "pp": lay.pp, "vp": lay.vp, "cp": lay.cp, "ep": lay.ep, "dp": lay.dp,
                                    "mbs": lay.mbs, "gbs": lay.gbs, "seq_length": lay.seq_length,
                                    "num_gpus": n_gpus, "nodes": nodes}, separators=(",", ":")),
     }
     text = _environment().get_template(LAUNCHERS[launcher]).render(**context)
+    quoted_mark = '"$RUN_DIR"'
+    text = text.replace(RUN_DIR_MARK, quoted_mark).replace("RUN_DIR=${RUN_DIR:-" + quoted_mark + "}",
+                                                           "RUN_DIR=${RUN_DIR:-$PWD/runs/" + run_id + "}")
     script = out_dir / SCRIPT_NAMES[launcher]
     run_cmd = {"torchrun": f"bash {script}", "torchrun-multinode": f"MASTER_ADDR=<host> bash {script}  # on every node",
                "slurm": f"sbatch {script}"}[launcher]
@@ -238,10 +281,10 @@ def build(req: dict, ctx: Context) -> dict[str, Any]:
         "label": lay.label(),
         "prediction": {"peak_gib": round(cand.peak_gib, 2), "tokens_per_s": round(cand.tokens_per_s),
                        "mfu": round(cand.mfu, 4), "transformer_engine": req["transformer_engine"]},
-        "megatron_args": argv,
+        "megatron_args": [a.replace(RUN_DIR_MARK, "$RUN_DIR") for a in argv],
         "parser_check": parser_check,
         "files": [{"path": str(script), "sha256": hashlib.sha256(text.encode()).hexdigest(), "mode": "0755"}],
-        "run_dir": run_dir,
+        "run_dir": run_dir if run_dir != RUN_DIR_MARK else f"runs/{run_id} (in the folder the job starts in)",
         "command": run_cmd,
         **({"fake_rank": fake} if fake is not None else {}),
         "_text": text,
@@ -260,7 +303,50 @@ def _unseen_datasets(req: dict) -> list[str]:
     return [e for e in entries if not is_weight(e) and not (Path(e + ".bin").is_file() and Path(e + ".idx").is_file())]
 
 
+# What render takes from a plan: the fields of the plan request that say what is trained where.
+FROM_PLAN = ("model", "hf_config", "gpu", "num_gpus", "nodes", "gpus_per_node", "seq_length", "global_batch_size",
+             "transformer_engine")
+DEFAULTS = {"gpu": "h100-sxm", "precision": "bf16", "transformer_engine": True}
+DERIVED = ("world_size", "expert_dp", "num_microbatches")
+
+
+def with_plan(req: dict, ctx: Context) -> dict:
+    """The request with what its plan says (a plan answer, or a plan request run here), and the
+    defaults of what neither gives. A field given both ways is a bad request: asked once."""
+    if "plan" not in req:
+        return {**DEFAULTS, **req}
+    given = req["plan"]
+    if given.get("ok") is False:
+        raise ToolError("bad_request", "the plan answer is an error, not a plan", where="/plan",
+                        fix="give a plan answer with plans, or the plan request")
+    answer = given["result"] if isinstance(given.get("result"), dict) else given
+    if "plans" not in answer:
+        request = {k: v for k, v in given.items() if k != "top"}
+        answer = invoke("plan", {**request, "top": req["plan_rank"]}, ctx)
+    if not isinstance(answer.get("request"), dict) or not isinstance(answer.get("plans"), list):
+        raise ToolError("bad_request", "this plan answer does not carry its request and plans", where="/plan",
+                        fix="give the plan request instead (render runs plan), or a whole answer of the plan tool")
+    plans = answer["plans"]
+    if req["plan_rank"] > len(plans):
+        raise ToolError("bad_request", f"the plan has {len(plans)} layout(s), not {req['plan_rank']}",
+                        where="/plan_rank", fix=f"give 1 to {len(plans)}, or plan with a larger top")
+    twice = sorted(k for k in (*FROM_PLAN, "precision", "layout") if k in req)
+    if twice:
+        raise ToolError("bad_request", f"{', '.join(twice)} given and taken from the plan", where="/" + twice[0],
+                        fix="leave them out: the plan says them (or leave the plan out and give them)")
+    chosen = plans[req["plan_rank"] - 1].get("layout") or {}
+    inherited = {k: v for k, v in answer["request"].items() if k in FROM_PLAN}
+    out = {**DEFAULTS, **{k: v for k, v in req.items() if k != "plan"}, **inherited,
+           "precision": chosen.get("precision", "bf16"), "layout": {k: v for k, v in chosen.items() if k not in DERIVED}}
+    # What came from the plan is checked as if it had been given here (an edited answer is input too).
+    from ..contract import validate_request
+
+    validate_request("render", {k: v for k, v in out.items() if k not in ("plan_rank",)})
+    return out
+
+
 def run(req: dict, ctx: Context) -> dict[str, Any]:
+    req = with_plan(req, ctx)
     out = build(req, ctx)
     text = out.pop("_text")
     path = Path(out["files"][0]["path"])

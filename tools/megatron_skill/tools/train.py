@@ -303,7 +303,8 @@ def _plan_gpu_run(req: dict, ctx: Context, run_dir: Path) -> dict[str, Any]:
     # Render's own fields of this request; the script is rendered as a dry run (nothing written)
     # and written here once the run is sure to start.
     sub = {k: v for k, v in req.items() if k in request_fields("render") - {"dry_run", "output_dir", "run_dir"}}
-    sub.update(output_dir=str(run_dir), run_dir=str(run_dir), run_id=ctx.request_id, dry_run=True)
+    sub.update(output_dir=str(run_dir), run_dir=str(run_dir), run_id=ctx.request_id, dry_run=True,
+               skill_home=str(EMITTER.parents[1]))  # the job runs here: the skill's own folder
     if "transformer_engine" not in sub:
         # The run goes here: plan for the layers it will really have (the local ones, with the
         # skill's fused head, take far less memory for the logits than TE's assumed path).

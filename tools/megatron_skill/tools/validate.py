@@ -25,7 +25,7 @@ from ..adapter import described
 from ..adapter import flags as megatron_flags
 from ..adapter import parser as megatron_parser
 from ..adapter import script as script_args
-from ..contract import Context, Tool, invoke
+from ..contract import ROOT, Context, Tool, invoke
 from ..core.catalog import get_gpu
 from ..core.flops import padded_vocab_size
 from ..core.layout import RULES, Layout, broken_rules
@@ -500,6 +500,11 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
     text = read_script(script_path) if script_path else (req.get("script_text") or "")
     fragment = flag_fragment(text) if req.get("args") is None else None
     about: dict[str, Any] = {}
+    skill_home = {}
+    if "MEGATRON_SKILL_HOME" in text and "MEGATRON_SKILL_HOME" not in env:
+        # A script of this skill's reads its folder from the job's environment: read as here.
+        env["MEGATRON_SKILL_HOME"] = str(ROOT)
+        skill_home = {"MEGATRON_SKILL_HOME": "this skill's folder (the job gives its own where it runs)"}
     if req.get("args") is not None:
         launches = [Launch(args=split_arg_strings(req["args"]), world=req.get("num_gpus"), env=env)]
     elif fragment is not None:  # a file or text of flags only (a conf snippet): the flags themselves
@@ -522,7 +527,7 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
     first_launch, first = checked[0]
     out = {"valid": not errors, "errors": errors, "warnings": warnings, "world_size": first_launch.world,
            "layout": first["layout"], "predicted_peak_gib": first["predicted_peak_gib"],
-           "memory": first.get("memory"), "checks": first["checks"], "assumed": first["assumed"],
+           "memory": first.get("memory"), "checks": first["checks"], "assumed": {**first["assumed"], **skill_home},
            "script": {**first_launch.info, **about}, "num_megatron_args": len(first_launch.args)}
     if "fixed_args" in first:
         out["fixed_args"] = first["fixed_args"]
