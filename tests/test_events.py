@@ -272,7 +272,8 @@ def test_a_receiver_that_is_down_or_silent_costs_at_most_the_deadline(tmp_path):
 # ---- a rendered script's exit trap ------------------------------------------------------------
 def test_a_rendered_script_reports_its_start_and_its_failure(tmp_path, receiver, secret):
     out = contract.call("render", {"model": "tiny-gpt", "gpu": "h100-sxm", "num_gpus": 1, "dry_run": True,
-                                   "output_dir": str(tmp_path), "skill_home": str(ROOT)})["result"]
+                                   "output_dir": str(tmp_path), "skill_home": str(ROOT),
+                                   "training": {"mock_data": True}})["result"]
     script = tmp_path / "launch.sh"
     script.write_text(out["files"][0]["content"])
     run_dir = tmp_path / "run"
@@ -308,7 +309,7 @@ def test_an_out_of_memory_failure_yields_a_layout_plan_says_fits_rendered_and_va
     request = {"model": "llama3-8b", "gpu": "h100-sxm", "num_gpus": 8, "seq_length": 8192, "global_batch_size": 64}
     best = contract.call("plan", {**request, "top": 1})["result"]["plans"][0]
     layout = {k: v for k, v in best["layout"].items() if k not in ("world_size", "expert_dp", "num_microbatches")}
-    train_request = {**request, "layout": layout, "runs_root": str(tmp_path / "runs")}
+    train_request = {**request, "layout": layout, "runs_root": str(tmp_path / "runs"), "training": {"mock_data": True}}
     run = _run_dir(tmp_path, "oom0123456789abcd")
     (run / "request.json").write_text(json.dumps(train_request))
     (run / "state.json").write_text(json.dumps({"status": "failed", "gpu": "h100-sxm", "cwd": str(tmp_path)}))

@@ -62,8 +62,12 @@ def test_single_node_script_runs_megatron_args_through_the_entry(tmp_path):
     if res["layout"]["tp"] > 1:
         assert "--sequence-parallel" in res["megatron_args"] and "CUDA_DEVICE_MAX_CONNECTIONS" in text
     for flag in ["--no-masked-softmax-fusion", "--no-persist-layer-norm",
-                 "--no-rope-fusion", "--log-throughput", "--mock-data"]:
+                 "--no-rope-fusion", "--log-throughput"]:
         assert flag in text
+    # No data given: the job's DATA_PATH and TOKENIZER_MODEL, checked where the job runs; mock data only when asked.
+    assert '--data-path "$DATA_PATH"' in text and '"$DATA_PATH.bin"' in text and "--mock-data" not in text
+    _, mock = _render(tmp_path / "mock", model="llama3-8b", num_gpus=8, training={"mock_data": True})
+    assert "--mock-data" in mock and "DATA_PATH" not in mock
     # the entry script stands in for apex's gradient-accumulation kernel: Megatron's fusion stays on
     assert "--no-gradient-accumulation-fusion" not in text
     _, text = _render(tmp_path / "unfused", model="llama3-8b", num_gpus=8, seq_length=8192, global_batch_size=128,

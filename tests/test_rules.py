@@ -26,7 +26,7 @@ def test_context_parallel_without_te_is_refused_everywhere(tmp_path):
     assert render["error"]["code"] == "infeasible" and "cp_needs_te" in render["error"]["message"]
     train = call("train", {"model": "llama3-8b", "num_gpus": 8, "backend": "gpu", "gpu": "h200",
                            "transformer_engine": False, "layout": {"tp": 2, "cp": 2}, "dry_run": True,
-                           "runs_root": str(tmp_path / "runs")})
+                           "runs_root": str(tmp_path / "runs"), "training": {"mock_data": True}})
     assert not train["ok"] and "cp_needs_te" in train["error"]["message"], train
     valid = call("validate", {"args": LOCAL_ARGS, "num_gpus": 8, "gpu": "h100-sxm"})
     assert "cp_needs_te" in [f["code"] for f in valid["result"]["errors"]]
@@ -104,7 +104,8 @@ def test_a_script_whose_layout_needs_te_stops_where_te_is_missing(tmp_path):
     import sys
 
     env = call("render", {"model": "llama3-8b", "gpu": "h100-sxm", "num_gpus": 8, "layout": {"tp": 2, "cp": 2},
-                          "python": sys.executable, "output_dir": str(tmp_path), "run_dir": str(tmp_path / "run")})
+                          "python": sys.executable, "output_dir": str(tmp_path), "run_dir": str(tmp_path / "run"),
+                          "training": {"mock_data": True}})
     assert env["ok"], env
     script = env["result"]["files"][0]["path"]
     proc = subprocess.run(["bash", script], capture_output=True, text=True, timeout=120,

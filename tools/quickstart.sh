@@ -16,7 +16,7 @@ echo "quickstart: plan and render Llama-3 8B for 8 x H100 (seq 8192); then train
 if "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
   echo "quickstart: a GPU is here: training Llama-3.2 1B for 20 steps on mock data" >&2
   "$PY" tools/launch.py train --model llama3.2-1b --seq-length 4096 --global-batch-size 16 --runs-root "$OUT/runs" \
-    --training '{"train_iters": 20, "log_interval": 5, "checkpoint": false, "eval_iters": 0}' > "$OUT/train.json"
+    --training '{"train_iters": 20, "log_interval": 5, "checkpoint": false, "eval_iters": 0, "mock_data": true}' > "$OUT/train.json"
 else
   # Real text: the sample corpus made in this repo, tokenized byte-level by prepare-data.
   echo "quickstart: no GPU here: training the catalog's tiny-gpt (a real Megatron-Core GPTModel) on CPU for 20 steps, on the sample corpus" >&2

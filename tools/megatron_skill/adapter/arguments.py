@@ -6,6 +6,7 @@ Megatron's own parser (megatron.training.arguments).
 """
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from ..core.catalog import GPUSpec
@@ -150,6 +151,15 @@ def layout_args(lay: Layout, model: ModelConfig, gpu: GPUSpec | None = None) -> 
     return [str(x) for x in a]
 
 
+def job_variable(name: str) -> str:
+    """An argument a launch script takes from the job's environment: a mark that render writes
+    as "$NAME" (shlex.quote leaves it bare, so it survives quoting)."""
+    return f"@{name}@"
+
+
+JOB_VARIABLE = re.compile(r"@([A-Z_]+)@")
+
+
 def training_args(settings: dict[str, Any]) -> list[str]:
     """Optimizer, schedule, data, logging and checkpointing flags from render/train settings."""
     s = settings
@@ -172,8 +182,11 @@ def training_args(settings: dict[str, Any]) -> list[str]:
             a += ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", s["tokenizer_model"]]
         else:
             a += ["--tokenizer-type", "NullTokenizer", "--vocab-size", s["vocab_size"]]
-    else:
+    elif s.get("mock_data"):
         a += ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", s["vocab_size"]]
+    else:  # the job's environment says where the data is (a launch script's DATA_PATH, TOKENIZER_MODEL)
+        a += ["--data-path", job_variable("DATA_PATH"), "--split", s.get("split", "99,1,0"),
+              "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", job_variable("TOKENIZER_MODEL")]
     if s.get("save") and s.get("checkpoint", True):
         a += ["--save", s["save"], "--load", s["save"], "--save-interval", s["save_interval"],
               "--ckpt-format", "torch_dist"]

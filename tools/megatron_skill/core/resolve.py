@@ -62,3 +62,19 @@ def default_seq_length(model: ModelConfig) -> int:
 def default_global_batch(seq_length: int) -> int:
     """About 4M tokens a step (the Llama 3 and DeepSeek-V3 regime), as a power of two."""
     return 2 ** round(math.log2(max(1, 4 * 2**20 // seq_length)))
+
+
+def training_defaults(model, train_iters: int) -> dict[str, Any]:
+    """Learning rate, its floor and warm-up, weight decay and init std for a model of this size
+    (core/catalog/training_defaults.json, a source per row). Warm-up is the recipe's, or a tenth
+    of a shorter run; the fields a request gives replace these."""
+    table = catalog._load("training_defaults.json")
+    if model.is_moe:
+        row = table["moe"]
+    else:
+        size_b = model.total_params() / 1e9
+        row = next(r for r in table["dense"] if r["up_to_params_b"] is None or size_b <= r["up_to_params_b"])
+    std = table["init_method_std"]
+    init = min(std["at_most"], std["anchor_std"] * math.sqrt(std["anchor_hidden"] / model.hidden_size))
+    return {"lr": row["lr"], "min_lr": row["min_lr"], "lr_warmup_iters": min(row["warmup_iters"], train_iters // 10),
+            "weight_decay": table["weight_decay"]["value"], "init_method_std": round(init, 4)}

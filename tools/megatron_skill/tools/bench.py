@@ -106,7 +106,11 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
     if gpu is None:
         gpu = get_gpu("h100-sxm")
     iters = req["warmup_iters"] + req["timed_iters"]
-    training = {**req.get("training", {}), "train_iters": iters, "log_interval": 1, "log_memory_interval": 1,
+    # Mock data unless the request gives its own: a benchmark measures speed and memory.
+    given = req.get("training", {})
+    training = {**given, "mock_data": bool(given.get("mock_data") or not given.get("data_path")), "train_iters": iters,
+                "log_interval": 1,
+                "log_memory_interval": 1,
                 "checkpoint": False, "eval_iters": 0, "eval_interval": iters + 1, "lr_warmup_iters": 1}
     # The run itself is train's, asked through the contract like any caller would.
     treq = {k: v for k, v in req.items() if k in request_fields("train") - {"dry_run"}}

@@ -21,7 +21,14 @@ from ..core.flops import padded_vocab_size
 from ..core.layout import RULES, Layout, check_layout
 from ..core.options import RuntimeOptions
 from ..core.planner import predict, rank, search
-from ..core.resolve import DEFAULT_TRAIN_ITERS, default_global_batch, default_seq_length, resolve_cluster, resolve_model
+from ..core.resolve import (
+    DEFAULT_TRAIN_ITERS,
+    default_global_batch,
+    default_seq_length,
+    resolve_cluster,
+    resolve_model,
+    training_defaults,
+)
 from ..errors import ToolError
 from ..locks import write_atomic
 from .prepare_data import match_tokenizer
@@ -31,8 +38,7 @@ LAUNCHERS = {"torchrun": "torchrun.sh.j2", "torchrun-multinode": "torchrun_multi
              "slurm": "slurm.sbatch.j2"}
 SCRIPT_NAMES = {"torchrun": "launch.sh", "torchrun-multinode": "launch_multinode.sh", "slurm": "launch.sbatch"}
 ENTRY_SCRIPT = ROOT / "tools" / "pretrain_gpt.py"
-# Stands for the run directory where none was given: "$RUN_DIR" in the script (shlex leaves it bare).
-RUN_DIR_MARK = "@RUN_DIR@"
+RUN_DIR_MARK = megatron_args.job_variable("RUN_DIR")  # no run_dir given: the script's own $RUN_DIR
 # #SBATCH lines are read by sbatch, not bash: quoting does not apply, so values must be plain.
 SLURM_SAFE = re.compile(r"^[A-Za-z0-9._:+@-]+$")
 SLURM_PATH = re.compile(r"^/[A-Za-z0-9._/+@-]+$")
@@ -137,6 +143,19 @@ def _container(req: dict, launcher: str) -> dict | None:
     return {"mounts": [], **spec, "command": "singularity" if spec["runtime"] == "singularity" else "apptainer"}
 
 
+def _data_checks(training: dict) -> list[str]:
+    """The files the job checks for where it runs (shell words): each dataset's .bin and .idx, the
+    tokenizer folder; from the job's environment when the request gives no data."""
+    from .prepare_data import is_weight
+
+    if training.get("mock_data"):
+        return []
+    if not training.get("data_path"):
+        return ['"$DATA_PATH.bin"', '"$DATA_PATH.idx"', '"$TOKENIZER_MODEL"']
+    words = [_quote(p + ext) for p in training["data_path"] if not is_weight(p) for ext in (".bin", ".idx")]
+    return words + ([_quote(training["tokenizer_model"])] if training.get("tokenizer_model") else [])
+
+
 def _fp8_local_note(lay: Layout) -> str:
     """Which layers stay BF16 when FP8 goes through the skill's own linear layers."""
     if lay.tp > 1:
@@ -219,7 +238,8 @@ def build(req: dict, ctx: Context) -> dict[str, Any]:
     # Without a run_dir the job's own working folder holds it (runs/RUN_ID there): the script
     # carries no path of the machine that rendered it.
     run_dir = req.get("run_dir") or RUN_DIR_MARK
-    training = match_tokenizer(dict(req["training"]), model.vocab_size)
+    training = match_tokenizer({**training_defaults(model, req["training"]["train_iters"]), **req["training"]},
+                               model.vocab_size)
     training.setdefault("vocab_size", model.vocab_size)
     training["save"] = _path(training.get("save") or f"{run_dir}/checkpoints")
     if training.get("data_path"):
@@ -253,7 +273,8 @@ def build(req: dict, ctx: Context) -> dict[str, Any]:
         "run_id": run_id, "label": lay.label(), "model_name": model.name, "gpu": gpu.key, "num_gpus": n_gpus,
         "nodes": nodes, "gpus_per_node": gpus_here, "run_dir": run_dir, "python": req["python"],
         "skill_home": req.get("skill_home") or "", "megatron_lm": req.get("megatron_lm"), "container": container,
-        "fp8_local_note": _fp8_local_note(lay),
+        "fp8_local_note": _fp8_local_note(lay), "data_checks": _data_checks(training),
+        "data_from_env": not training.get("data_path") and not training.get("mock_data"),
         "entry": entry, "env": env, "arg_lines": _group_args(common_argv), "no_te_flags": local_flags,
         "te_fp8_args": te_fp8, "needs_te": _needs_te(lay, model, gpu), "fp8": lay.precision == "fp8",
         "fp8_local": fp8_local, "parser_check": parser_check, "master_port": req["master_port"],
@@ -268,9 +289,8 @@ def build(req: dict, ctx: Context) -> dict[str, Any]:
                                    "num_gpus": n_gpus, "nodes": nodes}, separators=(",", ":")),
     }
     text = _environment().get_template(LAUNCHERS[launcher]).render(**context)
-    quoted_mark = '"$RUN_DIR"'
-    text = text.replace(RUN_DIR_MARK, quoted_mark).replace("RUN_DIR=${RUN_DIR:-" + quoted_mark + "}",
-                                                           "RUN_DIR=${RUN_DIR:-$PWD/runs/" + run_id + "}")
+    text = megatron_args.JOB_VARIABLE.sub(r'"$\1"', text).replace('RUN_DIR=${RUN_DIR:-"$RUN_DIR"}',
+                                                                   "RUN_DIR=${RUN_DIR:-$PWD/runs/" + run_id + "}")
     script = out_dir / SCRIPT_NAMES[launcher]
     run_cmd = {"torchrun": f"bash {script}", "torchrun-multinode": f"MASTER_ADDR=<host> bash {script}  # on every node",
                "slurm": f"sbatch {script}"}[launcher]
@@ -281,7 +301,7 @@ def build(req: dict, ctx: Context) -> dict[str, Any]:
         "label": lay.label(),
         "prediction": {"peak_gib": round(cand.peak_gib, 2), "tokens_per_s": round(cand.tokens_per_s),
                        "mfu": round(cand.mfu, 4), "transformer_engine": req["transformer_engine"]},
-        "megatron_args": [a.replace(RUN_DIR_MARK, "$RUN_DIR") for a in argv],
+        "megatron_args": [megatron_args.JOB_VARIABLE.sub(r"$\1", a) for a in argv],
         "parser_check": parser_check,
         "files": [{"path": str(script), "sha256": hashlib.sha256(text.encode()).hexdigest(), "mode": "0755"}],
         "run_dir": run_dir if run_dir != RUN_DIR_MARK else f"runs/{run_id} (in the folder the job starts in)",

@@ -123,6 +123,13 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
         req = {**req, "num_gpus": max(1, gpu_count_and_name()[0])}
     req = {**req, "training": {**req["training"], "train_iters": req["training"].get("train_iters")
                                or DEFAULT_TRAIN_ITERS[backend]}}
+    # A CPU run is a trial of a tiny model: Megatron's mock data unless it is given data. A GPU run
+    # is training: its data is asked for, or mock data by name.
+    if backend == "gpu" and not req["training"].get("data_path") and not req["training"].get("mock_data"):
+        raise ToolError("bad_request", "no training data given for a GPU run", where="/training",
+                        fix="give training.data_path (prepare-data makes a dataset from JSONL) with "
+                            "training.tokenizer_model, or training.mock_data true for Megatron's mock data (trials, "
+                            "benchmarks)")
     run_id = ctx.request_id
     runs_root = Path(req["runs_root"])
     if runs_root.exists() and not runs_root.is_dir():
