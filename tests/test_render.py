@@ -85,7 +85,7 @@ def test_fp8_asked_is_what_runs_te_fp8_where_te_imports_else_a_stop_or_the_skill
     assert "--fp8-format hybrid" in " ".join(res["megatron_args"])
     assert "--fp8-recipe" in res["megatron_args"]
     te_branch, local_branch = _branches(text)
-    assert "--fp8-format hybrid --fp8-recipe tensorwise)" in te_branch.splitlines()[0]
+    assert "--fp8-format hybrid --fp8-recipe tensorwise --tp-comm-overlap)" in te_branch.splitlines()[0]
     # Planned for TE's FP8: where TE is missing the job stops, naming both ways out.
     assert "exit 5" in local_branch and "IMPL_ARGS" not in local_branch and "runtime.fp8_linear" in local_branch
     # The skill's own FP8 layers when the request chose them, saying which layers stay BF16.
@@ -299,3 +299,19 @@ def test_fake_rank_outside_the_layout_or_under_slurm_is_refused(tmp_path):
     assert not env["ok"] and env["error"]["fix"] == "give an integer >= 0 or one of ['first-stage', 'last-stage']"
     env = call("render", {**base, "fake_rank": 0, "launcher": "slurm"})
     assert not env["ok"] and env["error"]["where"] == "/launcher"
+
+
+def test_tp_communication_overlap_only_where_te_runs_tp_with_sequence_parallelism_inside_nvlink(tmp_path):
+    from megatron_skill.adapter import arguments
+    from megatron_skill.core.catalog import get_gpu
+    from megatron_skill.core.layout import Layout
+
+    h100 = get_gpu("h100-sxm")
+    assert arguments.te_only_args(Layout(tp=4, sequence_parallel=True), h100, False) == ["--tp-comm-overlap"]
+    assert arguments.te_only_args(Layout(tp=1), h100, False) == []
+    assert arguments.te_only_args(Layout(tp=16, sequence_parallel=True), h100, False) == []  # beyond one node
+    assert arguments.te_only_args(Layout(tp=4, sequence_parallel=True), h100, True) == []    # one fake rank
+    res, text = _render(tmp_path, model="llama3-70b", num_gpus=64, layout={"tp": 8, "pp": 2, "mbs": 1})
+    te_branch, local_branch = _branches(text)
+    assert "--tp-comm-overlap" in te_branch.splitlines()[0] and "--tp-comm-overlap" not in local_branch
+    assert "--tp-comm-overlap" not in res["megatron_args"]  # the vector both branches share

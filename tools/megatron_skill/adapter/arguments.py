@@ -29,6 +29,16 @@ def no_te_flags_needed(skill_entry: bool) -> list[str]:
 TE_FP8_FLAGS = ("--fp8-format", "--fp8-recipe")
 
 
+def te_only_args(lay: Layout, gpu: GPUSpec, fake_rank: bool) -> list[str]:
+    """Flags for Transformer Engine's layers only: tensor-parallel communication overlapped with
+    the GEMMs (TE's userbuffers: Megatron asserts sequence parallelism; the buffers are shared
+    through NVLink, so every TP rank must sit in one NVLink domain). references/parallelism-guide.md,
+    "TP communication overlap", says where it comes from."""
+    if lay.tp > 1 and lay.sequence_parallel and lay.tp <= gpu.nvlink_domain and not fake_rank:
+        return ["--tp-comm-overlap"]
+    return []
+
+
 def split_te_fp8(argv: list[str]) -> tuple[list[str], list[str]]:
     """(argv without Transformer Engine's FP8 flags, those flags with their values): a script
     passes them only when TE imports; without it FP8 is the skill entry's own linear layers."""

@@ -261,8 +261,10 @@ def build(req: dict, ctx: Context) -> dict[str, Any]:
                                         te=False)
     local_flags = megatron_args.local_impl_flags(local, skill_entry=skill_entry)
     common_argv, te_fp8 = megatron_args.split_te_fp8(argv)
-    parser_check = megatron_flags.check(argv + ["--transformer-impl", "local"] + local_flags,
+    te_args = te_fp8 + megatron_args.te_only_args(lay, gpu, fake is not None)
+    parser_check = megatron_flags.check(common_argv + ["--transformer-impl", "local"] + local_flags,
                                         world_size=lay.world_size)
+    megatron_flags.check(common_argv + ["--transformer-impl", "transformer_engine"] + te_args, world_size=lay.world_size)
     env = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if (lay.tp > 1 or lay.cp > 1) else {}
     env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     env.update(req.get("env") or {})
@@ -276,7 +278,7 @@ def build(req: dict, ctx: Context) -> dict[str, Any]:
         "fp8_local_note": _fp8_local_note(lay), "data_checks": _data_checks(training),
         "data_from_env": not training.get("data_path") and not training.get("mock_data"),
         "entry": entry, "env": env, "arg_lines": _group_args(common_argv), "no_te_flags": local_flags,
-        "te_fp8_args": te_fp8, "needs_te": _needs_te(lay, model, gpu), "fp8": lay.precision == "fp8",
+        "te_args": te_args, "needs_te": _needs_te(lay, model, gpu), "fp8": lay.precision == "fp8",
         "fp8_local": fp8_local, "parser_check": parser_check, "master_port": req["master_port"],
         "peak_gib": f"{cand.peak_gib:.1f}", "tokens_per_s": f"{cand.tokens_per_s:,.0f}",
         "mfu": f"{cand.mfu:.3f}", "slurm": slurm, "script_name": SCRIPT_NAMES[launcher],
