@@ -311,7 +311,7 @@ def test_tp_communication_overlap_only_where_te_runs_tp_with_sequence_parallelis
     assert arguments.te_only_args(Layout(tp=1), h100, False) == []
     assert arguments.te_only_args(Layout(tp=16, sequence_parallel=True), h100, False) == []  # beyond one node
     assert arguments.te_only_args(Layout(tp=4, sequence_parallel=True), h100, True) == []    # one fake rank
-    res, text = _render(tmp_path, model="llama3-70b", num_gpus=64, layout={"tp": 8, "pp": 2, "mbs": 1})
+    res, text = _render(tmp_path, model="llama3-70b", num_gpus=64, layout={"tp": 8, "pp": 2, "mbs": 1}, launcher="slurm")
     te_branch, local_branch = _branches(text)
     assert "--tp-comm-overlap" in te_branch.splitlines()[0] and "--tp-comm-overlap" not in local_branch
     assert "--tp-comm-overlap" not in res["megatron_args"]  # the vector both branches share
