@@ -315,3 +315,58 @@ def test_tp_communication_overlap_only_where_te_runs_tp_with_sequence_parallelis
     te_branch, local_branch = _branches(text)
     assert "--tp-comm-overlap" in te_branch.splitlines()[0] and "--tp-comm-overlap" not in local_branch
     assert "--tp-comm-overlap" not in res["megatron_args"]  # the vector both branches share
+
+
+# ---- Kubernetes ---------------------------------------------------------------------------------
+def _pod_template_validator():
+    """Kubernetes' own strict schema of a PodTemplateSpec (kubernetes-validate ships them), offline."""
+    import jsonschema
+    import kubernetes_validate.utils as kv
+
+    version = "1.33.0"
+    schema = kv.schema_contents(f"kubernetes-json-schema/v{version}-local-strict/podtemplatespec-v1.json", version)
+    definitions = kv.schema_contents(f"kubernetes-json-schema/v{version}-local-strict/_definitions.json", version)
+    from referencing import Registry, Resource
+    from referencing.jsonschema import DRAFT7
+
+    registry = Registry().with_resource("_definitions.json", Resource.from_contents(definitions,
+                                                                                   default_specification=DRAFT7))
+    return jsonschema.Draft7Validator(schema, registry=registry)
+
+
+def test_the_kubernetes_manifest_validates_against_the_operator_and_kubernetes_schemas(tmp_path):
+    import jsonschema
+    import yaml
+
+    res, text = _render(tmp_path, model="llama3-70b", gpu="h100-sxm", num_gpus=128, precision="fp8",
+                        launcher="kubernetes", kubernetes={"namespace": "llm", "volume_claim": "shared-fs"})
+    job = yaml.safe_load(text)
+    crd = json.loads((ROOT / "tests" / "fixtures" / "k8s" / "pytorchjob-v1.schema.json").read_text())
+    errors = list(jsonschema.Draft7Validator(crd).iter_errors(job))
+    assert not errors, errors[0].message
+    specs = job["spec"]["pytorchReplicaSpecs"]
+    assert specs["Master"]["replicas"] + specs["Worker"]["replicas"] == 16 and job["spec"]["nprocPerNode"] == "8"
+    pods = _pod_template_validator()
+    for role in ("Master", "Worker"):
+        errors = sorted(pods.iter_errors(specs[role]["template"]), key=lambda e: list(e.path))
+        assert not errors, f"{role}: /{'/'.join(map(str, errors[0].path))}: {errors[0].message}"
+    pod = specs["Worker"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["name"] == "pytorch" and container["resources"]["limits"]["nvidia.com/gpu"] == 8
+    assert container["resources"]["limits"]["rdma/rdma_shared_device_a"] == 1
+    assert {v["name"] for v in pod["volumes"]} == {"shared", "dshm"}
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env["DATA_PATH"] == "" and env["MEGATRON_SKILL_HOME"] == "/workspace/megatron-core-training"
+    assert str(ROOT) not in text  # nothing of the machine that rendered it
+    # The pods' job step is a bash script like any other: shellcheck and validate read it.
+    step = tmp_path / "step.sh"
+    step.write_text("#!/usr/bin/env bash\n" + container["args"][0])
+    _shellcheck(step)
+    checked = call("validate", {"script": str(step), "gpu": "h100-sxm", "num_gpus": 128,
+                                "env": {**env, "MEGATRON_SKILL_HOME": str(ROOT)}})  # the pod's environment
+    assert checked["ok"] and checked["result"]["valid"], checked
+    launches = checked["result"].get("launches") or [checked["result"]]
+    assert launches and all(la["valid"] and la["world_size"] == 128 for la in launches)  # both branches of the TE probe
+    # A broken manifest is caught: the schemas are not a formality.
+    specs["Worker"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] = [8]
+    assert list(pods.iter_errors(specs["Worker"]["template"]))

@@ -35,8 +35,9 @@ from .prepare_data import match_tokenizer
 
 TEMPLATES = ROOT / "templates"
 LAUNCHERS = {"torchrun": "torchrun.sh.j2", "torchrun-multinode": "torchrun_multinode.sh.j2",
-             "slurm": "slurm.sbatch.j2"}
-SCRIPT_NAMES = {"torchrun": "launch.sh", "torchrun-multinode": "launch_multinode.sh", "slurm": "launch.sbatch"}
+             "slurm": "slurm.sbatch.j2", "kubernetes": "kubernetes.yaml.j2"}
+SCRIPT_NAMES = {"torchrun": "launch.sh", "torchrun-multinode": "launch_multinode.sh", "slurm": "launch.sbatch",
+                "kubernetes": "pytorchjob.yaml"}
 ENTRY_SCRIPT = ROOT / "tools" / "pretrain_gpt.py"
 RUN_DIR_MARK = megatron_args.job_variable("RUN_DIR")  # no run_dir given: the script's own $RUN_DIR
 # #SBATCH lines are read by sbatch, not bash: quoting does not apply, so values must be plain.
@@ -70,6 +71,7 @@ def _environment():
                              keep_trailing_newline=True, autoescape=False)
     env.filters["q"] = _quote
     env.filters["comment"] = _comment
+    env.filters["yq"] = lambda v: json.dumps(str(v))  # a YAML double-quoted scalar
     return env
 
 
@@ -141,6 +143,26 @@ def _container(req: dict, launcher: str) -> dict | None:
         raise ToolError("bad_request", f"containers are rendered for Slurm job steps, not for {launcher}",
                         where="/container", fix="use launcher slurm, or start the torchrun script inside the container")
     return {"mounts": [], **spec, "command": "singularity" if spec["runtime"] == "singularity" else "apptainer"}
+
+
+def _schema_defaults(name: str) -> dict:
+    """The defaults schemas/common.json gives an options object (every field, None where it has none)."""
+    props = json.loads((ROOT / "schemas" / "common.json").read_text())["$defs"][name]["properties"]
+    return {k: p.get("default") for k, p in props.items()}
+
+
+def _k8s_context(context: dict, k8s: dict, run_id: str, nodes: int, req: dict, training: dict) -> dict:
+    """What the PyTorchJob template needs: the pods' environment, and the job step (the same checks
+    and Megatron vector as every launcher) that each pod runs."""
+    env = [("RUN_ID", run_id), ("RUN_DIR", context["run_dir"]), ("PYTHON", req["python"]),
+           ("MEGATRON_SKILL_HOME", context["skill_home"])]
+    if context["data_from_env"]:  # the two values a user fills in (the step says so when they are empty)
+        env += [("DATA_PATH", ""), ("TOKENIZER_MODEL", "")]
+    env += list(context["env"].items())
+    step = _environment().get_template("kubernetes_step.sh.j2").render(**context)
+    step = megatron_args.JOB_VARIABLE.sub(r'"$\1"', step)
+    return {"k8s": k8s, "k8s_name": f"megatron-{run_id[:8].lower()}", "pod_env": env, "step": step.rstrip("\n"),
+            "roles": [(role, n) for role, n in (("Master", 1), ("Worker", nodes - 1)) if n > 0]}
 
 
 def _data_checks(training: dict) -> list[str]:
@@ -235,6 +257,13 @@ def build(req: dict, ctx: Context) -> dict[str, Any]:
     gpus_here = 1 if fake is not None else min(per_node, n_gpus)
     run_id = req.get("run_id") or ctx.request_id
     out_dir = Path(req.get("output_dir") or default_runs_root() / run_id)
+    k8s = {**_schema_defaults("kubernetes"), **(req.get("kubernetes") or {})} if launcher == "kubernetes" else None
+    if req.get("kubernetes") and not k8s:
+        raise ToolError("bad_request", "kubernetes options belong to launcher kubernetes", where="/kubernetes",
+                        fix="use launcher kubernetes, or leave kubernetes out")
+    if k8s:  # every pod sees the claim: the run directory and the skill's folder live there
+        req = {"run_dir": f"{k8s['mount_path']}/runs/{run_id}",
+               "skill_home": f"{k8s['mount_path']}/megatron-core-training", **req}
     # Without a run_dir the job's own working folder holds it (runs/RUN_ID there): the script
     # carries no path of the machine that rendered it.
     run_dir = req.get("run_dir") or RUN_DIR_MARK
@@ -290,12 +319,14 @@ def build(req: dict, ctx: Context) -> dict[str, Any]:
                                    "mbs": lay.mbs, "gbs": lay.gbs, "seq_length": lay.seq_length,
                                    "num_gpus": n_gpus, "nodes": nodes}, separators=(",", ":")),
     }
+    if k8s:
+        context.update(_k8s_context(context, k8s, run_id, nodes, req, training))
     text = _environment().get_template(LAUNCHERS[launcher]).render(**context)
     text = megatron_args.JOB_VARIABLE.sub(r'"$\1"', text).replace('RUN_DIR=${RUN_DIR:-"$RUN_DIR"}',
                                                                    "RUN_DIR=${RUN_DIR:-$PWD/runs/" + run_id + "}")
     script = out_dir / SCRIPT_NAMES[launcher]
     run_cmd = {"torchrun": f"bash {script}", "torchrun-multinode": f"MASTER_ADDR=<host> bash {script}  # on every node",
-               "slurm": f"sbatch {script}"}[launcher]
+               "slurm": f"sbatch {script}", "kubernetes": f"kubectl apply -f {script}"}[launcher]
     return {
         "run_id": run_id,
         "launcher": launcher,
@@ -305,7 +336,8 @@ def build(req: dict, ctx: Context) -> dict[str, Any]:
                        "mfu": round(cand.mfu, 4), "transformer_engine": req["transformer_engine"]},
         "megatron_args": [megatron_args.JOB_VARIABLE.sub(r"$\1", a) for a in argv],
         "parser_check": parser_check,
-        "files": [{"path": str(script), "sha256": hashlib.sha256(text.encode()).hexdigest(), "mode": "0755"}],
+        "files": [{"path": str(script), "sha256": hashlib.sha256(text.encode()).hexdigest(),
+                   "mode": "0644" if launcher == "kubernetes" else "0755"}],
         "run_dir": run_dir if run_dir != RUN_DIR_MARK else f"runs/{run_id} (in the folder the job starts in)",
         "command": run_cmd,
         **({"fake_rank": fake} if fake is not None else {}),
@@ -381,11 +413,11 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
                         fix="choose another output_dir (the file is left as it is)")
     if ctx.dry_run:
         out["dry_run"] = True
-        out["actions"] = [f"mkdir -p {path.parent}", f"write {path} ({len(text)} bytes, mode 0755)"]
+        out["actions"] = [f"mkdir -p {path.parent}", f"write {path} ({len(text)} bytes, mode {out['files'][0]['mode']})"]
         out["files"][0]["content"] = text
         return out
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, text, mode=0o755)  # a reader never sees half a script
+    write_atomic(path, text, mode=0o644 if out["launcher"] == "kubernetes" else 0o755)  # never half a script
     ctx.progress(f"render: wrote {path} ({out['label']})")
     return out
 

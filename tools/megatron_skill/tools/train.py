@@ -116,6 +116,10 @@ def stream(cmd: list[str], log_path: Path | None, ctx: Context, seq: int | None,
 
 def run(req: dict, ctx: Context) -> dict[str, Any]:
     given = req
+    if req["launcher"] not in ("torchrun", "slurm"):
+        raise ToolError("bad_request", f"train runs jobs from here (torchrun on this machine, or sbatch); "
+                        f"{req['launcher']} is started elsewhere", where="/launcher",
+                        fix="render the script or manifest and start it where it runs (render's command says how)")
     backend = _backend(req)
     req = {**req, "python": req.get("python") or sys.executable}
     _check_runtime(req, backend)
