@@ -370,3 +370,101 @@ def test_the_kubernetes_manifest_validates_against_the_operator_and_kubernetes_s
     # A broken manifest is caught: the schemas are not a formality.
     specs["Worker"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] = [8]
     assert list(pods.iter_errors(specs["Worker"]["template"]))
+
+
+@pytest.mark.slow
+@pytest.mark.slurm
+@pytest.mark.xdist_group("slurm")
+def test_plan_to_an_ngc_slurm_script_that_needs_only_image_data_and_tokenizer_runs_under_slurm(tmp_path, slurm):
+    """Llama 3 70B in FP8 on 128 H100s in NVIDIA's container, from plan to sbatch in one step. No
+    container runtime here: the srun container options are taken out, the rest runs as rendered
+    on the one-node test cluster (--nodes=1 on the command line)."""
+    from tokenizers import Tokenizer, models
+
+    data = tmp_path / "data" / "corpus"
+    assert call("prepare-data", {"input": [str(ROOT / "data" / "sample" / "corpus.jsonl")],
+                                 "output_prefix": str(data)})["ok"]
+    tokenizer = tmp_path / "tokenizer"
+    tokenizer.mkdir()
+    Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]")).save(str(tokenizer / "tokenizer.json"))
+    work = tmp_path / "submit"
+    work.mkdir()
+    env = {**os.environ, "MEGATRON_SKILL_HOME": str(ROOT), "DATA_PATH": str(data), "TOKENIZER_MODEL": str(tokenizer),
+           "PYTHON": sys.executable, "MEGATRON_SKILL_ENTRY": str(ROOT / "tests" / "argv_probe.py"), "OMP_NUM_THREADS": "1"}
+
+    def job(precision: str, port: int):
+        plan = call("plan", {"model": "llama3-70b", "gpu": "h100-sxm", "num_gpus": 128, "seq_length": 8192,
+                             "precision": precision, "top": 1})
+        out = call("render", {"plan": plan, "launcher": "slurm", "container": {"runtime": "pyxis"},
+                              "output_dir": str(tmp_path / precision),
+                              "slurm": {"gpus": False, "exclusive": False, "time": "00:10:00"}})
+        assert out["ok"], out
+        script = Path(out["result"]["files"][0]["path"])
+        text = script.read_text()
+        assert str(ROOT) not in text and str(tmp_path) not in text  # no path of the machine that rendered it
+        assert "nvcr.io/nvidia/pytorch:26.01-py3" in text and out["result"]["layout"] == plan["result"]["plans"][0]["layout"]
+        script.write_text(text.replace('"${CONTAINER[@]}" ', ""))
+        proc = subprocess.run(["sbatch", "--wait", "--nodes=1", f"--chdir={work}", str(script)], capture_output=True,
+                              text=True, timeout=900, env={**env, "MASTER_PORT": str(port)})
+        run_dir = work / "runs" / out["result"]["run_id"]
+        return proc, run_dir, (run_dir / "logs" / "train.log").read_text()
+
+    # FP8 planned for Transformer Engine, which this machine lacks: the job step stops and says why.
+    proc, run_dir, log = job("fp8", 29911)
+    assert proc.returncode != 0 and "planned to train in FP8 with Transformer Engine" in log
+    ended = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert [e["type"] for e in ended][-1] == "job.failed" and ended[-1]["details"]["exit_code"] == 5
+    # In BF16 the same script runs through to the entry, with the data and tokenizer it was given.
+    proc, run_dir, log = job("bf16", 29912)
+    assert proc.returncode == 0, log[-3000:]
+    probe = json.loads((run_dir / "probe-0.json").read_text())
+    argv = probe["argv"]
+    assert argv[argv.index("--data-path") + 1] == str(data)
+    assert argv[argv.index("--tokenizer-model") + 1] == str(tokenizer)
+    assert argv[argv.index("--save") + 1] == str(run_dir / "checkpoints") and "--mock-data" not in argv
+
+
+def test_render_takes_a_plan_answer_or_request_and_asks_nothing_twice(tmp_path):
+    request = {"model": "llama3-70b", "gpu": "h100-sxm", "num_gpus": 128, "seq_length": 8192, "precision": "fp8", "top": 3}
+    plan = call("plan", request)
+    for rank in (1, 3):
+        out = call("render", {"plan": plan, "plan_rank": rank, "launcher": "slurm", "dry_run": True,
+                              "output_dir": str(tmp_path)})["result"]
+        chosen = plan["result"]["plans"][rank - 1]
+        assert out["layout"] == chosen["layout"] and out["label"] == chosen["label"]
+        assert "--fp8-format" in out["megatron_args"]
+    # The plan's request instead of its answer: render runs plan itself.
+    inline = call("render", {"plan": {k: v for k, v in request.items() if k != "top"}, "launcher": "slurm",
+                             "dry_run": True, "output_dir": str(tmp_path)})["result"]
+    assert inline["layout"] == plan["result"]["plans"][0]["layout"]
+    twice = call("render", {"plan": plan, "model": "llama3-8b", "launcher": "slurm", "dry_run": True})
+    assert twice["error"]["code"] == "bad_request" and twice["error"]["where"] == "/model"
+    beyond = call("render", {"plan": plan, "plan_rank": 4, "launcher": "slurm", "dry_run": True})
+    assert beyond["error"]["where"] == "/plan_rank"
+    # An edited answer is input like any other: checked as if given here.
+    edited = json.loads(json.dumps(plan))
+    edited["result"]["plans"][0]["layout"]["tp"] = 0
+    bad = call("render", {"plan": edited, "launcher": "slurm", "dry_run": True})
+    assert bad["error"]["code"] == "bad_request" and bad["error"]["where"] == "/layout/tp"
+
+
+def test_outputs_go_where_the_user_says_never_into_an_installed_skill(tmp_path, monkeypatch):
+    from megatron_skill.tools.render import default_runs_root
+
+    monkeypatch.chdir(tmp_path)
+    assert default_runs_root() == Path("runs")
+    monkeypatch.setenv("MEGATRON_SKILL_RUNS", str(tmp_path / "elsewhere"))
+    out = call("render", {"model": "llama3-8b", "num_gpus": 8, "dry_run": True})["result"]
+    assert out["files"][0]["path"].startswith(str(tmp_path / "elsewhere"))
+
+
+def test_validate_reads_the_container_script_and_its_fp8_flags_inside_the_te_branch(tmp_path):
+    res, text = _render(tmp_path, model="llama3-70b", gpu="h100-sxm", num_gpus=128, precision="fp8", launcher="slurm",
+                        container={"runtime": "apptainer", "image": "/shared/images/pytorch-26.01.sif"})
+    assert "apptainer exec --nv --bind" in text and "/shared/images/pytorch-26.01.sif" in text
+    _shellcheck(Path(res["files"][0]["path"]))
+    on_h100 = call("validate", {"script": res["files"][0]["path"], "gpu": "h100-sxm"})["result"]
+    assert on_h100["valid"] and on_h100["world_size"] == 128
+    # The same script on GPUs without FP8: the flags in the TE branch are what that branch runs.
+    on_a100 = call("validate", {"script": res["files"][0]["path"], "gpu": "a100-80gb"})["result"]
+    assert not on_a100["valid"] and any("fp8" in e["code"].lower() or "FP8" in e["message"] for e in on_a100["errors"])
