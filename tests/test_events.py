@@ -485,6 +485,7 @@ def test_a_slurm_job_and_slurms_own_trigger_report_one_end(tmp_path, slurm):
     run_dir = tmp_path / "run"
     out = contract.call("render", {"model": "tiny-gpt", "gpu": "h100-sxm", "num_gpus": 1, "launcher": "slurm",
                                    "output_dir": str(tmp_path), "run_dir": str(run_dir), "python": sys.executable,
+                                   "skill_home": str(ROOT), "training": {"mock_data": True},
                                    "slurm": {"gpus": False, "exclusive": False, "time": "00:05:00"}})["result"]
     submit = subprocess.run(["sbatch", "--parsable", "--hold", f"--chdir={tmp_path}", out["files"][0]["path"]],
                             capture_output=True, text=True, timeout=60, check=True)

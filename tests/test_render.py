@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT, system_tool
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from megatron_skill.adapter import parser as megatron_parser
@@ -155,8 +155,19 @@ def test_hostile_strings_render_as_inert_text(tmp_path, name, value, data):
              "num_attention_heads": 4, "vocab_size": 256}
     env = call("render", {"model": model, "num_gpus": 1, "seq_length": 64, "global_batch_size": 2,
                           "output_dir": str(work / "out"), "run_dir": run_dir, "python": str(stub),
-                          "env": {"SKILL_TEST_VALUE": value},
+                          "env": {"SKILL_TEST_VALUE": value}, "skill_home": str(ROOT),
                           "training": {"data_path": [data], "train_iters": 2}})
+    # The job checks its dataset where it runs: it is there (inside the work folder only).
+    dataset_roots = set()
+    for ext in (".bin", ".idx"):
+        target = (work / ((("./" + data) if data.startswith("-") else data) + ext)).resolve()
+        assume(target.is_relative_to(work.resolve()) and "\x00" not in data)
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.touch()
+        except OSError:
+            assume(False)
+        dataset_roots.add(target.relative_to(work.resolve()).parts[0])
     assert env["ok"], env
     script = env["result"]["files"][0]["path"]
     _shellcheck(script)
@@ -170,7 +181,7 @@ def test_hostile_strings_render_as_inert_text(tmp_path, name, value, data):
     assert megatron[megatron.index("--save") + 1] == run_dir + "/checkpoints"
     # Nothing ran: the only things in the work folder are what the script was meant to make.
     made = {p.name for p in work.iterdir()}
-    assert made <= {"out", "python-stub", "argv.json", Path(run_dir).relative_to(work).parts[0]}, made
+    assert made <= {"out", "python-stub", "argv.json", Path(run_dir).relative_to(work).parts[0], *dataset_roots}, made
     shutil.rmtree(work, ignore_errors=True)
 
 
@@ -182,6 +193,7 @@ def test_rendered_sbatch_runs_under_slurm_with_the_right_rendezvous(tmp_path, sl
     res, _ = _render(tmp_path, model="llama3.2-1b", num_gpus=2, gpus_per_node=2, seq_length=1024,
                      global_batch_size=8, launcher="slurm", run_dir=str(run_dir),
                      slurm={"gpus": False, "exclusive": False, "time": "00:05:00", "job_name": "skill-test"},
+                     skill_home=str(ROOT), training={"mock_data": True},
                      python=sys.executable)
     script = res["files"][0]["path"]
     env = {**os.environ, "MEGATRON_SKILL_ENTRY": str(ROOT / "tests" / "rendezvous_probe.py"),
@@ -214,7 +226,8 @@ def catalog_jobs(slurm, tmp_path_factory):
         # Planned for the layers this machine has (no TE): a layout that needs TE stops at start-up.
         res, _ = _render(work, model=model, num_gpus=CLUSTERS[model], seq_length=seq, launcher="slurm",
                          run_dir=str(work / "run"), python=sys.executable, transformer_engine=False,
-                         slurm={"gpus": False, "exclusive": False, "time": "00:10:00"})
+                         slurm={"gpus": False, "exclusive": False, "time": "00:10:00"}, skill_home=str(ROOT),
+                         training={"mock_data": True})
         return work, res
 
     def submit(item):  # in threads: sbatch --wait only (rendering swaps sys.argv: one at a time)
@@ -256,7 +269,7 @@ def test_multinode_script_rendezvous_on_localhost(tmp_path):
     run_dir = tmp_path / "run"
     res, _ = _render(tmp_path, model="llama3.2-1b", num_gpus=2, gpus_per_node=1, seq_length=1024,
                      global_batch_size=8, launcher="torchrun-multinode", run_dir=str(run_dir),
-                     python=sys.executable)
+                     python=sys.executable, skill_home=str(ROOT), training={"mock_data": True})
     script = res["files"][0]["path"]
     env = {**os.environ, "MEGATRON_SKILL_ENTRY": str(ROOT / "tests" / "rendezvous_probe.py"),
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29733"}
@@ -468,3 +481,14 @@ def test_validate_reads_the_container_script_and_its_fp8_flags_inside_the_te_bra
     # The same script on GPUs without FP8: the flags in the TE branch are what that branch runs.
     on_a100 = call("validate", {"script": res["files"][0]["path"], "gpu": "a100-80gb"})["result"]
     assert not on_a100["valid"] and any("fp8" in e["code"].lower() or "FP8" in e["message"] for e in on_a100["errors"])
+
+
+def test_the_skills_folder_defaults_to_the_same_place_under_the_jobs_home(tmp_path, monkeypatch):
+    from megatron_skill.tools import render
+
+    monkeypatch.setenv("HOME", str(render.ROOT.parent))
+    assert render._home_relative_skill() == f"$HOME/{render.ROOT.name}"
+    res, text = _render(tmp_path, model="llama3-8b", num_gpus=16, launcher="slurm")
+    assert f"SKILL_HOME=${{MEGATRON_SKILL_HOME:-$HOME/{render.ROOT.name}}}" in text and str(render.ROOT) not in text
+    monkeypatch.setenv("HOME", str(tmp_path))  # a skill outside the home folder: the job must be told
+    assert render._home_relative_skill() == ""

@@ -145,6 +145,19 @@ def _container(req: dict, launcher: str) -> dict | None:
     return {"mounts": [], **spec, "command": "singularity" if spec["runtime"] == "singularity" else "apptainer"}
 
 
+def _home_relative_skill() -> str:
+    """The skill's folder as "$HOME/..." when it lives in the home folder of whoever renders: cluster
+    nodes mostly share home folders, and $HOME is the job's own there. Empty otherwise (the job
+    then needs MEGATRON_SKILL_HOME): no path of this machine is written."""
+    import os
+
+    try:
+        rel = ROOT.relative_to(Path(os.path.expanduser("~")).resolve())
+    except ValueError:
+        return ""
+    return f"$HOME/{rel}" if re.fullmatch(r"[A-Za-z0-9._/+-]+", str(rel)) and str(rel) != "." else ""
+
+
 def _schema_defaults(name: str) -> dict:
     """The defaults schemas/common.json gives an options object (every field, None where it has none)."""
     props = json.loads((ROOT / "schemas" / "common.json").read_text())["$defs"][name]["properties"]
@@ -303,7 +316,8 @@ def build(req: dict, ctx: Context) -> dict[str, Any]:
     context = {
         "run_id": run_id, "label": lay.label(), "model_name": model.name, "gpu": gpu.key, "num_gpus": n_gpus,
         "nodes": nodes, "gpus_per_node": gpus_here, "run_dir": run_dir, "python": req["python"],
-        "skill_home": req.get("skill_home") or "", "megatron_lm": req.get("megatron_lm"), "container": container,
+        "skill_home": req.get("skill_home") or "", "skill_home_default": _home_relative_skill(),
+        "megatron_lm": req.get("megatron_lm"), "container": container,
         "fp8_local_note": _fp8_local_note(lay), "data_checks": _data_checks(training),
         "data_from_env": not training.get("data_path") and not training.get("mock_data"),
         "entry": entry, "env": env, "arg_lines": _group_args(common_argv), "no_te_flags": local_flags,
