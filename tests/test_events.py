@@ -508,3 +508,15 @@ def test_a_slurm_job_and_slurms_own_trigger_report_one_end(tmp_path, slurm):
     assert trap["details"]["exit_code"] == trigger["details"]["exit_code"] != 0
     assert "FAILED" in trigger["details"]["message"]
     assert ev.incident(trap) == ev.incident(trigger)
+
+
+def test_a_monitor_can_send_any_type_and_a_failure_stays_a_failure(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    for argv, kind, code in ((["--type", "job.failed"], "job.failed", 1), (["--end", "--exit-code", "0"], "job.finished", 0),
+                             (["--end", "--exit-code", "137"], "job.failed", 137)):
+        proc = subprocess.run(EMIT + ["send", *argv, "--run-id", "r1", "--run-dir", str(run), "--emitter", "monitor",
+                                     "--print"], capture_output=True, text=True, timeout=60, env=os.environ)
+        event = json.loads(proc.stdout)["event"]
+        assert (event["type"], event["details"]["exit_code"], event["emitter"]) == (kind, code, "monitor")
+    assert event["details"]["signal"] == "SIGKILL"

@@ -94,9 +94,9 @@ def main(argv: list[str]) -> int:
             return 0
         details = json.loads(args.details) if args.details else {}
         if args.end or args.type in ("job.finished", "job.failed"):
-            code = args.exit_code if args.exit_code is not None else 0
+            code = args.exit_code if args.exit_code is not None else (1 if args.type == "job.failed" else 0)
             details = {**emitter.ending(code, Path(args.log) if args.log else None), **details}
-            kind = "job.finished" if code == 0 else "job.failed"
+            kind = args.type or ("job.finished" if code == 0 else "job.failed")
         else:
             kind = args.type
         if not kind:
