@@ -380,6 +380,11 @@ def test_the_kubernetes_manifest_validates_against_the_operator_and_kubernetes_s
     assert checked["ok"] and checked["result"]["valid"], checked
     launches = checked["result"].get("launches") or [checked["result"]]
     assert launches and all(la["valid"] and la["world_size"] == 128 for la in launches)  # both branches of the TE probe
+    # validate reads the manifest itself: the pods' step, their environment, the job's GPUs.
+    whole = call("validate", {"script": res["files"][0]["path"], "gpu": "h100-sxm"})["result"]
+    assert whole["valid"] and whole["world_size"] == 128
+    assert whole["script"]["manifest"] == {"kind": "PyTorchJob", "name": job["metadata"]["name"], "role": "Master",
+                                           "replicas": 16}
     # A broken manifest is caught: the schemas are not a formality.
     specs["Worker"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] = [8]
     assert list(pods.iter_errors(specs["Worker"]["template"]))
@@ -492,3 +497,11 @@ def test_the_skills_folder_defaults_to_the_same_place_under_the_jobs_home(tmp_pa
     assert f"SKILL_HOME=${{MEGATRON_SKILL_HOME:-$HOME/{render.ROOT.name}}}" in text and str(render.ROOT) not in text
     monkeypatch.setenv("HOME", str(tmp_path))  # a skill outside the home folder: the job must be told
     assert render._home_relative_skill() == ""
+
+
+def test_validate_reads_a_hand_written_pytorchjob_and_megatron_judges_its_command():
+    out = call("validate", {"script": str(ROOT / "tests" / "fixtures" / "k8s" / "user_pytorchjob.yaml"),
+                            "gpu": "h100-sxm"})["result"]
+    assert out["world_size"] == 32 and out["script"]["manifest"]["replicas"] == 4  # 4 pods x nprocPerNode 8
+    assert not out["valid"] and [e["code"] for e in out["errors"]] == ["megatron_validate_args"]
+    assert "fp16" in out["errors"][0]["message"]  # --fp16-lm-cross-entropy with --bf16: Megatron's own refusal

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..adapter import arguments as megatron_args
-from ..adapter import described
+from ..adapter import described, manifest
 from ..adapter import flags as megatron_flags
 from ..adapter import parser as megatron_parser
 from ..adapter import script as script_args
@@ -498,20 +498,29 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
     env = dict(req.get("env") or {})
     script_path = Path(req["script"]) if req.get("script") else None
     text = read_script(script_path) if script_path else (req.get("script_text") or "")
-    fragment = flag_fragment(text) if req.get("args") is None else None
     about: dict[str, Any] = {}
+    num_gpus = req.get("num_gpus")
+    if req.get("args") is None and manifest.is_manifest(text):
+        # A Kubernetes PyTorchJob: its pods' job step, with the pods' environment and the job's GPUs.
+        step = manifest.job_step(text)
+        text, env, script_path = step["script"], {**step["env"], **env}, None
+        num_gpus = num_gpus or step["num_gpus"]
+        about["manifest"] = {"kind": "PyTorchJob", "name": step["name"], "role": step["role"],
+                             "replicas": step["replicas"]}
+    fragment = flag_fragment(text) if req.get("args") is None else None
     skill_home = {}
     if "MEGATRON_SKILL_HOME" in text and "MEGATRON_SKILL_HOME" not in env:
         # A script of this skill's reads its folder from the job's environment: read as here.
         env["MEGATRON_SKILL_HOME"] = str(ROOT)
         skill_home = {"MEGATRON_SKILL_HOME": "this skill's folder (the job gives its own where it runs)"}
     if req.get("args") is not None:
-        launches = [Launch(args=split_arg_strings(req["args"]), world=req.get("num_gpus"), env=env)]
+        launches = [Launch(args=split_arg_strings(req["args"]), world=num_gpus, env=env)]
     elif fragment is not None:  # a file or text of flags only (a conf snippet): the flags themselves
-        launches = [Launch(args=fragment, world=req.get("num_gpus"), env=env, info={"fragment": True})]
+        launches = [Launch(args=fragment, world=num_gpus, env=env, info={"fragment": True})]
     else:
         ctx.progress("validate: reading the script (as bash would, without running it)")
-        launches, about = script_launches(text, script_path, env, req.get("num_gpus"), req.get("script_args"))
+        launches, read = script_launches(text, script_path, env, num_gpus, req.get("script_args"))
+        about.update(read)
     for launch in launches:
         if len(launch.args) > MAX_ARGS:
             raise ToolError("bad_request", f"{len(launch.args):,} arguments reach Megatron; a launch passes a few "
