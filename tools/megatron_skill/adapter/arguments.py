@@ -80,6 +80,8 @@ def model_args(m: ModelConfig, seq_length: int | None = None) -> list[str]:
          "--ffn-hidden-size", m.ffn_hidden_size, "--num-attention-heads", m.num_attention_heads,
          "--max-position-embeddings", positions,
          "--normalization", m.normalization, "--position-embedding-type", m.position_embedding_type]
+    if m.norm_epsilon != 1e-5:  # Megatron's default
+        a += ["--norm-epsilon", m.norm_epsilon]
     if m.kv_channels and not m.multi_latent_attention:
         a += ["--kv-channels", m.kv_channels]
     if m.num_query_groups and m.num_query_groups != m.num_attention_heads and not m.multi_latent_attention:

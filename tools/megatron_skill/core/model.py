@@ -25,6 +25,7 @@ DEFAULTS: dict[str, Any] = {
     "untie_embeddings_and_output_weights": True,
     "activation": "swiglu",            # swiglu | gelu | squared_relu
     "normalization": "RMSNorm",        # RMSNorm | LayerNorm
+    "norm_epsilon": 1e-5,              # Megatron's default (--norm-epsilon)
     "position_embedding_type": "rope", # rope | learned_absolute
     "add_bias_linear": False,
     "add_qkv_bias": False,
@@ -70,6 +71,7 @@ class ModelConfig:
     untie_embeddings_and_output_weights: bool
     activation: str
     normalization: str
+    norm_epsilon: float
     position_embedding_type: str
     add_bias_linear: bool
     add_qkv_bias: bool
@@ -287,6 +289,10 @@ def build_spec(name: str, fields: dict[str, Any], where: str = "model") -> Model
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
             raise ToolError("bad_model", f"{key} must be a positive integer, got {v!r}",
                             where=f"{where}.{key}", fix=f"set {key} to a positive integer")
+    eps = values["norm_epsilon"]
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
+        raise ToolError("bad_model", f"norm_epsilon must be a number between 0 and 1, got {eps!r}",
+                        where=f"{where}.norm_epsilon", fix="use the model's epsilon (1e-5 or 1e-6 for most)")
     for key, choices in ENUMS.items():
         if values[key] not in choices:
             raise ToolError("bad_model", f"{key} must be one of {list(choices)}, got {values[key]!r}",
@@ -355,6 +361,7 @@ def _hf_llama(cfg: dict) -> dict:
         "max_position_embeddings": cfg.get("max_position_embeddings", 4096),
         "rotary_base": int(cfg.get("rope_theta", 10000)),
         "untie_embeddings_and_output_weights": not cfg.get("tie_word_embeddings", False),
+        "norm_epsilon": float(cfg.get("rms_norm_eps", 1e-5)),
         "add_qkv_bias": cfg["model_type"].startswith("qwen2"),
         "qk_layernorm": cfg["model_type"].startswith("qwen3"),
     }

@@ -40,6 +40,7 @@ def build_model(cfg: dict):
         num_layers=m["num_layers"], hidden_size=m["hidden_size"], ffn_hidden_size=m["ffn_hidden_size"],
         num_attention_heads=m["num_attention_heads"], num_query_groups=m.get("num_query_groups"),
         kv_channels=m.get("kv_channels"), normalization=m.get("normalization", "RMSNorm"),
+        layernorm_epsilon=m.get("norm_epsilon", 1e-5), add_qkv_bias=bool(m.get("add_qkv_bias")),
         gated_linear_unit=m.get("activation", "swiglu") == "swiglu", activation_func=act,
         add_bias_linear=m.get("add_bias_linear", False), tensor_model_parallel_size=cfg["tp"],
         # Sequence parallelism's reduce-scatter allocates on the CUDA device: TP on CPU runs without it.

@@ -1,0 +1,111 @@
+"""Hugging Face checkpoints into Megatron-Core and back: tiny randomly initialised models of each
+Llama-style family, built and saved by transformers here (nothing downloaded), converted, loaded
+into Megatron-Core's GPTModel on CPU at TP 1, TP 2 and PP 2, and compared by their logits."""
+import os
+import subprocess
+import sys
+
+from conftest import ROOT, require_modules
+
+require_modules("torch", "megatron.core", "transformers", "safetensors")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from megatron_skill.convert import hf as conv  # noqa: E402
+from megatron_skill.core.model import from_hf_config  # noqa: E402
+
+VOCAB = 300  # not a multiple of 128: Megatron pads the embedding and the output layer
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def _tiny(family: str, folder):
+    """A 2-layer model of the family with grouped-query attention (8 heads, 2 groups), weights
+    drawn with std 0.2 so that a wrong mapping moves the logits well beyond fp32 noise."""
+    import transformers
+
+    cls = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
+           "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}[family]
+    config = getattr(transformers, cls[0])(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=128, rms_norm_eps=1e-6, rope_theta=10000.0,
+        tie_word_embeddings=family == "qwen3", initializer_range=0.2)
+    torch.manual_seed(7)
+    model = getattr(transformers, cls[1])(config).float().eval()
+    with torch.no_grad():  # norms and biases start at 1 and 0: give them values a swap would show
+        for name, p in model.named_parameters():
+            if name.endswith(("norm.weight", "layernorm.weight", "bias")):
+                p.add_(0.2 * torch.randn_like(p))
+    model.save_pretrained(folder)
+    return model
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    return {f: (root / f, _tiny(f, root / f)) for f in FAMILIES}
+
+
+def test_each_family_reads_as_the_model_it_is(tiny_models):
+    specs = {f: from_hf_config(folder) for f, (folder, _) in tiny_models.items()}
+    assert specs["qwen2"].add_qkv_bias and not specs["llama"].add_qkv_bias
+    assert specs["qwen3"].qk_layernorm and not specs["qwen3"].untie_embeddings_and_output_weights
+    assert all(s.norm_epsilon == 1e-6 and s.query_groups == 2 and s.head_dim == 8 for s in specs.values())
+
+
+def test_hugging_face_to_megatron_and_back_is_exact(tiny_models):
+    for family, (folder, model) in tiny_models.items():
+        spec = from_hf_config(folder)
+        get = conv.hf_reader(folder)
+        megatron = dict(conv.to_megatron(get, spec, padded_vocab=384))
+        assert megatron["embedding.word_embeddings.weight"].shape == (384, 64)
+        back = dict(conv.to_hf(megatron.__getitem__, spec))
+        original = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight" or
+                    spec.untie_embeddings_and_output_weights}
+        assert set(back) == set(original), family
+        for name, tensor in original.items():
+            assert torch.equal(back[name], tensor), f"{family}: {name}"
+
+
+def test_tensor_parallel_pieces_join_back_to_the_whole(tiny_models):
+    folder, _ = tiny_models["qwen2"]
+    spec = from_hf_config(folder)
+    megatron = dict(conv.to_megatron(conv.hf_reader(folder), spec, padded_vocab=384))
+    for tp in (2, 4):
+        if spec.query_groups % tp:
+            continue
+        for name, full in megatron.items():
+            pieces = [conv.tp_piece(name, full, tp, r, spec) for r in range(tp)]
+            assert torch.equal(conv.tp_join(name, pieces, spec), full), name
+    # A TP rank's QKV holds whole key/value groups: group 1 of 2 is rank 1's at TP 2.
+    qkv = megatron["decoder.layers.0.self_attention.linear_qkv.weight"]
+    assert torch.equal(conv.tp_piece("decoder.layers.0.self_attention.linear_qkv.weight", qkv, 2, 1, spec),
+                       qkv[qkv.shape[0] // 2:])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)])
+def test_logits_match_the_hugging_face_model(tiny_models, tmp_path, tp, pp):
+    """fp32 both sides. At TP 1 the same operations run in the same order and the logits are
+    equal to the bit; TP 2 sums the row-parallel halves in another order, so a few ulps of the
+    largest logit (5e-6 relative) separate them -- a wrong mapping moves them by whole units."""
+    ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(3))
+    torch.save(ids, tmp_path / "ids.pt")
+    # Megatron ties a pipelined model's embedding and output layer through a CUDA copy
+    # (setup_embeddings_and_output_layer): on CPU, PP 2 takes the untied families.
+    chosen = {f: m for f, m in tiny_models.items() if pp == 1 or f != "qwen3"}
+    folders = [str(folder) for folder, _ in chosen.values()]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           str(tp * pp), str(ROOT / "tests" / "convert_probe.py"), str(tp), str(pp),
+                           str(tmp_path / "ids.pt"), str(tmp_path), *folders],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for family, (folder, model) in chosen.items():
+        with torch.no_grad():
+            expected = model(ids).logits
+        got = torch.load(tmp_path / f"{folder.name}.pt")
+        scale = expected.abs().max().item()
+        assert scale > 1.0, family  # logits of a size that a wrong weight would move
+        diff = (got - expected).abs().max().item()
+        assert diff <= (0.0 if tp == 1 and pp == 1 else 5e-6 * scale), f"{family} TP{tp} PP{pp}: {diff}"

@@ -1,0 +1,268 @@
+"""Hugging Face Llama-family weights <-> Megatron-Core GPTModel parameters, tensor by tensor.
+
+The families whose decoder layer is attention (q, k, v, o projections, grouped-query heads,
+optional q/k/v bias, optional per-head RMSNorm of q and k) and a gated MLP (gate, up, down):
+Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3. Megatron keeps
+
+  linear_qkv   [groups x (q heads of the group, then k, then v) x head_dim, hidden]: the query
+               heads of one key/value group next to their key and value, so that tensor
+               parallelism splits whole groups
+  linear_fc1   [gate ; up]: SwiGLU's first half goes through SiLU (Megatron's glu chunks in two)
+  word_embeddings / output_layer   rows padded to Megatron's padded vocabulary with zeros
+
+Both directions are pure functions of one layer's tensors, so a conversion streams layer by
+layer and never holds the model. Both use Megatron's rotate-half RoPE convention, which is the
+one Hugging Face's Llama weights are stored in (no permutation either way).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator
+
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+                 "Qwen3ForCausalLM": "qwen3"}
+
+HF_LAYER = "model.layers.{i}."
+
+
+def _grouped(q, k, v, groups: int):
+    """[q ; k ; v] rows (or bias entries) reordered group by group: Megatron's QKV layout."""
+    import torch
+
+    per = q.shape[0] // groups
+    kv = k.shape[0] // groups
+    parts = [t.reshape(groups, n, *t.shape[1:]) for t, n in ((q, per), (k, kv), (v, kv))]
+    return torch.cat(parts, dim=1).reshape(-1, *q.shape[1:])
+
+
+def _ungrouped(qkv, groups: int, heads: int, head_dim: int):
+    per = heads // groups * head_dim
+    g = qkv.reshape(groups, per + 2 * head_dim, *qkv.shape[1:])
+    q, k, v = g[:, :per], g[:, per:per + head_dim], g[:, per + head_dim:]
+    return (q.reshape(-1, *qkv.shape[1:]), k.reshape(-1, *qkv.shape[1:]), v.reshape(-1, *qkv.shape[1:]))
+
+
+def _pad_rows(t, rows: int):
+    import torch
+
+    if t.shape[0] == rows:
+        return t
+    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
+
+
+def layer_to_megatron(get: Callable[[str], Any], i: int, model) -> dict[str, Any]:
+    """Megatron's parameters of decoder layer i (full, unsplit), from get(hf_name)."""
+    hf = HF_LAYER.format(i=i)
+    groups = model.query_groups
+    out = {
+        "input_layernorm.weight": get(hf + "input_layernorm.weight"),
+        "pre_mlp_layernorm.weight": get(hf + "post_attention_layernorm.weight"),
+        "self_attention.linear_qkv.weight": _grouped(get(hf + "self_attn.q_proj.weight"),
+                                                     get(hf + "self_attn.k_proj.weight"),
+                                                     get(hf + "self_attn.v_proj.weight"), groups),
+        "self_attention.linear_proj.weight": get(hf + "self_attn.o_proj.weight"),
+        "mlp.linear_fc1.weight": _cat(get(hf + "mlp.gate_proj.weight"), get(hf + "mlp.up_proj.weight")),
+        "mlp.linear_fc2.weight": get(hf + "mlp.down_proj.weight"),
+    }
+    if model.add_qkv_bias:
+        out["self_attention.linear_qkv.bias"] = _grouped(get(hf + "self_attn.q_proj.bias"),
+                                                         get(hf + "self_attn.k_proj.bias"),
+                                                         get(hf + "self_attn.v_proj.bias"), groups)
+    if model.qk_layernorm:
+        out["self_attention.q_layernorm.weight"] = get(hf + "self_attn.q_norm.weight")
+        out["self_attention.k_layernorm.weight"] = get(hf + "self_attn.k_norm.weight")
+    return out
+
+
+def layer_to_hf(meg: dict[str, Any], i: int, model) -> dict[str, Any]:
+    """The inverse of layer_to_megatron: Hugging Face's tensors of layer i."""
+    hf = HF_LAYER.format(i=i)
+    heads, groups, d = model.num_attention_heads, model.query_groups, model.head_dim
+    q, k, v = _ungrouped(meg["self_attention.linear_qkv.weight"], groups, heads, d)
+    gate, up = meg["mlp.linear_fc1.weight"].chunk(2, dim=0)
+    out = {hf + "input_layernorm.weight": meg["input_layernorm.weight"],
+           hf + "post_attention_layernorm.weight": meg["pre_mlp_layernorm.weight"],
+           hf + "self_attn.q_proj.weight": q, hf + "self_attn.k_proj.weight": k, hf + "self_attn.v_proj.weight": v,
+           hf + "self_attn.o_proj.weight": meg["self_attention.linear_proj.weight"],
+           hf + "mlp.gate_proj.weight": gate, hf + "mlp.up_proj.weight": up,
+           hf + "mlp.down_proj.weight": meg["mlp.linear_fc2.weight"]}
+    if model.add_qkv_bias:
+        qb, kb, vb = _ungrouped(meg["self_attention.linear_qkv.bias"], groups, heads, d)
+        out.update({hf + "self_attn.q_proj.bias": qb, hf + "self_attn.k_proj.bias": kb,
+                    hf + "self_attn.v_proj.bias": vb})
+    if model.qk_layernorm:
+        out[hf + "self_attn.q_norm.weight"] = meg["self_attention.q_layernorm.weight"]
+        out[hf + "self_attn.k_norm.weight"] = meg["self_attention.k_layernorm.weight"]
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def _cat(a, b):
+    import torch
+
+    return torch.cat([a, b], dim=0)
+
+
+def to_megatron(get: Callable[[str], Any], model, padded_vocab: int) -> Iterator[tuple[str, Any]]:
+    """(Megatron name, full tensor) for the whole model, layer by layer."""
+    embed = get("model.embed_tokens.weight")
+    yield "embedding.word_embeddings.weight", _pad_rows(embed, padded_vocab)
+    for i in range(model.num_layers):
+        for name, t in layer_to_megatron(get, i, model).items():
+            yield f"decoder.layers.{i}.{name}", t
+    yield "decoder.final_layernorm.weight", get("model.norm.weight")
+    if model.untie_embeddings_and_output_weights:
+        yield "output_layer.weight", _pad_rows(get("lm_head.weight"), padded_vocab)
+
+
+def to_hf(get: Callable[[str], Any], model) -> Iterator[tuple[str, Any]]:
+    """(Hugging Face name, tensor) from Megatron's full parameters, layer by layer; the vocabulary
+    padding dropped."""
+    vocab = model.vocab_size
+    yield "model.embed_tokens.weight", get("embedding.word_embeddings.weight")[:vocab].contiguous()
+    for i in range(model.num_layers):
+        prefix = f"decoder.layers.{i}."
+        names = layer_to_megatron_names(model)
+        yield from layer_to_hf({n: get(prefix + n) for n in names}, i, model).items()
+    yield "model.norm.weight", get("decoder.final_layernorm.weight")
+    if model.untie_embeddings_and_output_weights:
+        yield "lm_head.weight", get("output_layer.weight")[:vocab].contiguous()
+
+
+def layer_to_megatron_names(model) -> list[str]:
+    names = ["input_layernorm.weight", "pre_mlp_layernorm.weight", "self_attention.linear_qkv.weight",
+             "self_attention.linear_proj.weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
+    if model.add_qkv_bias:
+        names.append("self_attention.linear_qkv.bias")
+    if model.qk_layernorm:
+        names += ["self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"]
+    return names
+
+
+# ---- tensor and pipeline parallel pieces ----------------------------------------------------
+# How each Megatron parameter splits over TP ranks: the dimension, or None (replicated).
+def tp_dim(name: str) -> int | None:
+    if name.endswith(("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight", "word_embeddings.weight",
+                      "output_layer.weight")):
+        return 0
+    if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+        return 1
+    return None
+
+
+def tp_piece(name: str, full, tp: int, rank: int, model):
+    """TP rank `rank`'s piece of a full parameter: QKV by whole key/value groups, FC1's gate and up
+    halves each split (so each rank holds its own [gate ; up]), rows or columns otherwise."""
+    import torch
+
+    dim = tp_dim(name)
+    if dim is None or tp == 1:
+        return full
+    if name.endswith(("linear_qkv.weight", "linear_qkv.bias")):
+        g = full.reshape(model.query_groups, -1, *full.shape[1:])
+        return g.chunk(tp, dim=0)[rank].reshape(-1, *full.shape[1:]).contiguous()
+    if name.endswith("linear_fc1.weight"):
+        gate, up = full.chunk(2, dim=0)
+        return torch.cat([gate.chunk(tp, dim=0)[rank], up.chunk(tp, dim=0)[rank]]).contiguous()
+    return full.chunk(tp, dim=dim)[rank].contiguous()
+
+
+def tp_join(name: str, pieces: list, model):
+    """The inverse of tp_piece over all ranks' pieces, in rank order."""
+    import torch
+
+    dim = tp_dim(name)
+    if dim is None or len(pieces) == 1:
+        return pieces[0]
+    if name.endswith(("linear_qkv.weight", "linear_qkv.bias")):
+        return torch.cat(pieces, dim=0)
+    if name.endswith("linear_fc1.weight"):
+        halves = [p.chunk(2, dim=0) for p in pieces]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    return torch.cat(pieces, dim=dim)
+
+
+def stage_name(name: str, first_layer: int) -> str:
+    """A full-model parameter name as a pipeline stage whose first layer is first_layer names it."""
+    if name.startswith("decoder.layers."):
+        i, rest = name[len("decoder.layers."):].split(".", 1)
+        return f"decoder.layers.{int(i) - first_layer}.{rest}"
+    return name
+
+
+# ---- reading a Hugging Face folder, and filling a model's own piece --------------------------
+def hf_reader(folder) -> Callable[[str], Any]:
+    """get(name) for a local Hugging Face folder's safetensors (one file, or shards named by
+    model.safetensors.index.json), each tensor read when asked (memory-mapped): nothing more is
+    held than the tensor being converted."""
+    import json
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    from ..errors import ToolError
+
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        where = json.loads(index.read_text())["weight_map"]
+    elif (folder / "model.safetensors").is_file():
+        where = None
+    else:
+        raise ToolError("not_found", f"no model.safetensors or model.safetensors.index.json in {folder}",
+                        where="/hf_model", fix="give a local Hugging Face model folder saved with safetensors")
+    handles: dict[str, Any] = {}
+
+    def get(name: str):
+        file = where.get(name) if where is not None else "model.safetensors"
+        if file is None:
+            raise ToolError("bad_model", f"the checkpoint has no tensor {name}", where="/hf_model",
+                            fix="the weights do not match config.json's architecture")
+        if file not in handles:
+            path = folder / file
+            if not path.is_file():
+                raise ToolError("not_found", f"shard {file} of {folder} is missing", where="/hf_model",
+                                fix="download every shard the index names")
+            handles[file] = safe_open(str(path), "pt")
+        return handles[file].get_tensor(name)
+
+    return get
+
+
+def fill(model, get: Callable[[str], Any], spec, padded_vocab: int, tp: int, tp_rank: int, first_layer: int,
+         num_local_layers: int, dtype=None) -> None:
+    """Copy this rank's piece of the Hugging Face weights into a Megatron GPTModel built for its TP
+    rank and pipeline stage, layer by layer (only the layers of this stage are read)."""
+    import torch
+
+    own = {k: v for k, v in model.state_dict().items() if torch.is_tensor(v)}
+    done = set()
+
+    def put(full_name: str, full):
+        name = stage_name(full_name, first_layer)
+        if name not in own:
+            return
+        piece = tp_piece(full_name, full, tp, tp_rank, spec)
+        if tuple(piece.shape) != tuple(own[name].shape):
+            from ..errors import ToolError
+            raise ToolError("bad_model", f"{full_name}: the checkpoint gives {tuple(piece.shape)}, the model wants "
+                            f"{tuple(own[name].shape)}", where="/hf_model", fix="config.json and the weights disagree")
+        with torch.no_grad():
+            own[name].copy_(piece.to(own[name].dtype if dtype is None else dtype))
+        done.add(name)
+
+    if "embedding.word_embeddings.weight" in own or "output_layer.weight" in own:
+        embed = _pad_rows(get("model.embed_tokens.weight"), padded_vocab)
+        put("embedding.word_embeddings.weight", embed)
+        if not spec.untie_embeddings_and_output_weights:
+            put("output_layer.weight", embed)  # the last stage's copy of the tied weights
+    for i in range(first_layer, first_layer + num_local_layers):
+        for name, t in layer_to_megatron(get, i, spec).items():
+            put(f"decoder.layers.{i}.{name}", t)
+    if "decoder.final_layernorm.weight" in own:
+        put("decoder.final_layernorm.weight", get("model.norm.weight"))
+    if spec.untie_embeddings_and_output_weights and "output_layer.weight" in own:
+        put("output_layer.weight", _pad_rows(get("lm_head.weight"), padded_vocab))
+    left = sorted(set(own) - done)
+    if left:
+        from ..errors import ToolError
+        raise ToolError("bad_model", f"no Hugging Face tensor for {left[:3]}{' ...' if len(left) > 3 else ''}",
+                        where="/hf_model", fix="the architecture is not one of " + ", ".join(ARCHITECTURES))
