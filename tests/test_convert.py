@@ -1,6 +1,7 @@
 """Hugging Face checkpoints into Megatron-Core and back: tiny randomly initialised models of each
-Llama-style family, built and saved by transformers here (nothing downloaded), converted, loaded
-into Megatron-Core's GPTModel on CPU at TP 1, TP 2 and PP 2, and compared by their logits."""
+family, built and saved by transformers here (nothing downloaded), converted, loaded into
+Megatron-Core's GPTModel on CPU at TP 1, TP 2, PP 2 (and EP 2 for the MoE families), and
+compared by their logits."""
 import os
 import subprocess
 import sys
@@ -11,27 +12,40 @@ require_modules("torch", "megatron.core", "transformers", "safetensors")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
 
 from megatron_skill.convert import hf as conv  # noqa: E402
 from megatron_skill.core.model import from_hf_config  # noqa: E402
 
 VOCAB = 300  # not a multiple of 128: Megatron pads the embedding and the output layer
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+FAMILIES = ("llama", "llama3.1", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
+MOE = ("mixtral", "qwen3_moe")
+CLASSES = {"llama": "Llama", "llama3.1": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3",
+           "mixtral": "Mixtral", "qwen3_moe": "Qwen3Moe"}
 
 
 def _tiny(family: str, folder):
     """A 2-layer model of the family with grouped-query attention (8 heads, 2 groups), weights
-    drawn with std 0.2 so that a wrong mapping moves the logits well beyond fp32 noise."""
+    drawn with std 0.2 so that a wrong mapping moves the logits well beyond fp32 noise; RoPE's
+    base is not the default (a reader that missed it would be off), Llama 3.1's scaling factor is
+    a value of its own, the MoE models route 4 experts top-2 (Qwen3-MoE: its first layer dense,
+    weights not renormalised)."""
     import transformers
 
-    cls = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
-           "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}[family]
-    config = getattr(transformers, cls[0])(
+    rope = {"rope_type": "default", "rope_theta": 50000.0}
+    if family == "llama3.1":
+        rope = {"rope_type": "llama3", "rope_theta": 50000.0, "factor": 4.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    moe = {"num_local_experts": 4, "num_experts_per_tok": 2,
+           **({"mlp_only_layers": [0], "norm_topk_prob": False, "moe_intermediate_size": 48}
+              if family == "qwen3_moe" else {})}
+    config = getattr(transformers, CLASSES[family] + "Config")(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=8,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=128, rms_norm_eps=1e-6, rope_theta=10000.0,
-        tie_word_embeddings=family == "qwen3", initializer_range=0.2)
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=16384, rms_norm_eps=1e-6,
+        rope_parameters=rope, tie_word_embeddings=family == "qwen3", initializer_range=0.2,
+        **(moe if family in MOE else {}))
     torch.manual_seed(7)
-    model = getattr(transformers, cls[1])(config).float().eval()
+    model = getattr(transformers, CLASSES[family] + "ForCausalLM")(config).float().eval()
     with torch.no_grad():  # norms and biases start at 1 and 0: give them values a swap would show
         for name, p in model.named_parameters():
             if name.endswith(("norm.weight", "layernorm.weight", "bias")):
@@ -50,18 +64,36 @@ def test_each_family_reads_as_the_model_it_is(tiny_models):
     specs = {f: from_hf_config(folder) for f, (folder, _) in tiny_models.items()}
     assert specs["qwen2"].add_qkv_bias and not specs["llama"].add_qkv_bias
     assert specs["qwen3"].qk_layernorm and not specs["qwen3"].untie_embeddings_and_output_weights
-    assert all(s.norm_epsilon == 1e-6 and s.query_groups == 2 and s.head_dim == 8 for s in specs.values())
+    assert all(s.norm_epsilon == 1e-6 and s.query_groups == 2 and s.head_dim == 8 and s.rotary_base == 50000
+               for s in specs.values())
+    assert specs["llama3.1"].rope_scaling_factor == 4.0 and specs["llama"].rope_scaling_factor is None
+    assert specs["mixtral"].num_experts == 4 and not specs["mixtral"].moe_router_pre_softmax
+    assert specs["qwen3_moe"].moe_pattern() == [0, 1] and specs["qwen3_moe"].moe_router_pre_softmax
+
+
+def test_configs_without_a_megatron_counterpart_are_refused_by_name():
+    from megatron_skill.errors import ToolError
+
+    base = {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+    assert conv.check_config(base) == "llama"
+    for bad, says in (({"architectures": ["GemmaForCausalLM"]}, "LlamaForCausalLM"),
+                      ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
+                      ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0}}, "low_freq"),
+                      ({"hidden_act": "gelu"}, "SiLU")):
+        with pytest.raises(ToolError) as e:
+            conv.check_config({**base, **bad})
+        assert says in e.value.message + e.value.fix
 
 
 def test_hugging_face_to_megatron_and_back_is_exact(tiny_models):
-    for family, (folder, model) in tiny_models.items():
+    for family, (folder, _) in tiny_models.items():
         spec = from_hf_config(folder)
         get = conv.hf_reader(folder)
         megatron = dict(conv.to_megatron(get, spec, padded_vocab=384))
         assert megatron["embedding.word_embeddings.weight"].shape == (384, 64)
         back = dict(conv.to_hf(megatron.__getitem__, spec))
-        original = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight" or
-                    spec.untie_embeddings_and_output_weights}
+        # What the folder holds (transformers keeps MoE experts fused in memory, per expert on disk).
+        original = load_file(folder / "model.safetensors")
         assert set(back) == set(original), family
         for name, tensor in original.items():
             assert torch.equal(back[name], tensor), f"{family}: {name}"
@@ -84,20 +116,23 @@ def test_tensor_parallel_pieces_join_back_to_the_whole(tiny_models):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)])
-def test_logits_match_the_hugging_face_model(tiny_models, tmp_path, tp, pp):
-    """fp32 both sides. At TP 1 the same operations run in the same order and the logits are
-    equal to the bit; TP 2 sums the row-parallel halves in another order, so a few ulps of the
-    largest logit (5e-6 relative) separate them -- a wrong mapping moves them by whole units."""
-    ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(3))
+@pytest.mark.parametrize("tp,pp,ep", [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2)])
+def test_logits_match_the_hugging_face_model(tiny_models, tmp_path, tp, pp, ep):
+    """fp32 both sides. Positions run past Llama 3.1's low-frequency wavelength, so its RoPE
+    scaling shows. At TP 1 the dense families run the same operations in the same order; the MoE
+    layers gather the chosen experts' outputs in another order than Hugging Face's loop, and TP 2
+    sums the row-parallel halves in another order: a few ulps of the largest logit (5e-6
+    relative) separate them -- a wrong mapping moves them by whole units."""
+    ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(3))
     torch.save(ids, tmp_path / "ids.pt")
     # Megatron ties a pipelined model's embedding and output layer through a CUDA copy
     # (setup_embeddings_and_output_layer): on CPU, PP 2 takes the untied families.
-    chosen = {f: m for f, m in tiny_models.items() if pp == 1 or f != "qwen3"}
+    chosen = {f: m for f, m in tiny_models.items()
+              if (pp == 1 or f != "qwen3") and (ep == 1 or f in MOE)}
     folders = [str(folder) for folder, _ in chosen.values()]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                           str(tp * pp), str(ROOT / "tests" / "convert_probe.py"), str(tp), str(pp),
+                           str(tp * pp * ep), str(ROOT / "tests" / "convert_probe.py"), str(tp), str(pp), str(ep),
                            str(tmp_path / "ids.pt"), str(tmp_path), *folders],
                           capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -108,4 +143,5 @@ def test_logits_match_the_hugging_face_model(tiny_models, tmp_path, tp, pp):
         scale = expected.abs().max().item()
         assert scale > 1.0, family  # logits of a size that a wrong weight would move
         diff = (got - expected).abs().max().item()
-        assert diff <= (0.0 if tp == 1 and pp == 1 else 5e-6 * scale), f"{family} TP{tp} PP{pp}: {diff}"
+        exact = tp == pp == ep == 1 and family not in MOE
+        assert diff <= (0.0 if exact else 5e-6 * scale), f"{family} TP{tp} PP{pp} EP{ep}: {diff}"

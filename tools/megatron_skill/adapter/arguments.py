@@ -88,6 +88,8 @@ def model_args(m: ModelConfig, seq_length: int | None = None) -> list[str]:
         a += ["--group-query-attention", "--num-query-groups", m.num_query_groups]
     if m.position_embedding_type == "rope":
         a += ["--rotary-base", m.rotary_base]
+        if m.rope_scaling_factor:
+            a += ["--use-rope-scaling", "--rope-scaling-factor", m.rope_scaling_factor]
     if m.activation == "swiglu":
         a += ["--swiglu"]
     elif m.activation == "squared_relu":
@@ -111,6 +113,8 @@ def model_args(m: ModelConfig, seq_length: int | None = None) -> list[str]:
               "--moe-ffn-hidden-size", m.expert_ffn, "--moe-token-dispatcher-type", "alltoall",
               "--moe-grouped-gemm", "--moe-router-load-balancing-type", "aux_loss",
               "--moe-aux-loss-coeff", "1e-3"]
+        if m.moe_router_pre_softmax:
+            a += ["--moe-router-pre-softmax"]
         if m.moe_shared_expert_intermediate_size:
             a += ["--moe-shared-expert-intermediate-size", m.moe_shared_expert_intermediate_size]
         if m.moe_layer_freq != 1:

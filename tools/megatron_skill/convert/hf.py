@@ -1,13 +1,16 @@
 """Hugging Face Llama-family weights <-> Megatron-Core GPTModel parameters, tensor by tensor.
 
 The families whose decoder layer is attention (q, k, v, o projections, grouped-query heads,
-optional q/k/v bias, optional per-head RMSNorm of q and k) and a gated MLP (gate, up, down):
-Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3. Megatron keeps
+optional q/k/v bias, optional per-head RMSNorm of q and k) and a gated MLP (gate, up, down) or a
+mixture of such MLPs behind a softmax router: Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3,
+Mixtral and Qwen3-MoE. Megatron keeps
 
   linear_qkv   [groups x (q heads of the group, then k, then v) x head_dim, hidden]: the query
                heads of one key/value group next to their key and value, so that tensor
                parallelism splits whole groups
-  linear_fc1   [gate ; up]: SwiGLU's first half goes through SiLU (Megatron's glu chunks in two)
+  linear_fc1   [gate ; up]: SwiGLU's first half goes through SiLU (Megatron's glu chunks in two),
+               the same for each expert (mlp.experts.local_experts.<j>) of an MoE layer, whose
+               router is mlp.router
   word_embeddings / output_layer   rows padded to Megatron's padded vocabulary with zeros
 
 Both directions are pure functions of one layer's tensors, so a conversion streams layer by
@@ -19,9 +22,82 @@ from __future__ import annotations
 from typing import Any, Callable, Iterator
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-                 "Qwen3ForCausalLM": "qwen3"}
+                 "Qwen3ForCausalLM": "qwen3", "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe"}
 
 HF_LAYER = "model.layers.{i}."
+DENSE_MLP = ("mlp.", ("gate_proj", "up_proj", "down_proj"))
+# An MoE layer's router and the prefix of expert j, and the expert's gate, up and down names.
+MOE_MLP = {"mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{j}.", ("w1", "w3", "w2")),
+           "qwen3_moe": ("mlp.gate.weight", "mlp.experts.{j}.", ("gate_proj", "up_proj", "down_proj"))}
+
+
+def check_config(cfg: dict, where: str = "/hf_model") -> str:
+    """The family of a Hugging Face config.json this module converts exactly, or a ToolError that
+    says what in it has no Megatron counterpart here."""
+    from ..core.model import LLAMA3_ROPE_FIXED, rope_parameters, rope_scaling_type
+    from ..errors import ToolError
+
+    archs = cfg.get("architectures") or []
+    arch = next((a for a in archs if a in ARCHITECTURES), None)
+    if arch is None:
+        raise ToolError("bad_model", f"architecture {archs or cfg.get('model_type')!r} has no conversion",
+                        where=f"{where}/config.json", fix="supported: " + ", ".join(ARCHITECTURES))
+    rope = rope_scaling_type(cfg)
+    if rope not in ("default", "llama3"):
+        raise ToolError("bad_model", f"RoPE scaling {rope!r} has no counterpart in Megatron's GPTModel",
+                        where=f"{where}/config.json", fix="plain RoPE or Llama 3.1's (rope_type llama3) convert")
+    if rope == "llama3":
+        params = rope_parameters(cfg)
+        off = {k: params.get(k) for k, v in LLAMA3_ROPE_FIXED.items() if float(params.get(k, v)) != v}
+        if off:
+            raise ToolError("bad_model", f"Llama 3 RoPE scaling with {off}: Megatron builds in {LLAMA3_ROPE_FIXED}",
+                            where=f"{where}/config.json", fix="only the Llama 3.1 / 3.2 constants convert exactly")
+    if cfg.get("hidden_act", "silu") != "silu" or cfg.get("mlp_bias") or (
+            cfg.get("attention_bias") and ARCHITECTURES[arch] != "qwen2"):
+        raise ToolError("bad_model", "the MLP activation or biases differ from the family's standard layer",
+                        where=f"{where}/config.json", fix="SiLU-gated MLPs without biases convert (Qwen2's q/k/v bias too)")
+    return ARCHITECTURES[arch]
+
+
+def _is_moe_layer(model, i: int) -> bool:
+    return bool(model.num_experts) and model.moe_pattern()[i] == 1
+
+
+def _mlp_to_megatron(get, hf: str, i: int, model) -> dict:
+    if not _is_moe_layer(model, i):
+        prefix, (g, u, d) = DENSE_MLP
+        return {"mlp.linear_fc1.weight": _cat(get(f"{hf}{prefix}{g}.weight"), get(f"{hf}{prefix}{u}.weight")),
+                "mlp.linear_fc2.weight": get(f"{hf}{prefix}{d}.weight")}
+    router, expert, (g, u, d) = MOE_MLP[model.family]
+    out = {"mlp.router.weight": get(hf + router)}
+    for j in range(model.num_experts):
+        e = hf + expert.format(j=j)
+        out[f"mlp.experts.local_experts.{j}.linear_fc1.weight"] = _cat(get(f"{e}{g}.weight"), get(f"{e}{u}.weight"))
+        out[f"mlp.experts.local_experts.{j}.linear_fc2.weight"] = get(f"{e}{d}.weight")
+    return out
+
+
+def _mlp_to_hf(meg: dict, hf: str, i: int, model) -> dict:
+    if not _is_moe_layer(model, i):
+        prefix, (g, u, d) = DENSE_MLP
+        gate, up = meg["mlp.linear_fc1.weight"].chunk(2, dim=0)
+        return {f"{hf}{prefix}{g}.weight": gate, f"{hf}{prefix}{u}.weight": up,
+                f"{hf}{prefix}{d}.weight": meg["mlp.linear_fc2.weight"]}
+    router, expert, (g, u, d) = MOE_MLP[model.family]
+    out = {hf + router: meg["mlp.router.weight"]}
+    for j in range(model.num_experts):
+        e = hf + expert.format(j=j)
+        gate, up = meg[f"mlp.experts.local_experts.{j}.linear_fc1.weight"].chunk(2, dim=0)
+        out.update({f"{e}{g}.weight": gate, f"{e}{u}.weight": up,
+                    f"{e}{d}.weight": meg[f"mlp.experts.local_experts.{j}.linear_fc2.weight"]})
+    return out
+
+
+def _mlp_names(model, i: int) -> list[str]:
+    if not _is_moe_layer(model, i):
+        return ["mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
+    return ["mlp.router.weight"] + [f"mlp.experts.local_experts.{j}.linear_fc{n}.weight"
+                                    for j in range(model.num_experts) for n in (1, 2)]
 
 
 def _grouped(q, k, v, groups: int):
@@ -60,8 +136,7 @@ def layer_to_megatron(get: Callable[[str], Any], i: int, model) -> dict[str, Any
                                                      get(hf + "self_attn.k_proj.weight"),
                                                      get(hf + "self_attn.v_proj.weight"), groups),
         "self_attention.linear_proj.weight": get(hf + "self_attn.o_proj.weight"),
-        "mlp.linear_fc1.weight": _cat(get(hf + "mlp.gate_proj.weight"), get(hf + "mlp.up_proj.weight")),
-        "mlp.linear_fc2.weight": get(hf + "mlp.down_proj.weight"),
+        **_mlp_to_megatron(get, hf, i, model),
     }
     if model.add_qkv_bias:
         out["self_attention.linear_qkv.bias"] = _grouped(get(hf + "self_attn.q_proj.bias"),
@@ -78,13 +153,11 @@ def layer_to_hf(meg: dict[str, Any], i: int, model) -> dict[str, Any]:
     hf = HF_LAYER.format(i=i)
     heads, groups, d = model.num_attention_heads, model.query_groups, model.head_dim
     q, k, v = _ungrouped(meg["self_attention.linear_qkv.weight"], groups, heads, d)
-    gate, up = meg["mlp.linear_fc1.weight"].chunk(2, dim=0)
     out = {hf + "input_layernorm.weight": meg["input_layernorm.weight"],
            hf + "post_attention_layernorm.weight": meg["pre_mlp_layernorm.weight"],
            hf + "self_attn.q_proj.weight": q, hf + "self_attn.k_proj.weight": k, hf + "self_attn.v_proj.weight": v,
            hf + "self_attn.o_proj.weight": meg["self_attention.linear_proj.weight"],
-           hf + "mlp.gate_proj.weight": gate, hf + "mlp.up_proj.weight": up,
-           hf + "mlp.down_proj.weight": meg["mlp.linear_fc2.weight"]}
+           **_mlp_to_hf(meg, hf, i, model)}
     if model.add_qkv_bias:
         qb, kb, vb = _ungrouped(meg["self_attention.linear_qkv.bias"], groups, heads, d)
         out.update({hf + "self_attn.q_proj.bias": qb, hf + "self_attn.k_proj.bias": kb,
@@ -120,16 +193,16 @@ def to_hf(get: Callable[[str], Any], model) -> Iterator[tuple[str, Any]]:
     yield "model.embed_tokens.weight", get("embedding.word_embeddings.weight")[:vocab].contiguous()
     for i in range(model.num_layers):
         prefix = f"decoder.layers.{i}."
-        names = layer_to_megatron_names(model)
+        names = layer_to_megatron_names(model, i)
         yield from layer_to_hf({n: get(prefix + n) for n in names}, i, model).items()
     yield "model.norm.weight", get("decoder.final_layernorm.weight")
     if model.untie_embeddings_and_output_weights:
         yield "lm_head.weight", get("output_layer.weight")[:vocab].contiguous()
 
 
-def layer_to_megatron_names(model) -> list[str]:
+def layer_to_megatron_names(model, i: int) -> list[str]:
     names = ["input_layernorm.weight", "pre_mlp_layernorm.weight", "self_attention.linear_qkv.weight",
-             "self_attention.linear_proj.weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
+             "self_attention.linear_proj.weight", *_mlp_names(model, i)]
     if model.add_qkv_bias:
         names.append("self_attention.linear_qkv.bias")
     if model.qk_layernorm:
@@ -180,11 +253,20 @@ def tp_join(name: str, pieces: list, model):
     return torch.cat(pieces, dim=dim)
 
 
-def stage_name(name: str, first_layer: int) -> str:
-    """A full-model parameter name as a pipeline stage whose first layer is first_layer names it."""
-    if name.startswith("decoder.layers."):
-        i, rest = name[len("decoder.layers."):].split(".", 1)
-        return f"decoder.layers.{int(i) - first_layer}.{rest}"
+EXPERT = ".mlp.experts.local_experts."
+
+
+def stage_name(name: str, first_layer: int, first_expert: int = 0) -> str:
+    """A full-model parameter name as the rank names it whose pipeline stage starts at layer
+    first_layer and whose expert-parallel group holds experts from first_expert on."""
+    if not name.startswith("decoder.layers."):
+        return name
+    i, rest = name[len("decoder.layers."):].split(".", 1)
+    name = f"decoder.layers.{int(i) - first_layer}.{rest}"
+    if EXPERT in name:
+        head, tail = name.split(EXPERT)
+        j, rest = tail.split(".", 1)
+        name = f"{head}{EXPERT}{int(j) - first_expert}.{rest}"
     return name
 
 
@@ -228,16 +310,17 @@ def hf_reader(folder) -> Callable[[str], Any]:
 
 
 def fill(model, get: Callable[[str], Any], spec, padded_vocab: int, tp: int, tp_rank: int, first_layer: int,
-         num_local_layers: int, dtype=None) -> None:
+         num_local_layers: int, first_expert: int = 0, dtype=None) -> None:
     """Copy this rank's piece of the Hugging Face weights into a Megatron GPTModel built for its TP
-    rank and pipeline stage, layer by layer (only the layers of this stage are read)."""
+    rank, pipeline stage and expert-parallel rank, layer by layer (only the layers of this stage
+    are read, and of an MoE layer only this rank's experts are kept)."""
     import torch
 
     own = {k: v for k, v in model.state_dict().items() if torch.is_tensor(v)}
     done = set()
 
     def put(full_name: str, full):
-        name = stage_name(full_name, first_layer)
+        name = stage_name(full_name, first_layer, first_expert)
         if name not in own:
             return
         piece = tp_piece(full_name, full, tp, tp_rank, spec)

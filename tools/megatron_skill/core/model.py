@@ -22,6 +22,7 @@ DEFAULTS: dict[str, Any] = {
     "kv_channels": None,               # None: hidden_size // num_attention_heads
     "max_position_embeddings": 4096,
     "rotary_base": 10000,
+    "rope_scaling_factor": None,       # Llama 3.1's long-context RoPE (--use-rope-scaling); None: off
     "untie_embeddings_and_output_weights": True,
     "activation": "swiglu",            # swiglu | gelu | squared_relu
     "normalization": "RMSNorm",        # RMSNorm | LayerNorm
@@ -35,6 +36,7 @@ DEFAULTS: dict[str, Any] = {
     "moe_ffn_hidden_size": None,
     "moe_shared_expert_intermediate_size": None,
     "moe_layer_freq": 1,
+    "moe_router_pre_softmax": False,   # True: top-k of the softmax, not renormalised (Megatron's flag)
     "multi_latent_attention": False,
     "q_lora_rank": None,
     "kv_lora_rank": 512,
@@ -68,6 +70,7 @@ class ModelConfig:
     kv_channels: int | None
     max_position_embeddings: int
     rotary_base: int
+    rope_scaling_factor: float | None
     untie_embeddings_and_output_weights: bool
     activation: str
     normalization: str
@@ -81,6 +84,7 @@ class ModelConfig:
     moe_ffn_hidden_size: int | None
     moe_shared_expert_intermediate_size: int | None
     moe_layer_freq: int | str
+    moe_router_pre_softmax: bool
     multi_latent_attention: bool
     q_lora_rank: int | None
     kv_lora_rank: int
@@ -293,6 +297,10 @@ def build_spec(name: str, fields: dict[str, Any], where: str = "model") -> Model
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
         raise ToolError("bad_model", f"norm_epsilon must be a number between 0 and 1, got {eps!r}",
                         where=f"{where}.norm_epsilon", fix="use the model's epsilon (1e-5 or 1e-6 for most)")
+    factor = values["rope_scaling_factor"]
+    if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor < 1):
+        raise ToolError("bad_model", f"rope_scaling_factor must be a number >= 1 or null, got {factor!r}",
+                        where=f"{where}.rope_scaling_factor", fix="Llama 3.1 uses 8, Llama 3.2 uses 32")
     for key, choices in ENUMS.items():
         if values[key] not in choices:
             raise ToolError("bad_model", f"{key} must be one of {list(choices)}, got {values[key]!r}",
@@ -359,7 +367,8 @@ def _hf_llama(cfg: dict) -> dict:
         "kv_channels": cfg.get("head_dim") or cfg["hidden_size"] // heads,
         "vocab_size": cfg["vocab_size"],
         "max_position_embeddings": cfg.get("max_position_embeddings", 4096),
-        "rotary_base": int(cfg.get("rope_theta", 10000)),
+        "rotary_base": rope_theta(cfg),
+        "rope_scaling_factor": llama3_rope_factor(cfg),
         "untie_embeddings_and_output_weights": not cfg.get("tie_word_embeddings", False),
         "norm_epsilon": float(cfg.get("rms_norm_eps", 1e-5)),
         "add_qkv_bias": cfg["model_type"].startswith("qwen2"),
@@ -368,7 +377,11 @@ def _hf_llama(cfg: dict) -> dict:
     experts = cfg.get("num_local_experts") or cfg.get("num_experts")
     if experts:
         fields.update(num_experts=experts, moe_router_topk=cfg["num_experts_per_tok"],
-                      moe_ffn_hidden_size=cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
+                      # Mixtral's experts are intermediate_size wide (it has no moe_intermediate_size)
+                      moe_ffn_hidden_size=(cfg.get("moe_intermediate_size") if cfg["model_type"] != "mixtral"
+                                           else None) or cfg["intermediate_size"],
+                      # Mixtral always renormalises the chosen experts' weights; Qwen's MoE says so
+                      moe_router_pre_softmax=cfg["model_type"] != "mixtral" and not cfg.get("norm_topk_prob", False))
         dense_only = set(cfg.get("mlp_only_layers") or [])
         step = cfg.get("decoder_sparse_step", 1) or 1
         pattern = [0 if (i in dense_only or (i + 1) % step) else 1 for i in range(fields["num_layers"])]
@@ -377,6 +390,40 @@ def _hf_llama(cfg: dict) -> dict:
         if cfg.get("shared_expert_intermediate_size"):
             fields["moe_shared_expert_intermediate_size"] = cfg["shared_expert_intermediate_size"]
     return fields
+
+
+def rope_parameters(cfg: dict) -> dict:
+    """RoPE's settings of a Hugging Face config: transformers 5 writes them under rope_parameters
+    (rope_theta inside), earlier versions as rope_theta and rope_scaling at the top."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict):
+        return params
+    scaling = cfg.get("rope_scaling")
+    return {**(scaling if isinstance(scaling, dict) else {}),
+            **({"rope_theta": cfg["rope_theta"]} if "rope_theta" in cfg else {})}
+
+
+def rope_theta(cfg: dict) -> int:
+    return int(rope_parameters(cfg).get("rope_theta", cfg.get("rope_theta", 10000)))
+
+
+# Megatron's --use-rope-scaling is Llama 3.1's scheme with these constants built in
+# (RotaryEmbedding._apply_scaling in megatron-core 0.19).
+LLAMA3_ROPE_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def rope_scaling_type(cfg: dict) -> str:
+    p = rope_parameters(cfg)
+    return str(p.get("rope_type") or p.get("type") or "default")
+
+
+def llama3_rope_factor(cfg: dict) -> float | None:
+    """The factor of Llama 3.1-style RoPE scaling, or None for plain RoPE (and for schemes
+    Megatron's GPTModel does not have, which convert.hf refuses by name)."""
+    p = rope_parameters(cfg)
+    if rope_scaling_type(cfg) != "llama3":
+        return None
+    return float(p.get("factor", 8.0))
 
 
 def _hf_deepseek(cfg: dict) -> dict:
@@ -390,7 +437,7 @@ def _hf_deepseek(cfg: dict) -> dict:
         "num_attention_heads": cfg["num_attention_heads"],
         "vocab_size": cfg["vocab_size"],
         "max_position_embeddings": cfg.get("max_position_embeddings", 4096),
-        "rotary_base": int(cfg.get("rope_theta", 10000)),
+        "rotary_base": rope_theta(cfg),
         "untie_embeddings_and_output_weights": not cfg.get("tie_word_embeddings", False),
         "multi_latent_attention": True,
         "q_lora_rank": cfg.get("q_lora_rank"),

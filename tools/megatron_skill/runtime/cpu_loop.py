@@ -27,6 +27,7 @@ def build_model(cfg: dict):
     from .cpu_rope import keep_rope_on_cpu
     from .specs import block_spec
 
+    patches.by_name("CPU stands in").apply()
     opts = RuntimeOptions.from_request({"fp8_linear": bool(cfg.get("fp8_linear")),
                                         "native_gqa": bool(cfg.get("native_gqa")),
                                         "compiled_rope": bool(cfg.get("compiled_rope"))}, te=False)
@@ -43,23 +44,29 @@ def build_model(cfg: dict):
         layernorm_epsilon=m.get("norm_epsilon", 1e-5), add_qkv_bias=bool(m.get("add_qkv_bias")),
         gated_linear_unit=m.get("activation", "swiglu") == "swiglu", activation_func=act,
         add_bias_linear=m.get("add_bias_linear", False), tensor_model_parallel_size=cfg["tp"],
+        expert_model_parallel_size=cfg.get("ep", 1),
         # Sequence parallelism's reduce-scatter allocates on the CUDA device: TP on CPU runs without it.
         sequence_parallel=False, use_cpu_initialization=True, params_dtype=torch.float32,
         attention_dropout=0.0, hidden_dropout=0.0, init_method_std=cfg.get("init_method_std", 0.02),
         masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
         num_moe_experts=m.get("num_experts"), moe_router_topk=m.get("moe_router_topk", 2),
-        moe_ffn_hidden_size=m.get("moe_ffn_hidden_size"), moe_token_dispatcher_type="alltoall",
+        moe_ffn_hidden_size=m.get("moe_ffn_hidden_size"),
+        # The all-to-all dispatcher makes a CUDA stream when built; all-gather's runs on the CPU.
+        moe_token_dispatcher_type="allgather",
+        moe_router_pre_softmax=bool(m.get("moe_router_pre_softmax")),
     )
     if m.get("moe_layer_freq") not in (None, 1):
-        config.moe_layer_freq = m["moe_layer_freq"]
+        freq = m["moe_layer_freq"]
+        config.moe_layer_freq = list(freq) if isinstance(freq, (list, tuple)) else freq
     config.qk_layernorm = bool(m.get("qk_layernorm", False))
     from megatron.core import parallel_state as ps
 
     config.pipeline_model_parallel_size = cfg.get("pp", 1)
     model = GPTModel(config=config, transformer_layer_spec=block_spec(config, opts), vocab_size=cfg["padded_vocab_size"],
                      max_sequence_length=cfg["seq_length"], position_embedding_type="rope",
-                     rotary_base=m.get("rotary_base", 10000),
+                     rotary_base=m.get("rotary_base", 10000), rope_scaling=bool(m.get("rope_scaling_factor")),
+                     rope_scaling_factor=m.get("rope_scaling_factor") or 8.0,
                      share_embeddings_and_output_weights=not m.get("untie_embeddings_and_output_weights", True),
                      pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
     keep_rope_on_cpu(model)

@@ -115,6 +115,8 @@ def registry() -> list[Patch]:
         Patch("RoPE: Megatron's unfused function, torch.compile'd",
               "megatron.core.models.common.embeddings.rope_utils:_apply_rotary_pos_emb_bshd", fused_rope.install,
               parameters=("t", "freqs")),
+        Patch("CPU stands in for the CUDA device where no GPU is present", "torch.cuda:current_device",
+              compat.cpu_stands_in_for_cuda, requires=("torch.cuda:synchronize",)),
         Patch("kernel profile of one iteration", "megatron.training.training:train_step", gpu_profile.install,
               parameters=("forward_step_func", "data_iterator", "model", "optimizer")),
     ]
