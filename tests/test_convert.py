@@ -12,46 +12,12 @@ require_modules("torch", "megatron.core", "transformers", "safetensors")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from hf_tiny import FAMILIES, MOE, VOCAB  # noqa: E402
+from hf_tiny import tiny as _tiny
 from safetensors.torch import load_file  # noqa: E402
 
 from megatron_skill.convert import hf as conv  # noqa: E402
 from megatron_skill.core.model import from_hf_config  # noqa: E402
-
-VOCAB = 300  # not a multiple of 128: Megatron pads the embedding and the output layer
-FAMILIES = ("llama", "llama3.1", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
-MOE = ("mixtral", "qwen3_moe")
-CLASSES = {"llama": "Llama", "llama3.1": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3",
-           "mixtral": "Mixtral", "qwen3_moe": "Qwen3Moe"}
-
-
-def _tiny(family: str, folder):
-    """A 2-layer model of the family with grouped-query attention (8 heads, 2 groups), weights
-    drawn with std 0.2 so that a wrong mapping moves the logits well beyond fp32 noise; RoPE's
-    base is not the default (a reader that missed it would be off), Llama 3.1's scaling factor is
-    a value of its own, the MoE models route 4 experts top-2 (Qwen3-MoE: its first layer dense,
-    weights not renormalised)."""
-    import transformers
-
-    rope = {"rope_type": "default", "rope_theta": 50000.0}
-    if family == "llama3.1":
-        rope = {"rope_type": "llama3", "rope_theta": 50000.0, "factor": 4.0, "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-    moe = {"num_local_experts": 4, "num_experts_per_tok": 2,
-           **({"mlp_only_layers": [0], "norm_topk_prob": False, "moe_intermediate_size": 48}
-              if family == "qwen3_moe" else {})}
-    config = getattr(transformers, CLASSES[family] + "Config")(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=8,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=16384, rms_norm_eps=1e-6,
-        rope_parameters=rope, tie_word_embeddings=family == "qwen3", initializer_range=0.2,
-        **(moe if family in MOE else {}))
-    torch.manual_seed(7)
-    model = getattr(transformers, CLASSES[family] + "ForCausalLM")(config).float().eval()
-    with torch.no_grad():  # norms and biases start at 1 and 0: give them values a swap would show
-        for name, p in model.named_parameters():
-            if name.endswith(("norm.weight", "layernorm.weight", "bias")):
-                p.add_(0.2 * torch.randn_like(p))
-    model.save_pretrained(folder)
-    return model
 
 
 @pytest.fixture(scope="module")

@@ -310,7 +310,7 @@ def hf_reader(folder) -> Callable[[str], Any]:
 
 
 def fill(model, get: Callable[[str], Any], spec, padded_vocab: int, tp: int, tp_rank: int, first_layer: int,
-         num_local_layers: int, first_expert: int = 0, dtype=None) -> None:
+         num_local_layers: int, first_expert: int = 0, progress: Callable[[int], None] | None = None) -> None:
     """Copy this rank's piece of the Hugging Face weights into a Megatron GPTModel built for its TP
     rank, pipeline stage and expert-parallel rank, layer by layer (only the layers of this stage
     are read, and of an MoE layer only this rank's experts are kept)."""
@@ -329,7 +329,7 @@ def fill(model, get: Callable[[str], Any], spec, padded_vocab: int, tp: int, tp_
             raise ToolError("bad_model", f"{full_name}: the checkpoint gives {tuple(piece.shape)}, the model wants "
                             f"{tuple(own[name].shape)}", where="/hf_model", fix="config.json and the weights disagree")
         with torch.no_grad():
-            own[name].copy_(piece.to(own[name].dtype if dtype is None else dtype))
+            own[name].copy_(piece.to(own[name].dtype))
         done.add(name)
 
     if "embedding.word_embeddings.weight" in own or "output_layer.weight" in own:
@@ -340,6 +340,8 @@ def fill(model, get: Callable[[str], Any], spec, padded_vocab: int, tp: int, tp_
     for i in range(first_layer, first_layer + num_local_layers):
         for name, t in layer_to_megatron(get, i, spec).items():
             put(f"decoder.layers.{i}.{name}", t)
+        if progress is not None:
+            progress(i)
     if "decoder.final_layernorm.weight" in own:
         put("decoder.final_layernorm.weight", get("model.norm.weight"))
     if spec.untie_embeddings_and_output_weights and "output_layer.weight" in own:
@@ -349,3 +351,148 @@ def fill(model, get: Callable[[str], Any], spec, padded_vocab: int, tp: int, tp_
         from ..errors import ToolError
         raise ToolError("bad_model", f"no Hugging Face tensor for {left[:3]}{' ...' if len(left) > 3 else ''}",
                         where="/hf_model", fix="the architecture is not one of " + ", ".join(ARCHITECTURES))
+
+
+# ---- what a folder must hold, checked from the safetensors headers alone ---------------------
+def megatron_shapes(model, padded_vocab: int) -> dict[str, tuple[int, ...]]:
+    """Every full Megatron parameter of the model and its shape (the layout-free names)."""
+    h, d = model.hidden_size, model.head_dim
+    heads, groups = model.num_attention_heads, model.query_groups
+    ffn, expert_ffn = model.ffn_hidden_size, model.expert_ffn if model.num_experts else 0
+    out = {"embedding.word_embeddings.weight": (padded_vocab, h), "decoder.final_layernorm.weight": (h,)}
+    if model.untie_embeddings_and_output_weights:
+        out["output_layer.weight"] = (padded_vocab, h)
+    per = {"input_layernorm.weight": (h,), "pre_mlp_layernorm.weight": (h,),
+           "self_attention.linear_qkv.weight": ((heads + 2 * groups) * d, h),
+           "self_attention.linear_qkv.bias": ((heads + 2 * groups) * d,),
+           "self_attention.linear_proj.weight": (h, heads * d),
+           "self_attention.q_layernorm.weight": (d,), "self_attention.k_layernorm.weight": (d,),
+           "mlp.linear_fc1.weight": (2 * ffn, h), "mlp.linear_fc2.weight": (h, ffn),
+           "mlp.router.weight": (model.num_experts or 0, h)}
+    for i in range(model.num_layers):
+        for name in layer_to_megatron_names(model, i):
+            if ".local_experts." in name:
+                shape = (2 * expert_ffn, h) if name.endswith("fc1.weight") else (h, expert_ffn)
+            else:
+                shape = per[name]
+            out[f"decoder.layers.{i}.{name}"] = shape
+    return out
+
+
+def hf_shapes(model) -> dict[str, tuple[int, ...]]:
+    """Every tensor a Hugging Face folder of this model holds, and its shape: the Megatron
+    shapes sent through to_hf on the meta device (one naming rule, not two)."""
+    import torch
+
+    meta = {k: torch.empty(s, device="meta") for k, s in megatron_shapes(model, model.vocab_size).items()}
+    return {k: tuple(v.shape) for k, v in to_hf(meta.__getitem__, model)}
+
+
+def check_weights(folder, model) -> dict[str, Any]:
+    """Every tensor the conversion reads is in the folder's safetensors with the shape config.json
+    implies; the shards the index names exist. Reads headers only. Returns the files, their
+    bytes, the tensors' dtype and the names the conversion leaves unused."""
+    import json
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    from ..errors import ToolError
+
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, AttributeError, TypeError):
+            raise ToolError("bad_model", f"{index} is not a safetensors index (no weight_map)", where="/hf_model",
+                            fix="give the folder as saved by save_pretrained") from None
+    elif (folder / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise ToolError("not_found", f"no model.safetensors or model.safetensors.index.json in {folder}",
+                        where="/hf_model", fix="give a local Hugging Face model folder saved with safetensors "
+                        "(a .bin-only folder: load and save it again with safe_serialization)")
+    missing = [f for f in files if not (folder / f).is_file()]
+    if missing:
+        raise ToolError("not_found", f"{len(missing)} shard(s) the index names are missing: {missing[:3]}",
+                        where="/hf_model", fix="copy every shard of the checkpoint into the folder")
+    have: dict[str, tuple[tuple[int, ...], str]] = {}
+    for f in files:
+        try:
+            with safe_open(str(folder / f), "pt") as st:
+                for name in st.keys():
+                    sl = st.get_slice(name)
+                    have[name] = (tuple(sl.get_shape()), sl.get_dtype())
+        except Exception as e:  # safetensors raises its own error types for a damaged header
+            raise ToolError("bad_model", f"{f} is not a readable safetensors file: {e}", where="/hf_model",
+                            fix="download the shard again") from None
+    want = hf_shapes(model)
+    absent = [n for n in want if n not in have]
+    if absent:
+        raise ToolError("bad_model", f"config.json's model needs {len(absent)} tensor(s) the weights lack, "
+                        f"e.g. {absent[:3]}", where="/hf_model",
+                        fix="the weights are not this config's model (or not a supported architecture)")
+    wrong = [(n, want[n], have[n][0]) for n in want if have[n][0] != want[n]]
+    if wrong:
+        n, w, g = wrong[0]
+        raise ToolError("bad_model", f"{len(wrong)} tensor(s) disagree with config.json, e.g. {n}: the weights "
+                        f"hold {g}, config.json implies {w}", where="/hf_model",
+                        fix="give the config.json that came with these weights")
+    dtypes = sorted({have[n][1] for n in want})
+    return {"files": files, "bytes": sum((folder / f).stat().st_size for f in files), "dtypes": dtypes,
+            "tensors": len(want), "unused": sorted(set(have) - set(want))}
+
+
+# ---- a config.json for a model that did not come from one -----------------------------------
+def hf_config_for(model) -> dict[str, Any]:
+    """A Hugging Face config.json that transformers builds the model from: Qwen3(-MoE) for
+    QK-norm, Qwen2 for QKV bias, Mixtral for MoE, Llama otherwise. A model no family holds
+    (LayerNorm, GELU, learned positions, linear biases, MLA) is a ToolError."""
+    from ..errors import ToolError
+
+    if (model.activation != "swiglu" or model.normalization != "RMSNorm" or model.position_embedding_type != "rope"
+            or model.add_bias_linear or model.multi_latent_attention or model.moe_shared_expert_intermediate_size
+            or (model.add_qkv_bias and (model.qk_layernorm or model.num_experts))):
+        raise ToolError("bad_model", f"{model.name} has no Hugging Face family here (SwiGLU, RMSNorm, RoPE, no "
+                        "linear biases but Qwen2's QKV bias, no MLA or shared experts)", where="/model",
+                        fix="export models of the Llama, Qwen2, Qwen3, Mixtral or Qwen3-MoE shape")
+    moe = bool(model.num_experts)
+    if moe and model.qk_layernorm:
+        arch, mtype = "Qwen3MoeForCausalLM", "qwen3_moe"
+    elif moe:
+        if model.moe_router_pre_softmax or 0 in model.moe_pattern():
+            raise ToolError("bad_model", "a Mixtral-shaped model renormalises its top-k and has experts in "
+                            "every layer", where="/model", fix="give the model QK-norm to export it as Qwen3-MoE")
+        arch, mtype = "MixtralForCausalLM", "mixtral"
+    elif model.qk_layernorm:
+        arch, mtype = "Qwen3ForCausalLM", "qwen3"
+    elif model.add_qkv_bias:
+        arch, mtype = "Qwen2ForCausalLM", "qwen2"
+    else:
+        arch, mtype = "LlamaForCausalLM", "llama"
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(model.rotary_base)}
+    if model.rope_scaling_factor:
+        from ..core.model import LLAMA3_ROPE_FIXED
+        rope = {**rope, "rope_type": "llama3", "factor": float(model.rope_scaling_factor), **LLAMA3_ROPE_FIXED}
+    cfg: dict[str, Any] = {
+        "architectures": [arch], "model_type": mtype, "vocab_size": model.vocab_size,
+        "hidden_size": model.hidden_size, "intermediate_size": model.ffn_hidden_size,
+        "num_hidden_layers": model.num_layers, "num_attention_heads": model.num_attention_heads,
+        "num_key_value_heads": model.query_groups, "head_dim": model.head_dim, "hidden_act": "silu",
+        "max_position_embeddings": model.max_position_embeddings, "rms_norm_eps": model.norm_epsilon,
+        "tie_word_embeddings": not model.untie_embeddings_and_output_weights,
+        # both spellings: transformers 5 reads rope_parameters, earlier versions rope_theta / rope_scaling
+        "rope_parameters": rope, "rope_theta": rope["rope_theta"],
+        **({"rope_scaling": rope} if model.rope_scaling_factor else {}),
+        "attention_bias": model.add_qkv_bias, "mlp_bias": False,
+    }
+    if moe:
+        cfg.update(num_local_experts=model.num_experts, num_experts=model.num_experts,
+                   num_experts_per_tok=model.moe_router_topk)
+        if mtype == "mixtral":
+            cfg["intermediate_size"] = model.expert_ffn
+        else:
+            cfg.update(moe_intermediate_size=model.expert_ffn, norm_topk_prob=not model.moe_router_pre_softmax,
+                       decoder_sparse_step=1, mlp_only_layers=[i for i, m in enumerate(model.moe_pattern()) if not m])
+    return cfg

@@ -46,7 +46,8 @@ def build_model(cfg: dict):
         add_bias_linear=m.get("add_bias_linear", False), tensor_model_parallel_size=cfg["tp"],
         expert_model_parallel_size=cfg.get("ep", 1),
         # Sequence parallelism's reduce-scatter allocates on the CUDA device: TP on CPU runs without it.
-        sequence_parallel=False, use_cpu_initialization=True, params_dtype=torch.float32,
+        sequence_parallel=False, use_cpu_initialization=True,
+        params_dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.get("params_dtype"), torch.float32),
         attention_dropout=0.0, hidden_dropout=0.0, init_method_std=cfg.get("init_method_std", 0.02),
         masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
@@ -132,6 +133,14 @@ def load_initial_weights(model, path: str) -> None:
             src = f"decoder.layers.{int(j) + offset}.{rest}"
         local[key] = whole[src]
     model.load_state_dict(local)
+
+
+def load_pretrained(model, folder: str) -> None:
+    """A torch_dist checkpoint's weights into this rank's piece of the model (resharded on load)."""
+    from megatron.core import dist_checkpointing
+
+    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, folder)
+    model.load_state_dict(loaded["model"], strict=False)
 
 
 def _pipeline_micro_batch(model, b, scale: float):
@@ -256,6 +265,13 @@ def main(config_path: str) -> None:
     start = load_checkpoint(model, optimizer, ckpt_root, rank)
     if start and rank == 0:
         print(f"> loaded checkpoint from iteration {start}", flush=True)
+    first_batch = None
+    if not start and cfg.get("pretrained"):  # Megatron's --pretrained-checkpoint: weights only, iteration 0
+        load_pretrained(model, cfg["pretrained"])
+        if rank == 0:
+            print(f"> loaded pretrained weights from {cfg['pretrained']}", flush=True)
+        if ps.get_tensor_model_parallel_rank() == 0 and ps.is_pipeline_first_stage():
+            first_batch = Path(cfg["save"]).parent / f"first_batch-dp{ps.get_data_parallel_rank()}.pt"
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     dataset, mbs, per_dp = build_data(cfg, dp_rank, dp_size)
     gbs = cfg["global_batch_size"]
@@ -268,8 +284,10 @@ def main(config_path: str) -> None:
             group["lr"] = lr_at(cfg, it)
         loss_sum = torch.zeros(())
         tokens = torch.zeros(())
+        seen = []
         for _ in range(per_dp // mbs):
             b = next(batches)
+            seen.append(b)
             mask = b["loss_mask"].float()
             if pp > 1:
                 losses = _pipeline_micro_batch(model, b, 1.0 / (per_dp // mbs))
@@ -298,6 +316,9 @@ def main(config_path: str) -> None:
             dist.broadcast(stats, src=ps.get_pipeline_model_parallel_last_rank(),
                            group=ps.get_pipeline_model_parallel_group())
         consumed += gbs
+        if first_batch is not None:  # the tokens of the first loss, to compare it with the source model's
+            torch.save([{k: b[k] for k in ("tokens", "labels", "loss_mask")} for b in seen], first_batch)
+            first_batch = None
         ms = (time.perf_counter() - t0) * 1e3
         if rank == 0 and ((it + 1) % cfg["log_interval"] == 0 or it + 1 == cfg["train_iters"] or it == start):
             stamp = time.strftime("%Y-%m-%d %H:%M:%S")

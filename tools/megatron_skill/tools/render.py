@@ -17,6 +17,7 @@ from typing import Any
 from ..adapter import arguments as megatron_args
 from ..adapter import flags as megatron_flags
 from ..contract import ROOT, Context, Tool, invoke
+from ..convert import pretrained
 from ..core.flops import padded_vocab_size
 from ..core.layout import RULES, Layout, check_layout
 from ..core.options import RuntimeOptions
@@ -183,12 +184,13 @@ def _data_checks(training: dict) -> list[str]:
     tokenizer folder; from the job's environment when the request gives no data."""
     from .prepare_data import is_weight
 
+    start = [_quote(training["pretrained"])] if training.get("pretrained") else []  # the weights to start from
     if training.get("mock_data"):
-        return []
+        return start
     if not training.get("data_path"):
-        return ['"$DATA_PATH.bin"', '"$DATA_PATH.idx"', '"$TOKENIZER_MODEL"']
+        return ['"$DATA_PATH.bin"', '"$DATA_PATH.idx"', '"$TOKENIZER_MODEL"'] + start
     words = [_quote(p + ext) for p in training["data_path"] if not is_weight(p) for ext in (".bin", ".idx")]
-    return words + ([_quote(training["tokenizer_model"])] if training.get("tokenizer_model") else [])
+    return words + ([_quote(training["tokenizer_model"])] if training.get("tokenizer_model") else []) + start
 
 
 def _fp8_local_note(lay: Layout) -> str:
@@ -283,6 +285,12 @@ def build(req: dict, ctx: Context) -> dict[str, Any]:
     training = match_tokenizer({**training_defaults(model, req["training"]["train_iters"]), **req["training"]},
                                model.vocab_size)
     training.setdefault("vocab_size", model.vocab_size)
+    start = None
+    if training.get("pretrained"):
+        start = pretrained.describe(training["pretrained"], model, lay.tp, need_local=False)
+        training.update(pretrained=_path(training["pretrained"]), vocab_divisor=start["vocab_divisor"])
+        if start["tokenizer"] and not training.get("tokenizer_model") and not training.get("mock_data"):
+            training["tokenizer_model"] = start["tokenizer"]
     training["save"] = _path(training.get("save") or f"{run_dir}/checkpoints")
     if training.get("data_path"):
         training["data_path"] = [_path(p) for p in training["data_path"]]
@@ -355,6 +363,7 @@ def build(req: dict, ctx: Context) -> dict[str, Any]:
         "run_dir": run_dir if run_dir != RUN_DIR_MARK else f"runs/{run_id} (in the folder the job starts in)",
         "command": run_cmd,
         **({"fake_rank": fake} if fake is not None else {}),
+        **({"pretrained": start} if start else {}),
         "_text": text,
     }
 

@@ -141,6 +141,8 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
                         fix="give a folder (it is made when missing)")
     run_dir = (runs_root / run_id).resolve()
     check_datasets(req["training"])
+    if req["training"].get("pretrained"):  # the job runs in its run folder: the path must not be relative
+        req = {**req, "training": {**req["training"], "pretrained": str(Path(req["training"]["pretrained"]).absolute())}}
     if backend == "cpu":
         from .train_cpu import plan_cpu_run
         plan = plan_cpu_run(req, run_dir, run_id)
@@ -155,7 +157,8 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
                 "start": "finished" if finished else _start(state, ckpt), "resume_from": ckpt,
                 "train_iters": req["training"]["train_iters"], "estimated_seconds": plan.get("estimated_seconds"),
                 "actions": ["return the recorded result; nothing is launched"] if finished else plan["actions"],
-                "layout": plan.get("layout"), "prediction": plan.get("prediction")}
+                "layout": plan.get("layout"), "prediction": plan.get("prediction"),
+                **({"pretrained": plan["pretrained"]} if plan.get("pretrained") else {})}
 
     run_dir.mkdir(parents=True, exist_ok=True)
     lock = RunLock(run_dir).acquire()  # conflict while another process runs this request
@@ -349,7 +352,7 @@ def _plan_gpu_run(req: dict, ctx: Context, run_dir: Path) -> dict[str, Any]:
         command = ["bash", str(script)]
     return {"actions": [f"write {script}", " ".join(shlex.quote(c) for c in command)], "write": write,
             "command": command, "seq_length": out["layout"]["seq_length"], "layout": out["layout"],
-            "prediction": out["prediction"], "peak_tflops": peak, "gpu": sub["gpu"]}
+            "prediction": out["prediction"], "peak_tflops": peak, "gpu": sub["gpu"], "pretrained": out.get("pretrained")}
 
 
 TOOL = Tool(name="train", summary="Run Megatron-Core training (torchrun or Slurm on GPUs; a tiny CPU "

@@ -54,12 +54,21 @@ def plan_cpu_run(req: dict, run_dir: Path, run_id: str) -> dict[str, Any]:
     from .prepare_data import is_weight, match_tokenizer
     t = match_tokenizer({**training_defaults(model, req["training"]["train_iters"]), **req["training"]},
                         model.vocab_size)
+    start = None
+    if t.get("pretrained"):
+        from ..convert import checkpoint, pretrained
+
+        start = pretrained.describe(t["pretrained"], model, tp, need_local=True)
+        if start["tokenizer"] and not t.get("tokenizer_model"):
+            t["tokenizer_model"] = start["tokenizer"]
     iters = t["train_iters"]
     warm = t.get("lr_warmup_iters")
     config = {
         "model": {k: v for k, v in model.to_fields().items() if v is not None and k not in ("source",)},
         "tp": tp, "pp": pp, "seq_length": seq, "vocab_size": t.get("vocab_size") or model.vocab_size,
-        "padded_vocab_size": padded_vocab_size(model.vocab_size, tp),
+        "padded_vocab_size": start["padded_vocab"] if start else padded_vocab_size(model.vocab_size, tp),
+        # weights only, while the run has no checkpoint of its own (Megatron's --pretrained-checkpoint)
+        "pretrained": str(checkpoint.iteration_dir(Path(t["pretrained"]).absolute())) if start else None,
         "seed": t["seed"], "lr": t["lr"], "min_lr": t["min_lr"],
         "lr_warmup_iters": min(100, iters // 10) if warm is None else warm,
         "weight_decay": t["weight_decay"], "init_method_std": t["init_method_std"], "train_iters": iters,
@@ -81,4 +90,5 @@ def plan_cpu_run(req: dict, run_dir: Path, run_id: str) -> dict[str, Any]:
     return {"actions": [f"write {cfg_path}", " ".join(command)], "write": write, "command": command,
             "estimated_seconds": estimate_seconds(training_flops(model, seq, gbs, padded), iters),
             "seq_length": seq, "env": {"OMP_NUM_THREADS": "1"},
-            "layout": {"tp": tp, "pp": pp, "dp": dp, "mbs": mbs, "gbs": gbs, "seq_length": seq}, "prediction": None}
+            "layout": {"tp": tp, "pp": pp, "dp": dp, "mbs": mbs, "gbs": gbs, "seq_length": seq}, "prediction": None,
+            "pretrained": start}
