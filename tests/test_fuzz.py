@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from megatron_skill.contract import call, load_schema, tools
 
-ACTING = {"train", "bench", "prepare-data", "render", "on-event"}  # asked for dry-runs: nothing may be written
+# asked for dry-runs: nothing may be written
+ACTING = {"train", "bench", "prepare-data", "render", "on-event", "import-hf", "export-hf"}
 SECONDS = 60
 
 TEXT = st.one_of(
@@ -38,6 +39,8 @@ BASE = {
     "logs": {"log": str(ROOT / "tests" / "fixtures" / "logs" / "h200-kill-resume.log")},
     "prepare-data": {"input": [str(ROOT / "data" / "sample" / "corpus.jsonl")], "output_prefix": "x"},
     "doctor": {},
+    "import-hf": {"hf_model": "hf-model", "output": "converted"},
+    "export-hf": {"checkpoint": "converted", "output": "exported"},
     "on-event": {"event": {"version": 1, "event_id": "e0123456789", "type": "job.failed", "time": "2026-12-05T10:00:00Z",
                            "run_id": "r0123456789", "emitter": "job", "job": {"job_id": "7"}}, "runs_root": "runs"},
 }
@@ -100,6 +103,8 @@ def test_each_base_request_is_valid(tool, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     request = {**BASE[tool], **({"dry_run": True} if tool in ACTING else {})}
     env = call(tool, request)
-    # bench needs a GPU; on-event, a run and the shared secret: a well-formed request is what is checked.
+    # bench needs a GPU; on-event, a run and the shared secret; the conversions, a model folder: a
+    # well-formed request is what is checked.
     assert env["ok"] or (tool == "bench" and env["error"]["code"] == "environment") or (
-        tool == "on-event" and env["error"]["code"] in ("environment", "not_found")), env
+        tool == "on-event" and env["error"]["code"] in ("environment", "not_found")) or (
+        tool in ("import-hf", "export-hf") and env["error"]["code"] == "not_found"), env

@@ -77,8 +77,10 @@ def build_model(cfg: dict):
 def build_data(cfg: dict, dp_rank: int, dp_size: int):
     """Megatron's own dataset builder: MockGPTDataset, or GPTDataset over an indexed dataset."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
     from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
+
+    from .masked_dataset import MaskedGPTDataset
 
     data_path = cfg.get("data_path")
     ds_cfg = GPTDatasetConfig(
@@ -89,7 +91,7 @@ def build_data(cfg: dict, dp_rank: int, dp_size: int):
         path_to_cache=cfg.get("data_cache"), mid_level_dataset_surplus=0.005,
     )
     n = cfg["train_iters"] * cfg["global_batch_size"]
-    kind = GPTDataset if data_path else MockGPTDataset
+    kind = MaskedGPTDataset if data_path else MockGPTDataset  # GPTDataset, with prepare-data's chat masks
     train, _, _ = BlendedMegatronDatasetBuilder(kind, [n, None, None], lambda: True, ds_cfg).build()
     mbs, per_dp = cfg["micro_batch_size"], cfg["global_batch_size"] // dp_size
     return train, mbs, per_dp

@@ -16,11 +16,12 @@ _START = time.time()
 import torch  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder  # noqa: E402
-from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset  # noqa: E402
+from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset  # noqa: E402
 from megatron.core.enums import ModelType  # noqa: E402
 
 from ..core.options import RuntimeOptions  # noqa: E402
 from . import fused_head, patches, specs  # noqa: E402
+from .masked_dataset import MaskedGPTDataset  # noqa: E402
 
 
 def _tokenizer(args):
@@ -50,7 +51,7 @@ def datasets_provider(train_val_test_num_samples, vp_stage=None):
         reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
         eod_mask_loss=args.eod_mask_loss, create_attention_mask=args.create_attention_mask_in_dataloader,
     )
-    kind = MockGPTDataset if args.mock_data else GPTDataset
+    kind = MockGPTDataset if args.mock_data else MaskedGPTDataset  # GPTDataset, with prepare-data's chat masks
     print_rank_0(f"> building {kind.__name__} train/valid/test datasets")
     return BlendedMegatronDatasetBuilder(kind, train_val_test_num_samples,
                                          partial(_on_data_rank, vp_stage=vp_stage), config).build()

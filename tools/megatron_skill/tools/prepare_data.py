@@ -40,6 +40,20 @@ class ByteTokenizer:
     def describe(self) -> dict[str, Any]:
         return {"type": "byte", "vocab_size": self.vocab_size, "eod_id": self.eod_id}
 
+    def chat_template(self):
+        from ..data.chat import BYTE_TEMPLATE, ChatTemplate
+        return ChatTemplate(BYTE_TEMPLATE)
+
+    def encode_pieces(self, pieces: list[tuple[str, bool]]) -> tuple[list[int], list[int]]:
+        """Token ids of the pieces' text, and 1 for each token of a piece to learn."""
+        ids: list[int] = []
+        learn: list[int] = []
+        for text, on in pieces:
+            part = self.encode(text)
+            ids += part
+            learn += [int(on)] * len(part)
+        return ids, learn
+
 
 class HFTokenizer:
     """A local Hugging Face tokenizer.json through the `tokenizers` library (no transformers,
@@ -73,6 +87,28 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
 
+    def chat_template(self):
+        from ..data.chat import ChatTemplate, template_of
+        try:
+            return ChatTemplate(*template_of(self.file.parent))
+        except ValueError as e:
+            raise ToolError("bad_request", str(e), where="/tokenizer",
+                            fix="use the tokenizer folder of the chat model (its tokenizer_config.json has a "
+                                "chat_template), or format text") from None
+
+    def encode_pieces(self, pieces: list[tuple[str, bool]]) -> tuple[list[int], list[int]]:
+        """Token ids of the whole text (as the model will see it: no seams at piece borders), and 1
+        for each token that starts inside a piece to learn."""
+        text = "".join(t for t, _ in pieces)
+        learn_at = bytearray(len(text))
+        pos = 0
+        for t, on in pieces:
+            if on:
+                learn_at[pos:pos + len(t)] = b"\x01" * len(t)
+            pos += len(t)
+        enc = self.tok.encode(text, add_special_tokens=False)
+        return enc.ids, [learn_at[start] if start < len(text) else 0 for start, _ in enc.offsets]
+
     def describe(self) -> dict[str, Any]:
         return {"type": "huggingface", "path": str(self.file.parent), "vocab_size": self.vocab_size,
                 "eod_id": self.eod_id}
@@ -97,12 +133,14 @@ def load_tokenizer(spec: str):
 _WORKER: dict[str, Any] = {}
 
 
-def _init_worker(tokenizer: str, text_key: str, append_eod: bool, dtype: str) -> None:
-    _WORKER.update(tok=load_tokenizer(tokenizer), key=text_key, eod=append_eod, dtype=dtype)
+def _init_worker(tokenizer: str, text_key: str, append_eod: bool, dtype: str, chat: bool = False) -> None:
+    tok = load_tokenizer(tokenizer)
+    _WORKER.update(tok=tok, key=text_key, eod=append_eod, dtype=dtype, chat=tok.chat_template() if chat else None)
 
 
 def _encode_batch(batch: list[tuple[str, int, bytes]]) -> list[tuple[str, int, Any]]:
-    """(file, line number, raw line) -> (file, line number, token ids as bytes | reason)."""
+    """(file, line number, raw line) -> (file, line number, token ids as bytes | reason); in the
+    chat format the ids and the loss mask (uint8) as a pair of bytes."""
     import numpy as np
 
     tok, key, dtype = _WORKER["tok"], _WORKER["key"], _WORKER["dtype"]
@@ -120,6 +158,9 @@ def _encode_batch(batch: list[tuple[str, int, bytes]]) -> list[tuple[str, int, A
             continue
         if not isinstance(obj, dict):
             out.append((name, lineno, f"a JSON {type(obj).__name__}, not an object"))
+            continue
+        if _WORKER["chat"] is not None:
+            out.append((name, lineno, _encode_chat(obj, tok, np, dtype)))
             continue
         text = obj.get(key)
         if not isinstance(text, str):
@@ -161,8 +202,30 @@ def _batches(paths: list[str], counts: dict[str, int]) -> Iterator[list[tuple[st
         yield batch
 
 
+def _encode_chat(obj: dict, tok, np, dtype) -> Any:
+    """One conversation through the chat template: (ids, mask) as bytes, or why not."""
+    from ..data.chat import messages_of
+
+    messages = messages_of(obj)
+    if isinstance(messages, str):
+        return messages
+    try:
+        pieces = _WORKER["chat"].pieces(messages)
+        "".join(t for t, _ in pieces).encode("utf-8")
+    except ValueError as e:  # UnicodeEncodeError is one: a lone surrogate in a message
+        return f"not Unicode text: {e}" if isinstance(e, UnicodeEncodeError) else str(e)
+    ids, mask = tok.encode_pieces(pieces)
+    if not any(mask):
+        return "the reply has no tokens of its own after the template"
+    if _WORKER["eod"]:
+        ids.append(tok.eod_id)
+        mask.append(0)
+    return np.asarray(ids, dtype=dtype).tobytes(), np.asarray(mask, dtype=np.uint8).tobytes()
+
+
 # ---- the tool -----------------------------------------------------------------------
 MADE_BY = "megatron-core-training prepare-data"
+MASK_SUFFIX = "_lossmask"  # the same as runtime/masked_dataset.py's (which imports torch)
 GLOB_CHARS = set("*?[]")
 
 
@@ -171,7 +234,10 @@ def _paths(prefix: Path) -> dict[str, Path]:
     never written) and the journal of a run in progress (removed when it ends)."""
     name = prefix.name
     return {"bin": prefix.with_name(name + ".bin"), "idx": prefix.with_name(name + ".idx"),
-            "json": prefix.with_name(name + ".json"), "lock": prefix.with_name(f".{name}.prepare-data.lock"),
+            "json": prefix.with_name(name + ".json"),
+            # the chat format's loss mask, read by runtime/masked_dataset.py
+            "mask_bin": prefix.with_name(name + MASK_SUFFIX + ".bin"),
+            "mask_idx": prefix.with_name(name + MASK_SUFFIX + ".idx"), "lock": prefix.with_name(f".{name}.prepare-data.lock"),
             "journal": prefix.with_name(f".{name}.prepare-data.journal")}
 
 
@@ -248,13 +314,19 @@ def _recover(files: dict[str, Path]) -> None:
 
 
 def _commit(files: dict[str, Path], temps: dict[str, Path]) -> None:
-    """Put the three files in place as one: the old record goes first (no record may describe
+    """Put the files in place as one: the old record goes first (no record may describe
     other data), then .bin, .idx, and the new record last. Each step can be repeated, so a
-    run killed half-way is finished by the next one (_recover)."""
+    run killed half-way is finished by the next one (_recover). A loss mask the old record lists
+    goes too when the new dataset has none (a chat dataset replaced by text)."""
+    old, _ = _read_record(files)
+    listed = set((old or {}).get("result", {}).get("files", []))
     if temps["json"].exists():
         files["json"].unlink(missing_ok=True)
-    for kind in ("bin", "idx", "json"):
-        if temps[kind].exists():
+    for kind in ("mask_bin", "mask_idx"):
+        if kind not in temps and str(files[kind]) in listed:
+            files[kind].unlink(missing_ok=True)
+    for kind in ("bin", "idx", "mask_bin", "mask_idx", "json"):
+        if kind in temps and temps[kind].exists():
             os.replace(temps[kind], files[kind])
 
 
@@ -265,6 +337,8 @@ def _write_journal(files: dict[str, Path], temps: dict[str, Path], phase: str) -
 def run(req: dict, ctx: Context) -> dict[str, Any]:
     prefix = _check(req)
     tokenizer = load_tokenizer(req["tokenizer"])  # fails here, before any work, on a bad tokenizer
+    if req["format"] == "chat":
+        tokenizer.chat_template()  # and on a tokenizer without a chat template (a worker must not fail)
     files = _paths(prefix)
     rid = ctx.request_id
     workers = req.get("workers") or min(16, os.cpu_count() or 1)
@@ -319,7 +393,9 @@ def _decide(req: dict, files: dict[str, Path], rid: str, ctx: Context, dry_run: 
 
 def _build(req, ctx, tokenizer, files, workers, rid, dtype, IndexedDatasetBuilder, np, torch) -> dict[str, Any]:
     token = f"{os.getpid()}-{os.urandom(4).hex()}"
-    temps = {k: files[k].with_name(f".{files[k].name}.{token}.tmp") for k in ("bin", "idx", "json")}
+    chat = req["format"] == "chat"
+    kinds = ("bin", "idx", "json") + (("mask_bin", "mask_idx") if chat else ())
+    temps = {k: files[k].with_name(f".{files[k].name}.{token}.tmp") for k in kinds}
     _write_journal(files, temps, "writing")  # first: whatever is made next can be found and removed
     counts = {"blank": 0}
     docs_in = docs_out = tokens = 0
@@ -327,8 +403,10 @@ def _build(req, ctx, tokenizer, files, workers, rid, dtype, IndexedDatasetBuilde
     started = last = time.time()
     try:
         builder = IndexedDatasetBuilder(str(temps["bin"]), dtype=dtype)
+        masks = IndexedDatasetBuilder(str(temps["mask_bin"]), dtype=np.uint8) if chat else None
+        learned = 0
         pool = get_context("spawn").Pool(workers, _init_worker, (req["tokenizer"], req["text_key"],
-                                                                  req["append_eod"], np.dtype(dtype).name))
+                                                                  req["append_eod"], np.dtype(dtype).name, chat))
         with pool:
             for results in pool.imap(_encode_batch, _batches(req["input"], counts)):
                 for name, lineno, item in results:
@@ -340,6 +418,11 @@ def _build(req, ctx, tokenizer, files, workers, rid, dtype, IndexedDatasetBuilde
                                             fix="fix the line, or set bad_lines 'skip' to report and skip such lines",
                                             details={"file": name, "line": lineno})
                         continue
+                    if chat:
+                        item, mask_bytes = item
+                        mask = np.frombuffer(mask_bytes, dtype=np.uint8)
+                        masks.add_document(torch.from_numpy(mask.astype(np.int64)), [len(mask)])
+                        learned += int(mask.sum())
                     ids = np.frombuffer(item, dtype=dtype)
                     builder.add_document(torch.from_numpy(ids.astype(np.int64)), [len(ids)])
                     docs_out += 1
@@ -349,13 +432,16 @@ def _build(req, ctx, tokenizer, files, workers, rid, dtype, IndexedDatasetBuilde
                     ctx.progress(f"prepare-data: {docs_in:,} documents, {tokens:,} tokens "
                                  f"({docs_in / (last - started):,.0f} docs/s)")
         builder.finalize(str(temps["idx"]))
+        if chat:
+            masks.finalize(str(temps["mask_idx"]))
         assert docs_in == docs_out + len(bad)
         desc = tokenizer.describe()
         training: dict[str, Any] = {"data_path": [str(files["bin"].with_suffix(""))]}
         if desc["type"] == "huggingface":
             training["tokenizer_model"] = desc["path"]
-        result = {"output_prefix": str(files["bin"].with_suffix("")),
-                  "files": [str(files["bin"]), str(files["idx"]), str(files["json"])],
+        result = {"output_prefix": str(files["bin"].with_suffix("")), "format": req["format"],
+                  "files": [str(files[k]) for k in ("bin", "idx", "json") + (("mask_bin", "mask_idx") if chat else ())],
+                  **({"learned_tokens": learned} if chat else {}),
                   "documents_in": docs_in, "documents_out": docs_out, "bad_line_count": len(bad),
                   "bad_lines": bad[:MAX_REPORTED], "blank_lines": counts["blank"], "tokens": tokens,
                   "tokenizer": desc, "dtype": np.dtype(dtype).name, "seconds": round(time.time() - started, 2),

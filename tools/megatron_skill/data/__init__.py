@@ -1,0 +1,1 @@
+"""Training data beyond plain text: conversations with their loss masks."""
