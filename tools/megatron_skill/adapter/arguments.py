@@ -210,7 +210,7 @@ def training_args(settings: dict[str, Any]) -> list[str]:
             a += ["--override-opt-param-scheduler"]
     if s.get("pretrained"):
         a += ["--pretrained-checkpoint", s["pretrained"]]
-        if s.get("vocab_divisor", 128) != 128:  # the checkpoint's embedding rows at this TP
+        if s.get("vocab_divisor"):  # the checkpoint's embedding rows at this TP
             a += ["--make-vocab-size-divisible-by", s["vocab_divisor"]]
     if s.get("log_memory_interval"):
         a += ["--log-memory-interval", s["log_memory_interval"]]

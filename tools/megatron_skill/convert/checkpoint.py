@@ -69,7 +69,7 @@ def model_config(spec, tp: int = 1, pp: int = 1, ep: int = 1, dtype: str = "fp32
     from ..core.flops import padded_vocab_size
 
     return {"model": {k: v for k, v in spec.to_fields().items() if v is not None and k != "source"},
-            "tp": tp, "pp": pp, "ep": ep, "seq_length": 128, "params_dtype": dtype,
+            "tp": tp, "pp": pp, "ep": ep, "seq_length": 128, "params_dtype": dtype, "initialize": False,
             "padded_vocab_size": padded_vocab or padded_vocab_size(spec.vocab_size, 1)}
 
 

@@ -273,8 +273,9 @@ def stage_name(name: str, first_layer: int, first_expert: int = 0) -> str:
 # ---- reading a Hugging Face folder, and filling a model's own piece --------------------------
 def hf_reader(folder) -> Callable[[str], Any]:
     """get(name) for a local Hugging Face folder's safetensors (one file, or shards named by
-    model.safetensors.index.json), each tensor read when asked (memory-mapped): nothing more is
-    held than the tensor being converted."""
+    model.safetensors.index.json), each tensor read when asked. The file is opened for each read
+    and closed after it: its memory-mapped pages leave with it, so nothing more is held than the
+    tensor being converted."""
     import json
     from pathlib import Path
 
@@ -291,20 +292,17 @@ def hf_reader(folder) -> Callable[[str], Any]:
     else:
         raise ToolError("not_found", f"no model.safetensors or model.safetensors.index.json in {folder}",
                         where="/hf_model", fix="give a local Hugging Face model folder saved with safetensors")
-    handles: dict[str, Any] = {}
-
     def get(name: str):
         file = where.get(name) if where is not None else "model.safetensors"
         if file is None:
             raise ToolError("bad_model", f"the checkpoint has no tensor {name}", where="/hf_model",
                             fix="the weights do not match config.json's architecture")
-        if file not in handles:
-            path = folder / file
-            if not path.is_file():
-                raise ToolError("not_found", f"shard {file} of {folder} is missing", where="/hf_model",
-                                fix="download every shard the index names")
-            handles[file] = safe_open(str(path), "pt")
-        return handles[file].get_tensor(name)
+        path = folder / file
+        if not path.is_file():
+            raise ToolError("not_found", f"shard {file} of {folder} is missing", where="/hf_model",
+                            fix="download every shard the index names")
+        with safe_open(str(path), "pt") as f:
+            return f.get_tensor(name)
 
     return get
 

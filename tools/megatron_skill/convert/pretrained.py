@@ -64,5 +64,6 @@ def describe(path: str, model, tp: int, need_local: bool) -> dict[str, Any]:
     if rows < model.vocab_size or rows % tp:
         raise ToolError("bad_request", f"the checkpoint's {rows}-row embedding cannot be split over TP {tp}",
                         where=WHERE, fix="use a TP that divides it (a power of two up to 128 does for an import)")
-    info.update(padded_vocab=rows, vocab_divisor=rows // tp)
+    # Megatron's own padding at this TP gives other rows: make it give the checkpoint's
+    info.update(padded_vocab=rows, vocab_divisor=rows // tp if padded_vocab_size(model.vocab_size, tp) != rows else None)
     return info

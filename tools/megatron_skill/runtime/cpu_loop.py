@@ -47,6 +47,7 @@ def build_model(cfg: dict):
         expert_model_parallel_size=cfg.get("ep", 1),
         # Sequence parallelism's reduce-scatter allocates on the CUDA device: TP on CPU runs without it.
         sequence_parallel=False, use_cpu_initialization=True,
+        perform_initialization=cfg.get("initialize", True),  # a conversion overwrites every weight
         params_dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.get("params_dtype"), torch.float32),
         attention_dropout=0.0, hidden_dropout=0.0, init_method_std=cfg.get("init_method_std", 0.02),
         masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,

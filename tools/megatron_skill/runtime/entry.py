@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from functools import partial
+from pathlib import Path
 
 _START = time.time()
 
@@ -83,10 +84,38 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss, num_tokens, {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
 
 
+class FirstBatch:
+    """The micro-batches of a run's first iteration from pretrained weights, kept in
+    RUN_DIR/first_batch-dp0.pt by the first data-parallel, tensor-parallel and pipeline rank, as
+    the CPU loop keeps them: the first loss can then be checked against the source model's."""
+
+    def __init__(self):
+        self.batches: list | None = None
+
+    def see(self, tokens, labels, loss_mask) -> None:
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
+        from megatron.training import get_args
+
+        if self.batches is None:
+            args = get_args()
+            mine = (parallel_state.get_data_parallel_rank() == 0 and parallel_state.get_tensor_model_parallel_rank() == 0
+                    and parallel_state.is_pipeline_first_stage() and tokens is not None)
+            wanted = getattr(args, "pretrained_checkpoint", None) and args.save and getattr(args, "finetune", False)
+            self.batches = [] if mine and wanted and args.iteration == 0 else False
+            self.path = Path(args.save).parent / "first_batch-dp0.pt" if self.batches == [] else None
+        if self.batches is False:
+            return
+        self.batches.append({"tokens": tokens.cpu(), "labels": labels.cpu(), "loss_mask": loss_mask.cpu()})
+        if len(self.batches) == get_num_microbatches():
+            torch.save(self.batches, self.path)
+            self.batches = False
+
+
 def make_forward_step(fused: bool):
     """Megatron's forward_step_func; with the fused head, the logits never exist whole (its
     gradients assume loss_func's masked sum)."""
     extra = {"output_processor": fused_head.output_processor} if fused else {}
+    first = FirstBatch()
 
     def forward_step(data_iterator, model, return_schedule_plan: bool = False):
         from megatron.core.utils import get_attr_wrapped_model
@@ -97,6 +126,7 @@ def make_forward_step(fused: bool):
         vp_stage = get_attr_wrapped_model(model, "vp_stage")
         tokens, labels, loss_mask, attention_mask, position_ids = _get_batch(data_iterator, vp_stage)
         timers("batch-generator").stop()
+        first.see(tokens, labels, loss_mask)
         output = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask, **extra)
         return output, partial(loss_func, loss_mask)
 

@@ -105,7 +105,7 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
 
     started = time.time()
     ctx.progress(f"export-hf: loading {src['folder']}")
-    whole = checkpoint.read_whole(src["folder"], model, "fp32", src["layout"])
+    whole = checkpoint.read_whole(src["folder"], model, src["dtype"], src["layout"])
     missing = sorted(set(conv.megatron_shapes(model, 0)) - set(whole) - {"embedding.word_embeddings.weight",
                                                                           "output_layer.weight"})
     if missing:
@@ -115,26 +115,33 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
     try:
         limit = int(req["max_shard_gib"] * 2**30)
         dt = getattr(torch, TORCH_DTYPES[src["dtype"]])
-        shards: list[dict[str, Any]] = [{}]
-        size = 0
-        total = 0
+        shard: dict[str, Any] = {}
+        written: list[list[str]] = []  # each shard's tensor names, in the order written
+        size = total = 0
+
+        def flush() -> None:  # one shard at a time: the model and one shard are all that is held
+            written.append(list(shard))
+            save_file(shard, str(tmp / f"part-{len(written)}.safetensors"), metadata={"format": "pt"})
+            ctx.progress(f"export-hf: wrote shard {len(written)} ({total / 2**30:.2f} GiB so far)")
+            shard.clear()
+
         for name, tensor in conv.to_hf(whole.__getitem__, model):
             t = tensor.to(dt).contiguous()
             nbytes = t.numel() * t.element_size()
-            if size and size + nbytes > limit:
-                shards.append({})
+            if shard and size + nbytes > limit:
+                flush()
                 size = 0
-            shards[-1][name] = t
+            shard[name] = t
             size += nbytes
             total += nbytes
-        names = (["model.safetensors"] if len(shards) == 1 else
-                 [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))])
+        flush()
+        names = (["model.safetensors"] if len(written) == 1 else
+                 [f"model-{k + 1:05d}-of-{len(written):05d}.safetensors" for k in range(len(written))])
         weight_map = {}
-        for k, (fname, shard) in enumerate(zip(names, shards)):
-            save_file(shard, str(tmp / fname), metadata={"format": "pt"})
-            weight_map.update({n: fname for n in shard})
-            ctx.progress(f"export-hf: wrote {fname} ({k + 1}/{len(shards)})")
-        if len(shards) > 1:
+        for k, fname in enumerate(names):
+            (tmp / f"part-{k + 1}.safetensors").rename(tmp / fname)  # named once the count is known
+            weight_map.update({n: fname for n in written[k]})
+        if len(written) > 1:
             (tmp / "model.safetensors.index.json").write_text(json.dumps(
                 {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -144,8 +151,11 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
                 if f != "config.json" and (d / f).is_file() and not (tmp / f).exists():
                     shutil.copyfile(d / f, tmp / f)
                     copied.append(f)
+        import resource
+
         result = {**summary, "files": names, "tensors": len(weight_map), "bytes_written": total,
-                  "tokenizer_files": sorted(copied), "seconds": round(time.time() - started, 1)}
+                  "tokenizer_files": sorted(copied), "seconds": round(time.time() - started, 1),
+                  "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
         output.publish(tmp, out, "export-hf", rid, req, result)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
