@@ -1,5 +1,7 @@
 """Tiny randomly initialised Hugging Face models of each family the conversion supports, built
 and saved by transformers (nothing downloaded), for the conversion tests."""
+import json
+
 import torch
 
 VOCAB = 300  # not a multiple of 128: Megatron pads the embedding and the output layer
@@ -37,3 +39,34 @@ def tiny(family: str, folder, vocab: int = VOCAB, layers: int = 2):
                 p.add_(0.2 * torch.randn_like(p))
     model.save_pretrained(folder)
     return model
+
+
+# ChatML, as the Qwen family writes conversations (the template text is the usual one-liner).
+CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+          "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+# Replies in capitals, everything else in small letters: what is learned can be told apart.
+CONVERSATIONS = [
+    {"messages": [{"role": "system", "content": "answer in capitals"}, {"role": "user", "content": "say yes"},
+                  {"role": "assistant", "content": "YES"}, {"role": "user", "content": "and no?"},
+                  {"role": "assistant", "content": "NO AND NEVER"}]},
+    {"prompt": "name a colour", "response": "BLUE", "system": "be brief"},
+    {"prompt": "count to three", "response": "ONE TWO THREE"},
+] * 8
+
+
+def hf_tokenizer(folder, template=CHATML):
+    """A byte-level BPE tokenizer.json trained here on a few words, with ChatML's special tokens and
+    (unless template is None) a chat template in tokenizer_config.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["answer in capitals yes no colour count three", "YES NO BLUE ONE TWO THREE"], trainer)
+    folder.mkdir(exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<|im_end|>", **({"chat_template": template} if template else {})}))
+    return tok

@@ -8,34 +8,8 @@ require_modules("torch", "megatron.core", "tokenizers")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-
-# ChatML, as the Qwen family writes conversations (the template text is the usual one-liner).
-CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-          "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
-# Replies in capitals, everything else in small letters: what is learned can be told apart.
-CONVERSATIONS = [
-    {"messages": [{"role": "system", "content": "answer in capitals"}, {"role": "user", "content": "say yes"},
-                  {"role": "assistant", "content": "YES"}, {"role": "user", "content": "and no?"},
-                  {"role": "assistant", "content": "NO AND NEVER"}]},
-    {"prompt": "name a colour", "response": "BLUE", "system": "be brief"},
-    {"prompt": "count to three", "response": "ONE TWO THREE"},
-] * 8
-
-
-def _hf_tokenizer(folder, template=CHATML):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["answer in capitals yes no colour count three", "YES NO BLUE ONE TWO THREE"], trainer)
-    folder.mkdir()
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps(
-        {"eos_token": "<|im_end|>", **({"chat_template": template} if template else {})}))
-    return tok
+from hf_tiny import CONVERSATIONS  # noqa: E402
+from hf_tiny import hf_tokenizer as _hf_tokenizer  # noqa: E402
 
 
 def _prepare(cli, tmp_path, tokenizer="byte", name="chat", lines=CONVERSATIONS):

@@ -5,7 +5,7 @@ import shlex
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, run_cli, run_inproc
+from conftest import ROOT, require_modules, run_cli, run_inproc
 
 DOCS = [ROOT / "README.md", ROOT / "SKILL.md", ROOT / "instructions.md", *sorted((ROOT / "references").glob("*.md"))]
 TEMPLATES = sorted((ROOT / "templates").glob("*.j2"))
@@ -13,7 +13,11 @@ FLAG = re.compile(r"(?<![\w-])(--[a-z][a-z0-9]*(?:-[a-z0-9]+)*)")
 # Stand-ins for the placeholders the examples use, so that every example runs here.
 PLACEHOLDERS = {"their_launch.sh": "tests/fixtures/scripts/good_torchrun.sh",
                 "runs/ID/logs/train.log": "tests/fixtures/logs/h200-kill-resume.log"}
-ACTING = {"render", "train", "bench", "prepare-data"}  # these run with --dry-run here
+ACTING = {"render", "train", "bench", "prepare-data", "import-hf", "export-hf"}  # these run with --dry-run here
+# The Hugging Face examples' folders (references/pretrained.md, instructions.md section 12): a tiny
+# model, its import and chat data, made for real once (pretrained_example).
+PRETRAINED_PLACEHOLDERS = ("/models/Llama-3.2-1B", "/models/Qwen3-8B", "runs/ckpt/llama1b", "/ckpt/qwen3-8b",
+                           "runs/RUN_ID/checkpoints", "chats.jsonl", "runs/data/chats", "/data/chats")
 
 
 def code_blocks(path):
@@ -120,10 +124,31 @@ def sample_dataset(tmp_path_factory):
     return str(prefix)
 
 
+@pytest.fixture(scope="module")
+def pretrained_example(tmp_path_factory):
+    require_modules("transformers", "safetensors", "tokenizers")
+    from hf_tiny import CONVERSATIONS, hf_tokenizer, tiny
+
+    root = tmp_path_factory.mktemp("pretrained")
+    tiny("llama", root / "hf", vocab=384)
+    hf_tokenizer(root / "hf")
+    assert run_inproc("import-hf", "--hf-model", str(root / "hf"), "--output", str(root / "import"))[0] == 0
+    (root / "chats.jsonl").write_text("".join(json.dumps(c) + "\n" for c in CONVERSATIONS))
+    assert run_inproc("prepare-data", "--input", str(root / "chats.jsonl"), "--output-prefix", str(root / "chats"),
+                      "--format", "chat", "--tokenizer", str(root / "import" / "hf"))[0] == 0
+    real = {"/models/Llama-3.2-1B": root / "hf", "/models/Qwen3-8B": root / "hf", "runs/ckpt/llama1b": root / "import",
+            "/ckpt/qwen3-8b": root / "import", "runs/RUN_ID/checkpoints": root / "import",
+            "chats.jsonl": root / "chats.jsonl", "runs/data/chats": root / "chats", "/data/chats": root / "chats-new"}
+    return {k: str(real[k]) for k in PRETRAINED_PLACEHOLDERS}
+
+
 @pytest.mark.parametrize("doc,line", launch_examples())
-def test_every_launch_example_in_the_markdown_runs(doc, line, tmp_path, sample_dataset):
+def test_every_launch_example_in_the_markdown_runs(doc, line, tmp_path, sample_dataset, request):
     for placeholder, real in PLACEHOLDERS.items():
         line = line.replace(placeholder, real)
+    if any(p in line for p in PRETRAINED_PLACEHOLDERS):
+        for placeholder, real in sorted(request.getfixturevalue("pretrained_example").items(), key=lambda kv: -len(kv[0])):
+            line = line.replace(placeholder, real)
     line = line.replace('"data_path": ["runs/data/corpus"]', f'"data_path": ["{sample_dataset}"]')
     argv = shlex.split(line)[2:]
     tool = argv[0]

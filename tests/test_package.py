@@ -57,7 +57,10 @@ def test_frontmatter_says_what_the_tools_really_need():
     assert len(compat) <= 500
     for need in ("Python 3.10", "jinja2", "jsonschema", "Python 3.12", "torch", "megatron-core", "tools/setup.sh"):
         assert need in compat, need
-    assert "fine-tune" not in front  # nothing behind it: the skill pre-trains from random weights
+    if "fine-tune" in front:  # only with what is behind it: weights in, chat data, weights out
+        from megatron_skill.contract import load_schema, tools
+        assert {"import-hf", "export-hf"} <= set(tools())
+        assert "chat" in load_schema("prepare-data", "request")["properties"]["format"]["enum"]
 
 
 def test_skill_md_first_screen_installs_and_calls_a_tool_by_json():

@@ -64,6 +64,16 @@ def default_global_batch(seq_length: int) -> int:
     return 2 ** round(math.log2(max(1, 4 * 2**20 // seq_length)))
 
 
+def with_training_defaults(model, training: dict[str, Any]) -> dict[str, Any]:
+    """A request's training fields over the defaults for the model's size; a learning rate given
+    without its floor gets the recipe's ratio of floor to peak (a fine-tuning rate below the
+    table's floor would otherwise be refused by Megatron: min_lr <= lr)."""
+    defaults = training_defaults(model, training["train_iters"])
+    if "lr" in training and "min_lr" not in training:
+        defaults["min_lr"] = training["lr"] * defaults["min_lr"] / defaults["lr"]
+    return {**defaults, **training}
+
+
 def training_defaults(model, train_iters: int) -> dict[str, Any]:
     """Learning rate, its floor and warm-up, weight decay and init std for a model of this size
     (core/catalog/training_defaults.json, a source per row). Warm-up is the recipe's, or a tenth

@@ -28,7 +28,7 @@ from ..core.resolve import (
     default_seq_length,
     resolve_cluster,
     resolve_model,
-    training_defaults,
+    with_training_defaults,
 )
 from ..errors import ToolError
 from ..locks import write_atomic
@@ -282,7 +282,7 @@ def build(req: dict, ctx: Context) -> dict[str, Any]:
     # Without a run_dir the job's own working folder holds it (runs/RUN_ID there): the script
     # carries no path of the machine that rendered it.
     run_dir = req.get("run_dir") or RUN_DIR_MARK
-    training = match_tokenizer({**training_defaults(model, req["training"]["train_iters"]), **req["training"]},
+    training = match_tokenizer(with_training_defaults(model, req["training"]),
                                model.vocab_size)
     training.setdefault("vocab_size", model.vocab_size)
     start = None

@@ -141,8 +141,12 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
                         fix="give a folder (it is made when missing)")
     run_dir = (runs_root / run_id).resolve()
     check_datasets(req["training"])
-    if req["training"].get("pretrained"):  # the job runs in its run folder: the path must not be relative
-        req = {**req, "training": {**req["training"], "pretrained": str(Path(req["training"]["pretrained"]).absolute())}}
+    if req["training"].get("pretrained"):  # the job runs here, in its run folder: a folder here, made absolute
+        start = Path(req["training"]["pretrained"]).absolute()
+        if not start.is_dir():
+            raise ToolError("not_found", f"no checkpoint folder {start}", where="/training/pretrained",
+                            fix="give the output folder of import-hf (or a run's checkpoints folder)")
+        req = {**req, "training": {**req["training"], "pretrained": str(start)}}
     if backend == "cpu":
         from .train_cpu import plan_cpu_run
         plan = plan_cpu_run(req, run_dir, run_id)

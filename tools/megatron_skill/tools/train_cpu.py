@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.flops import padded_vocab_size, training_flops
-from ..core.resolve import default_global_batch, resolve_model, training_defaults
+from ..core.resolve import default_global_batch, resolve_model, with_training_defaults
 from ..errors import ToolError
 
 CPU_MAX_PARAMS = 60e6  # enough for tests and demos; anything larger belongs on a GPU
@@ -52,7 +52,7 @@ def plan_cpu_run(req: dict, run_dir: Path, run_id: str) -> dict[str, Any]:
         raise ToolError("bad_request", f"global batch {gbs} is not divisible by micro-batch {mbs} x DP {dp}",
                         where="/global_batch_size", fix="make it a multiple of micro-batch x DP")
     from .prepare_data import is_weight, match_tokenizer
-    t = match_tokenizer({**training_defaults(model, req["training"]["train_iters"]), **req["training"]},
+    t = match_tokenizer(with_training_defaults(model, req["training"]),
                         model.vocab_size)
     start = None
     if t.get("pretrained"):
