@@ -124,3 +124,15 @@ def test_cpu_training_runs_on_chat_data(tmp_path, cli):
     code, out, err = cli("train", "--request", "-", stdin=json.dumps(request))
     assert code == 0, (out, err[-3000:])
     assert len(out["result"]["loss_curve"]) == 3
+
+
+def test_render_warns_that_megatron_lms_entry_would_learn_the_prompts(tmp_path, cli):
+    assert _prepare(cli, tmp_path)[0] == 0
+    base = ["render", "--model", json.dumps({"num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 128,
+                                             "num_attention_heads": 4, "vocab_size": 257}),
+            "--gpu", "h100-sxm", "--num-gpus", "1", "--output-dir", str(tmp_path / "r"), "--dry-run",
+            "--training", json.dumps({"data_path": [str(tmp_path / "chat")]})]
+    code, out, _ = cli(*base)
+    assert code == 0 and "warnings" not in out["result"]
+    code, out, _ = cli(*base, "--megatron-lm", str(tmp_path / "Megatron-LM"))
+    assert code == 0 and any("chat loss mask" in w for w in out["result"]["warnings"]), out

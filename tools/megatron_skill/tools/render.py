@@ -32,7 +32,7 @@ from ..core.resolve import (
 )
 from ..errors import ToolError
 from ..locks import write_atomic
-from .prepare_data import match_tokenizer
+from .prepare_data import MASK_SUFFIX, match_tokenizer
 
 TEMPLATES = ROOT / "templates"
 LAUNCHERS = {"torchrun": "torchrun.sh.j2", "torchrun-multinode": "torchrun_multinode.sh.j2",
@@ -428,9 +428,14 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
     text = out.pop("_text")
     path = Path(out["files"][0]["path"])
     unseen = _unseen_datasets(req)
-    if unseen:
-        out["warnings"] = [f"dataset {e}: no .bin / .idx on this machine; the job stops at start-up unless they "
-                           "exist where it runs" for e in unseen]
+    warnings = [f"dataset {e}: no .bin / .idx on this machine; the job stops at start-up unless they "
+                "exist where it runs" for e in unseen]
+    if req.get("megatron_lm"):
+        warnings += [f"dataset {p} has a chat loss mask ({p}{MASK_SUFFIX}.bin), which Megatron-LM's pretrain_gpt.py "
+                     "does not read: the prompts would be learned too (leave megatron_lm out to use the skill's entry)"
+                     for p in (req.get("training") or {}).get("data_path") or [] if Path(p + MASK_SUFFIX + ".idx").is_file()]
+    if warnings:
+        out["warnings"] = warnings
     if path.exists() and RENDERED_MARK not in path.read_text(errors="replace")[:2000]:
         raise ToolError("conflict", f"{path} exists and was not written by render", where="/output_dir",
                         fix="choose another output_dir (the file is left as it is)")
