@@ -4,7 +4,7 @@ randomly initialised here and saved in bf16 by transformers (nothing downloaded)
 resident memory is each tool's own report (the operating system's maximum resident set size of
 the import's largest worker, of the export's process).
 
-    python benchmarks/convert_speed.py OUT_DIR [--tp N]
+    python benchmarks/convert_speed.py OUT_DIR [TP]      # TP: the import's workers (default 1)
 
 Writes OUT_DIR/convert_speed.json and prints a table row for references/benchmarks.md.
 """
@@ -53,7 +53,7 @@ def _tool(name: str, *args: str) -> tuple[dict, float]:
 
 def main() -> None:
     out_dir = Path(sys.argv[1])
-    tp = sys.argv[sys.argv.index("--tp") + 1] if "--tp" in sys.argv else "1"
+    tp = sys.argv[2] if len(sys.argv) > 2 else "1"
     out_dir.mkdir(parents=True, exist_ok=True)
     hf = out_dir / "hf-1b"
     if not (hf / "config.json").exists():
@@ -65,7 +65,7 @@ def main() -> None:
     exp, exp_s = _tool("export-hf", "--checkpoint", str(out_dir / "mcore"), "--output",
                                 str(out_dir / "hf-back"))
     record = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
-              "command": f"python benchmarks/convert_speed.py OUT_DIR --tp {tp}",
+              "command": f"python benchmarks/convert_speed.py OUT_DIR {tp}",
               "weights_gib": round(imp["bytes_read"] / 2**30, 2), "largest_shard_gib": round(shard_bytes / 2**30, 2),
               "import": {"seconds": round(imp_s, 1), "workers": imp["workers"],
                          "peak_rss_mib_per_worker": imp["peak_rss_mib_per_worker"]},

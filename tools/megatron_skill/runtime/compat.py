@@ -13,9 +13,10 @@
    fp8=False, and so calls TE's FP8GlobalStateManager, which is not there (NameError,
    megatron-core 0.19.2).  Without TE there is no FP8 state to save: off.
 4. On a machine without a GPU (the CPU loop, checkpoint conversion): the MoE router moves its
-   weight to ``torch.cuda.current_device()`` and the MoE aux-loss tensors are made there, and
-   dist_checkpointing's save calls ``torch.cuda.synchronize()``. With no CUDA device, the
-   current device is the CPU and there is nothing to synchronize.
+   weight to ``torch.cuda.current_device()`` and the MoE aux-loss tensors are made there,
+   dist_checkpointing's save calls ``torch.cuda.synchronize()``, and a pipelined model with tied
+   embeddings moves the shared weight with ``.cuda()`` before summing it across its two stages.
+   With no CUDA device, the current device is the CPU and there is nothing to synchronize.
 """
 from __future__ import annotations
 
@@ -86,12 +87,14 @@ def patch_dist_optimizer_resume() -> bool:
 
 
 def cpu_stands_in_for_cuda() -> bool:
-    """Where no GPU is present, torch.cuda.current_device() answers "cpu" and synchronize() does
-    nothing, so that Megatron's device-placement calls keep tensors on the CPU."""
+    """Where no GPU is present, torch.cuda.current_device() answers "cpu", synchronize() does
+    nothing and Tensor.cuda() is the tensor itself, so that Megatron's device-placement calls
+    keep tensors on the CPU."""
     import torch
 
     if torch.cuda.is_available():
         return False
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda device=None: None
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
     return True
