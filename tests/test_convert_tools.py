@@ -105,6 +105,12 @@ def test_the_output_folder_is_never_someone_elses(tmp_path, cli):
     assert code != 0 and out["error"]["code"] == "conflict"
     code, out, _ = cli(*args, "--dtype", "bf16", "--overwrite")
     assert code == 0 and out["result"]["dtype"] == "bf16"
+    # while another conversion writes the folder, a second one is a conflict, not a race
+    from megatron_skill.locks import FileLock
+    with FileLock(tmp_path / ".mcore.conversion.lock"):
+        code, out, _ = cli(*args, "--dtype", "fp32", "--overwrite")
+    assert code != 0 and out["error"]["code"] == "conflict" and "another conversion" in out["error"]["message"]
+    assert json.loads((tmp_path / "mcore" / "conversion.json").read_text())["result"]["dtype"] == "bf16"
 
 
 @pytest.mark.slow

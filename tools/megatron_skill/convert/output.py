@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ToolError
+from ..locks import Busy, FileLock
 
 RECORD = "conversion.json"
 
@@ -46,6 +47,17 @@ def _record(out: Path) -> dict[str, Any] | None:
     except (OSError, json.JSONDecodeError, UnicodeDecodeError):
         return None
     return rec if isinstance(rec, dict) and isinstance(rec.get("result"), dict) else None
+
+
+def lock(out: Path, tool: str) -> FileLock:
+    """The lock of whoever writes out (a file beside it, kept, never written): two conversions
+    into one folder would clear each other's staging."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        return FileLock(out.with_name(f".{out.name}.conversion.lock")).acquire()
+    except Busy:
+        raise ToolError("conflict", f"another conversion is writing {out}", where="/output",
+                        fix="wait for it to finish, or choose another output") from None
 
 
 def staging(out: Path, rid: str) -> Path:

@@ -100,8 +100,28 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
             f"write config.json ({'the original' if src['hf_dir'] else 'written for ' + config['model_type']}), "
             f"safetensors shards of at most {req['max_shard_gib']} GiB in {src['dtype']}, and the tokenizer files, "
             f"in a hidden folder beside {out}, then rename it to {out}"]}
-    import torch
-    from safetensors.torch import save_file
+    held = output.lock(out, "export-hf")
+    try:
+        done = output.existing(out, "export-hf", rid, req["overwrite"], "/output")  # again, under the lock
+        if done is not None:
+            return done
+        return _export(req, src, model, config, summary, out, rid, ctx)
+    finally:
+        held.release()
+
+
+def _export(req: dict, src: dict, model, config: dict, summary: dict, out: Path, rid: str,
+            ctx: Context) -> dict[str, Any]:
+    """Load the checkpoint, write the Hugging Face folder beside out and put it in place (the
+    caller holds the output's lock)."""
+    from ..convert import hf as conv
+
+    try:
+        import torch
+        from safetensors.torch import save_file
+    except ImportError as e:
+        raise ToolError("environment", f"the export needs torch, megatron-core and safetensors: {e}",
+                        where="/checkpoint", fix="run tools/setup.sh") from None
 
     started = time.time()
     ctx.progress(f"export-hf: loading {src['folder']}")

@@ -104,6 +104,21 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
         raise ToolError("environment", f"the conversion needs torch, megatron-core and safetensors: {e}",
                         where="/hf_model", fix="run tools/setup.sh") from None
     started = time.time()
+    held = output.lock(out, "import-hf")
+    try:
+        done = output.existing(out, "import-hf", rid, req["overwrite"], "/output")  # again, under the lock
+        if done is not None:
+            return done
+        return _convert(req, info, summary, out, rid, ctx, started)
+    finally:
+        held.release()
+
+
+def _convert(req: dict, info: dict, summary: dict, out: Path, rid: str, ctx: Context,
+             started: float) -> dict[str, Any]:
+    """Build the result in a staging folder beside out and put it in place (the caller holds the
+    output's lock)."""
+    w, workers = info["weights"], summary["workers"]
     tmp = output.staging(out, rid)
     try:
         release = tmp / checkpoint.RELEASE
