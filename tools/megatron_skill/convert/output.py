@@ -7,6 +7,7 @@ this skill made it; any other non-empty folder is left as it is.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -39,6 +40,24 @@ def existing(out: Path, tool: str, rid: str, overwrite: bool, where: str) -> dic
                         f"({record.get('request_id')})", where=where,
                         fix="choose another output, or set overwrite true to replace it")
     return None
+
+
+def already(out: Path, tool: str, rid: str, overwrite: bool, ctx) -> dict[str, Any] | None:
+    """existing(), said on the progress stream when this same request is answered from the record."""
+    done = existing(out, tool, rid, overwrite, "/output")
+    if done is not None:
+        ctx.progress(f"{tool}: {out} was made by this same request; nothing to do")
+    return done
+
+
+@contextlib.contextmanager
+def claim(out: Path, tool: str, rid: str, overwrite: bool, ctx):
+    """Hold the output's lock; yields already()'s answer, checked again under the lock."""
+    held = lock(out, tool)
+    try:
+        yield already(out, tool, rid, overwrite, ctx)
+    finally:
+        held.release()
 
 
 def _record(out: Path) -> dict[str, Any] | None:

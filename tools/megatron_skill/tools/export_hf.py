@@ -88,9 +88,8 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
     config["torch_dtype"] = config["dtype"] = TORCH_DTYPES[src["dtype"]]
     out = Path(req["output"]).absolute()
     rid = ctx.request_id
-    done = output.existing(out, "export-hf", rid, req["overwrite"], "/output")
+    done = output.already(out, "export-hf", rid, req["overwrite"], ctx)
     if done is not None:
-        ctx.progress(f"export-hf: {out} was made by this same request; nothing to do")
         return done
     summary = {"output": str(out), "checkpoint": str(src["folder"]), "checkpoint_format": src["kind"],
                "model": model.name, "architecture": config["architectures"][0], "dtype": src["dtype"]}
@@ -100,14 +99,8 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
             f"write config.json ({'the original' if src['hf_dir'] else 'written for ' + config['model_type']}), "
             f"safetensors shards of at most {req['max_shard_gib']} GiB in {src['dtype']}, and the tokenizer files, "
             f"in a hidden folder beside {out}, then rename it to {out}"]}
-    held = output.lock(out, "export-hf")
-    try:
-        done = output.existing(out, "export-hf", rid, req["overwrite"], "/output")  # again, under the lock
-        if done is not None:
-            return done
-        return _export(req, src, model, config, summary, out, rid, ctx)
-    finally:
-        held.release()
+    with output.claim(out, "export-hf", rid, req["overwrite"], ctx) as done:
+        return done if done is not None else _export(req, src, model, config, summary, out, rid, ctx)
 
 
 def _export(req: dict, src: dict, model, config: dict, summary: dict, out: Path, rid: str,

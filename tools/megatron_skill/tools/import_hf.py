@@ -78,9 +78,8 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
     info = inspect(req)
     out = Path(req["output"]).absolute()
     rid = ctx.request_id
-    done = output.existing(out, "import-hf", rid, req["overwrite"], "/output")
+    done = output.already(out, "import-hf", rid, req["overwrite"], ctx)
     if done is not None:
-        ctx.progress(f"import-hf: {out} was made by this same request; nothing to do")
         return done
     workers = info["tp"] * info["pp"] * info["ep"]
     w = info["weights"]
@@ -104,14 +103,8 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
         raise ToolError("environment", f"the conversion needs torch, megatron-core and safetensors: {e}",
                         where="/hf_model", fix="run tools/setup.sh") from None
     started = time.time()
-    held = output.lock(out, "import-hf")
-    try:
-        done = output.existing(out, "import-hf", rid, req["overwrite"], "/output")  # again, under the lock
-        if done is not None:
-            return done
-        return _convert(req, info, summary, out, rid, ctx, started)
-    finally:
-        held.release()
+    with output.claim(out, "import-hf", rid, req["overwrite"], ctx) as done:
+        return done if done is not None else _convert(req, info, summary, out, rid, ctx, started)
 
 
 def _convert(req: dict, info: dict, summary: dict, out: Path, rid: str, ctx: Context,
