@@ -130,6 +130,7 @@ def test_cpu_training_starts_from_the_imported_weights(tmp_path, cli):
     code, out, err = cli("train", "--request", "-", stdin=json.dumps(request))
     assert code == 0, (out, err[-3000:])
     first_loss = out["result"]["loss_curve"][0][1]
+    assert out["result"]["pretrained"]["first_loss"] == first_loss and out["result"]["pretrained"]["first_batch"]
     batches = torch.load(glob.glob(str(tmp_path / "runs" / "*" / "first_batch-dp0.pt"))[0])
     total = count = 0.0
     with torch.no_grad():

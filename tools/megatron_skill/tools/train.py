@@ -200,6 +200,11 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
                   "layout": plan.get("layout"), "prediction": plan.get("prediction"),
                   "summary": {k: v for k, v in summary.items() if k not in ("loss_curve", "lr_curve")},
                   "loss_curve": summary.get("loss_curve", [])[-50:]}
+        if plan.get("pretrained"):  # what was loaded, and the tokens of the first loss (to check it)
+            first = run_dir / "first_batch-dp0.pt"
+            logged = dict((int(i), loss) for i, loss in summary.get("loss_curve") or [])
+            result["pretrained"] = {**plan["pretrained"], "first_loss": logged.get(1),  # logged with log_interval 1
+                                    "first_batch": str(first) if first.exists() else None}
         if rc != 0:
             write_state(run_dir, status="failed", returncode=rc)
             failure = summary["failures"][0] if summary.get("failures") else None
