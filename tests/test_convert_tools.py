@@ -169,3 +169,25 @@ def test_render_passes_the_checkpoint_and_its_vocabulary_to_megatron(tmp_path, c
                        "--output-dir", str(tmp_path / "r2"),
                        "--training", json.dumps({"pretrained": str(tmp_path / "mcore"), "mock_data": True}))
     assert code != 0 and out["error"]["where"] == "/training/pretrained" and "hf_config" in out["error"]["fix"]
+
+
+def test_validate_finds_a_vocabulary_padded_for_another_tp(tmp_path, cli):
+    """A checkpoint converted at TP 1 (300 tokens: 384 rows) loaded by a TP 2 script pads to 512
+    rows and fails at load; validate says so and gives the divisor, which it then accepts."""
+    tiny("llama", tmp_path / "hf")
+    assert cli("import-hf", "--hf-model", str(tmp_path / "hf"), "--output", str(tmp_path / "mcore"))[0] == 0
+    args = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "160", "--num-attention-heads", "8",
+            "--group-query-attention", "--num-query-groups", "2", "--kv-channels", "8", "--swiglu",
+            "--normalization", "RMSNorm", "--disable-bias-linear", "--seq-length", "128",
+            "--max-position-embeddings", "128", "--micro-batch-size", "1", "--global-batch-size", "8",
+            "--tensor-model-parallel-size", "2", "--tokenizer-type", "NullTokenizer", "--vocab-size", "300",
+            "--mock-data", "--train-iters", "10", "--lr", "1e-5", "--bf16",
+            "--pretrained-checkpoint", str(tmp_path / "mcore")]
+    code, out, _ = cli("validate", "--request", "-", stdin=json.dumps({"args": args, "num_gpus": 2}))
+    found = {f["code"]: f for f in out["result"]["errors"]}
+    assert "pretrained_vocab_rows" in found, out["result"]["errors"]
+    assert "--make-vocab-size-divisible-by 192" in found["pretrained_vocab_rows"]["fix"]
+    code, out, _ = cli("validate", "--request", "-", stdin=json.dumps(
+        {"args": args + ["--make-vocab-size-divisible-by", "192"], "num_gpus": 2}))
+    assert "pretrained_vocab_rows" not in {f["code"] for f in out["result"]["errors"]}
+    assert out["result"]["pretrained"]["embedding_rows"] == 384

@@ -274,12 +274,57 @@ def _check_layout(launch: Launch, ns: argparse.Namespace, model: ModelConfig, gp
         findings.append(_finding("cuda_device_max_connections",
                                  "TP or CP > 1 without CUDA_DEVICE_MAX_CONNECTIONS=1 (Megatron refuses to start "
                                  "on Hopper and older)", "export CUDA_DEVICE_MAX_CONNECTIONS=1 before the launch"))
+    _pretrained_rows(launch, ns, lay.tp, findings, result)
     if launch.kind == "gpt":
         result["memory"] = _memory(launch, ns, model, lay, gpu, findings, assumed)
     else:
         result["memory"] = {"skipped": f"{launch.entry} is not Megatron's GPT training entry: its model and memory "
                                        "are not the ones the planner costs"}
     result["predicted_peak_gib"] = result["memory"].get("peak_gib")
+
+
+def _pretrained_rows(launch: Launch, ns: argparse.Namespace, tp: int, findings: list[dict],
+                     result: dict[str, Any]) -> None:
+    """A checkpoint the script starts from (--pretrained-checkpoint, or --load with --finetune)
+    that lies here: its embedding rows against the rows this script pads its vocabulary to at its
+    TP. A converted checkpoint loaded at another TP than it was padded for fails at load with a
+    shape mismatch; the fix is the divisor that pads to the checkpoint's rows."""
+    import math
+
+    flag = "--pretrained-checkpoint" if getattr(ns, "pretrained_checkpoint", None) else "--load"
+    path = getattr(ns, "pretrained_checkpoint", None) or (ns.load if getattr(ns, "finetune", False) else None)
+    if not path or not Path(path).is_dir():
+        return  # not given, or it lives where the job runs
+    from ..convert import checkpoint
+    folder = checkpoint.iteration_dir(Path(path))
+    if checkpoint.kind(folder) != "torch_dist":
+        return
+    try:
+        from ..convert.pretrained import padded_vocab_of
+        rows = padded_vocab_of(folder)
+    except ImportError:
+        return
+    vocab = getattr(ns, "vocab_size", None)
+    tok = getattr(ns, "tokenizer_model", None)
+    if vocab is None and tok and (Path(tok) / "tokenizer.json").is_file():
+        try:
+            from tokenizers import Tokenizer
+            vocab = Tokenizer.from_file(str(Path(tok) / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
+        except Exception:  # noqa: BLE001 -- an unreadable tokenizer is Megatron's to report
+            return
+    if rows is None or vocab is None:
+        return
+    divisor = getattr(ns, "make_vocab_size_divisible_by", None) or 128
+    step = divisor * tp
+    padded = math.ceil(vocab / step) * step
+    result["pretrained"] = {"path": path, "embedding_rows": rows, "padded_vocab": padded}
+    if padded != rows:
+        fix = (f"add --make-vocab-size-divisible-by {rows // tp} (pads {vocab} tokens to the checkpoint's {rows} "
+               f"rows at TP {tp})" if rows % tp == 0 and rows >= vocab else
+               f"the checkpoint's {rows} rows do not split over TP {tp}: convert it again for this vocabulary")
+        findings.append(_finding("pretrained_vocab_rows", f"the checkpoint at {path} holds {rows} embedding rows; "
+                                 f"this script pads its {vocab}-token vocabulary to {padded} at TP {tp}, so the load "
+                                 "fails with a shape mismatch", fix, launch.where(flag)))
 
 
 def _memory(launch: Launch, ns: argparse.Namespace, model: ModelConfig, lay: Layout, gpu: Any,
@@ -540,6 +585,8 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
            "script": {**first_launch.info, **about}, "num_megatron_args": len(first_launch.args)}
     if "fixed_args" in first:
         out["fixed_args"] = first["fixed_args"]
+    if "pretrained" in first:
+        out["pretrained"] = first["pretrained"]
     if len(checked) > 1:
         out["launches"] = [{"path": la.path, "entry": la.entry, "world_size": la.world,
                             "num_megatron_args": len(la.args), "layout": res["layout"],
