@@ -5,14 +5,15 @@ import json
 import torch
 
 VOCAB = 300  # not a multiple of 128: Megatron pads the embedding and the output layer
-FAMILIES = ("llama", "llama3.1", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
+FAMILIES = ("llama", "llama2", "llama3.1", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
 MOE = ("mixtral", "qwen3_moe")
-CLASSES = {"llama": "Llama", "llama3.1": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3",
+CLASSES = {"llama": "Llama", "llama2": "Llama", "llama3.1": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3",
            "mixtral": "Mixtral", "qwen3_moe": "Qwen3Moe"}
 
 
 def tiny(family: str, folder, vocab: int = VOCAB, layers: int = 2):
-    """A 2-layer (or `layers`) model of the family with grouped-query attention (8 heads, 2 groups), weights
+    """A 2-layer (or `layers`) model of the family with grouped-query attention (8 heads, 2 groups;
+    Llama 2: multi-head, 8 key/value heads), weights
     drawn with std 0.2 so that a wrong mapping moves the logits well beyond fp32 noise; RoPE's
     base is not the default (a reader that missed it would be off), Llama 3.1's scaling factor is
     a value of its own, the MoE models route 4 experts top-2 (Qwen3-MoE: its first layer dense,
@@ -28,7 +29,7 @@ def tiny(family: str, folder, vocab: int = VOCAB, layers: int = 2):
               if family == "qwen3_moe" else {})}
     config = getattr(transformers, CLASSES[family] + "Config")(
         vocab_size=vocab, hidden_size=64, intermediate_size=160, num_hidden_layers=layers, num_attention_heads=8,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=16384, rms_norm_eps=1e-6,
+        num_key_value_heads=8 if family == "llama2" else 2, head_dim=8, max_position_embeddings=16384, rms_norm_eps=1e-6,
         rope_parameters=rope, tie_word_embeddings=family == "qwen3", initializer_range=0.2,
         **(moe if family in MOE else {}))
     torch.manual_seed(7)

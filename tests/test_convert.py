@@ -30,8 +30,8 @@ def test_each_family_reads_as_the_model_it_is(tiny_models):
     specs = {f: from_hf_config(folder) for f, (folder, _) in tiny_models.items()}
     assert specs["qwen2"].add_qkv_bias and not specs["llama"].add_qkv_bias
     assert specs["qwen3"].qk_layernorm and not specs["qwen3"].untie_embeddings_and_output_weights
-    assert all(s.norm_epsilon == 1e-6 and s.query_groups == 2 and s.head_dim == 8 and s.rotary_base == 50000
-               for s in specs.values())
+    assert all(s.norm_epsilon == 1e-6 and s.query_groups == (8 if f == "llama2" else 2) and s.head_dim == 8
+               and s.rotary_base == 50000 for f, s in specs.items())
     assert specs["llama3.1"].rope_scaling_factor == 4.0 and specs["llama"].rope_scaling_factor is None
     assert specs["mixtral"].num_experts == 4 and not specs["mixtral"].moe_router_pre_softmax
     assert specs["qwen3_moe"].moe_pattern() == [0, 1] and specs["qwen3_moe"].moe_router_pre_softmax

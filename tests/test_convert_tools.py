@@ -34,7 +34,7 @@ def test_import_then_export_gives_back_the_same_folder(tmp_path, cli, family, la
                          "--layout", json.dumps(layout))
     assert code == 0, (out, err[-2000:])
     res = out["result"]
-    assert res["family"] == ("llama" if family == "llama3.1" else family) and res["workers"] == 2 and res["dtype"] == "fp32"
+    assert res["notes"] == [] and res["family"] == ("llama" if family == "llama3.1" else family) and res["workers"] == 2 and res["dtype"] == "fp32"
     assert (tmp_path / "mcore" / "latest_checkpointed_iteration.txt").read_text() == "release"
     code, out, err = cli("export-hf", "--checkpoint", str(tmp_path / "mcore"), "--output", str(tmp_path / "back"))
     assert code == 0, (out, err[-2000:])
@@ -191,3 +191,10 @@ def test_validate_finds_a_vocabulary_padded_for_another_tp(tmp_path, cli):
         {"args": args + ["--make-vocab-size-divisible-by", "192"], "num_gpus": 2}))
     assert "pretrained_vocab_rows" not in {f["code"] for f in out["result"]["errors"]}
     assert out["result"]["pretrained"]["embedding_rows"] == 384
+
+
+def test_a_sliding_window_is_said_not_silently_dropped(tmp_path, cli):
+    tiny("mistral", tmp_path / "hf")  # transformers' Mistral config has a 4,096-token window
+    code, out, _ = cli("import-hf", "--hf-model", str(tmp_path / "hf"), "--output", str(tmp_path / "m"), "--dry-run")
+    assert code == 0 and out["result"]["dry_run"] and not (tmp_path / "m").exists()
+    assert any("sliding_window is 4096" in n for n in out["result"]["notes"])

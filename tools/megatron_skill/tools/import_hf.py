@@ -70,8 +70,13 @@ def inspect(req: dict) -> dict[str, Any]:
     if dtype == "auto":
         stored = {SAFETENSORS_DTYPES.get(d, "fp32") for d in weights["dtypes"]}
         dtype = stored.pop() if len(stored) == 1 else "fp32"
+    notes = []
+    window = cfg.get("sliding_window")
+    if window and (family != "qwen2" or cfg.get("use_sliding_window")):
+        notes.append(f"config.json's sliding_window is {window}: Megatron's layers attend over the whole sequence, "
+                     f"which is the same model for sequences up to {window} tokens")
     return {"folder": folder, "family": family, "model": model, "weights": weights, "dtype": dtype,
-            "tp": tp, "pp": pp, "ep": ep}
+            "tp": tp, "pp": pp, "ep": ep, "notes": notes}
 
 
 def run(req: dict, ctx: Context) -> dict[str, Any]:
@@ -86,7 +91,7 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
     summary = {"output": str(out), "checkpoint": str(out / checkpoint.RELEASE), "family": info["family"],
                "model": info["model"].name, "dtype": info["dtype"],
                "layout": {"tp": info["tp"], "pp": info["pp"], "ep": info["ep"]},
-               "tensors": w["tensors"], "bytes_read": w["bytes"], "workers": workers,
+               "tensors": w["tensors"], "bytes_read": w["bytes"], "workers": workers, "notes": info["notes"],
                "unused_tensors": w["unused"][:20]}
     if ctx.dry_run:
         return {"dry_run": True, **summary, "actions": [
