@@ -34,7 +34,8 @@ def test_import_then_export_gives_back_the_same_folder(tmp_path, cli, family, la
                          "--layout", json.dumps(layout))
     assert code == 0, (out, err[-2000:])
     res = out["result"]
-    assert res["notes"] == [] and res["family"] == ("llama" if family == "llama3.1" else family) and res["workers"] == 2 and res["dtype"] == "fp32"
+    assert res["notes"] == [] and res["family"] == ("llama" if family == "llama3.1" else family)
+    assert res["workers"] == 2 and res["dtype"] == "fp32"
     assert (tmp_path / "mcore" / "latest_checkpointed_iteration.txt").read_text() == "release"
     code, out, err = cli("export-hf", "--checkpoint", str(tmp_path / "mcore"), "--output", str(tmp_path / "back"))
     assert code == 0, (out, err[-2000:])
