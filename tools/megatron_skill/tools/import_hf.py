@@ -102,10 +102,11 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
             f"files, in a hidden folder beside {out}, then rename it to {out}"]}
     try:
         import megatron.core  # noqa: F401
+        import psutil  # noqa: F401  (megatron.core's torch_dist writer needs it)
         import safetensors  # noqa: F401
         import torch  # noqa: F401
     except ImportError as e:
-        raise ToolError("environment", f"the conversion needs torch, megatron-core and safetensors: {e}",
+        raise ToolError("environment", f"the conversion needs torch, megatron-core, safetensors and psutil: {e}",
                         where="/hf_model", fix="run tools/setup.sh") from None
     started = time.time()
     with output.claim(out, "import-hf", rid, req["overwrite"], ctx) as done:
