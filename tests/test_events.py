@@ -99,7 +99,8 @@ def _event(kind: str, run_id: str = "r0123456789abcdef", job_id: str = "4242", *
 def test_a_signature_survives_a_javascript_receiver_rewriting_whole_floats(secret):
     signed = ev.sign(_event("loss.anomaly", loss=3.0, before=2.0, iteration=12), secret)
     # JSON.stringify writes 3.0 as 3: the canonical form is the same, so the signature holds.
-    rewritten = json.loads(json.dumps(signed).replace("3.0", "3").replace("2.0", "2"))
+    rewritten = json.loads(json.dumps(signed))
+    rewritten["details"].update(loss=3, before=2)  # (a text replace could hit the timestamp's digits)
     assert ev.verified(rewritten, secret)
     rewritten["details"]["iteration"] = 13
     assert not ev.verified(rewritten, secret)
