@@ -8,6 +8,8 @@ stage, so tensor-parallel ranks need no broadcast: they read the same samples.
 """
 from __future__ import annotations
 
+import json
+import os
 import time
 from functools import partial
 from pathlib import Path
@@ -111,11 +113,51 @@ class FirstBatch:
             self.batches = False
 
 
+class SavedActivations:
+    """With MEGATRON_SKILL_SAVED_ACTIVATIONS=FILE: what the first micro-batch's forward keeps for
+    its backward on this rank (autograd's saved-tensor hooks; distinct storages, parameters left
+    out), by shape and dtype, written to FILE as JSON: the memory model's terms checked against
+    the real layers, one tensor kind at a time."""
+
+    def __init__(self):
+        self.path = os.environ.get("MEGATRON_SKILL_SAVED_ACTIVATIONS")
+
+    def around(self, model, tokens):
+        import contextlib
+
+        if not self.path:
+            return contextlib.nullcontext()
+        path, self.path = self.path, None  # the first micro-batch only
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        kept: dict[int, tuple[int, str]] = {}
+
+        def pack(t):
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in params and ptr not in kept:
+                kept[ptr] = (t.untyped_storage().nbytes(), f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}")
+            return t
+
+        @contextlib.contextmanager
+        def hooks():
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                yield
+            by_kind: dict[str, list[float]] = {}
+            for nbytes, kind in kept.values():
+                count, total = by_kind.get(kind, [0, 0])
+                by_kind[kind] = [count + 1, total + nbytes]
+            n_tokens = tokens.numel() if tokens is not None else None
+            Path(path).write_text(json.dumps({"tokens": n_tokens, "bytes": sum(b for b, _ in kept.values()),
+                                              "by_shape": dict(sorted(by_kind.items(), key=lambda kv: -kv[1][1]))},
+                                             indent=1))
+        return hooks()
+
+
 def make_forward_step(fused: bool):
     """Megatron's forward_step_func; with the fused head, the logits never exist whole (its
     gradients assume loss_func's masked sum)."""
     extra = {"output_processor": fused_head.output_processor} if fused else {}
     first = FirstBatch()
+    saved = SavedActivations()
 
     def forward_step(data_iterator, model, return_schedule_plan: bool = False):
         from megatron.core.utils import get_attr_wrapped_model
@@ -127,7 +169,8 @@ def make_forward_step(fused: bool):
         tokens, labels, loss_mask, attention_mask, position_ids = _get_batch(data_iterator, vp_stage)
         timers("batch-generator").stop()
         first.see(tokens, labels, loss_mask)
-        output = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask, **extra)
+        with saved.around(model, tokens):
+            output = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask, **extra)
         return output, partial(loss_func, loss_mask)
 
     return forward_step
