@@ -107,7 +107,10 @@ def attention_saved_bytes(model: ModelConfig) -> float:
     head.  tests/test_memory_model.py counts them on a real Megatron-Core layer."""
     q = model.num_attention_heads * model.head_dim
     kv = 2 * model.query_groups * model.head_dim
-    return BF16 * (q + kv / 2 + (q + kv) + q) + FP32 * model.num_attention_heads
+    # QK-norm (Qwen3): the query norm's output is kept too (K's is not: measured on an H100,
+    # references/benchmarks.md "Fine-grained MoE memory")
+    qk_norm = q if model.qk_layernorm else 0
+    return BF16 * (q + kv / 2 + (q + kv) + q + qk_norm) + FP32 * model.num_attention_heads
 
 
 # Megatron's unfused core attention (the local DotProductAttention) keeps, per head and per
@@ -171,10 +174,13 @@ def _layer_activation_bytes(model: ModelConfig, tp: int, sequence_parallel: bool
         k, fe, etp = model.moe_router_topk, model.expert_ffn, lay.etp
         act_out = 0 if "moe_act" in re_run else BF16 * fe  # moe_act recompute drops the activation output
         up = BF16 * fe * (2 if model.gated else 1)
-        # Each token visits k experts: permuted input and output (tokens gathered over ETP),
-        # FC1 output and activation output (the FFN width split over ETP).
-        routed = k * (2 * BF16 * h * etp + up + act_out) / t
-        router = FP32 * 2 * model.num_experts * rep
+        # Each token visits k experts: the experts' permuted input (tokens gathered over ETP),
+        # FC1 output and activation output (the FFN width split over ETP); the combine keeps no
+        # copy of the experts' output. The router keeps its fp32 logits and two int64 index maps
+        # of the k choices. (Counted on an H100 with autograd's saved-tensor hooks,
+        # references/benchmarks.md "Fine-grained MoE memory".)
+        routed = k * (BF16 * h * etp + up + act_out) / t
+        router = (FP32 * model.num_experts + 2 * 8 * k) * rep
         shared = 0.0
         if model.moe_shared_expert_intermediate_size and "shared_experts" not in re_run:
             fs = model.moe_shared_expert_intermediate_size
