@@ -117,7 +117,8 @@ class SavedActivations:
     """With MEGATRON_SKILL_SAVED_ACTIVATIONS=FILE: what the first micro-batch's forward keeps for
     its backward on this rank (autograd's saved-tensor hooks; distinct storages, parameters left
     out), by shape and dtype, written to FILE as JSON: the memory model's terms checked against
-    the real layers, one tensor kind at a time."""
+    the real layers, one tensor kind at a time. A measurement run: with pipeline parallelism the
+    hooks hold outputs that the schedule frees, and the run stops after the count."""
 
     def __init__(self):
         self.path = os.environ.get("MEGATRON_SKILL_SAVED_ACTIVATIONS")
