@@ -136,3 +136,46 @@ def test_render_warns_that_megatron_lms_entry_would_learn_the_prompts(tmp_path, 
     assert code == 0 and "warnings" not in out["result"]
     code, out, _ = cli(*base, "--megatron-lm", str(tmp_path / "Megatron-LM"))
     assert code == 0 and any("chat loss mask" in w for w in out["result"]["warnings"]), out
+
+
+ENTRY_PROBE = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1] + "/tools")
+from megatron_skill.convert.checkpoint import init_single_process
+init_single_process()
+from megatron.training.arguments import parse_and_validate_args
+from megatron.training.global_vars import set_args
+from megatron_skill.adapter.skill_flags import add_skill_arguments
+sys.argv = ["pretrain_gpt.py", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "1",
+            "--global-batch-size", "4", "--train-iters", "2", "--lr", "1e-4", "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", "257", "--data-path", sys.argv[2], "--split", "100,0,0", "--data-cache-path", sys.argv[3],
+            "--transformer-impl", "local"]
+set_args(parse_and_validate_args(extra_args_provider=add_skill_arguments,
+                                 args_defaults={"tokenizer_type": "NullTokenizer"}))
+from megatron_skill.runtime import entry
+train, _, _ = entry.datasets_provider([4, 0, 0])
+items = [train[i] for i in range(4)]
+print(json.dumps({"kind": type(train.datasets[0] if hasattr(train, "datasets") else train).__name__,
+                  "labels": [it["labels"].tolist() for it in items], "mask": [it["loss_mask"].tolist() for it in items]}))
+"""
+
+
+def test_the_gpu_entrys_dataset_applies_the_mask(tmp_path, cli):
+    """The GPU entry's own datasets_provider, with Megatron's parser reading its arguments (run on
+    the CPU: the provider needs no GPU): prepare-data's chat mask is what its samples carry."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    assert _prepare(cli, tmp_path)[0] == 0
+    proc = subprocess.run([sys.executable, "-c", ENTRY_PROBE, str(ROOT), str(tmp_path / "chat"), str(tmp_path / "c")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["kind"] == "MaskedGPTDataset"
+    reply = set(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ <|end>\n")
+    pairs = [(label, m) for labels, mask in zip(got["labels"], got["mask"]) for label, m in zip(labels, mask)]
+    assert all(label in reply for label, m in pairs if m) and any(m for _, m in pairs)
+    assert all(m == 1 for label, m in pairs if label < 256 and chr(label).isupper())
