@@ -9,6 +9,7 @@ from megatron_skill.core.catalog import get_gpu, get_model
 from megatron_skill.core.layout import RULES, Layout, broken_rules, check_layout
 from megatron_skill.core.memory import memory_report, peak
 from megatron_skill.core.model import build_spec
+from megatron_skill.core.moe import MoEOptions
 from megatron_skill.core.options import RuntimeOptions
 from megatron_skill.core.planner import _divisors, error_pct, pipeline_splits, predict, rank
 from megatron_skill.core.timing import step_time
@@ -23,7 +24,10 @@ GPT2 = build_spec("gpt2", {"num_layers": 12, "hidden_size": 768, "ffn_hidden_siz
                            "vocab_size": 50257, "position_embedding_type": "learned_absolute",
                            "max_position_embeddings": 1024, "activation": "gelu", "normalization": "LayerNorm"})
 
-# Each rule, broken by one change to a layout that breaks nothing (model, gpu, world, te).
+MOE_GOOD = dataclasses.replace(GOOD, pp=2, vp=2, ep=2, dp=2)
+OVERLAP = MoEOptions(overlap_ep_comm=True)
+
+# Each rule, broken by one change to a layout that breaks nothing (model, gpu, world, te[, MoE options]).
 BREAKS = {
     "world_size": (LLAMA8B, GOOD, H100, 16, True),
     "tp_heads": (LLAMA8B, dataclasses.replace(GOOD, tp=3, dp=1, gbs=64), H100, 6, True),
@@ -47,18 +51,28 @@ BREAKS = {
     "fp8_arch": (LLAMA8B, dataclasses.replace(GOOD, precision="fp8"), get_gpu("a100-80gb"), 8, True),
     "recompute_layers": (LLAMA8B, dataclasses.replace(GOOD, recompute="full", recompute_layers=17), H100, 8, True),
     "seq_positions": (GPT2, dataclasses.replace(GOOD, seq_length=2048), H100, 8, True),
+    "moe_pad_needs_capacity": (MIXTRAL, MOE_GOOD, H100, 8, True, MoEOptions(pad_to_capacity=True)),
+    "moe_flex_needs_te": (MIXTRAL, MOE_GOOD, H100, 8, False, MoEOptions(dispatcher="flex")),
+    "moe_overlap_needs_ep": (MIXTRAL, dataclasses.replace(MOE_GOOD, ep=1), H100, 8, True, OVERLAP),
+    "moe_overlap_dispatcher": (MIXTRAL, MOE_GOOD, H100, 8, True, MoEOptions(overlap_ep_comm=True,
+                                                                           dispatcher="allgather")),
+    "moe_overlap_needs_vp": (MIXTRAL, dataclasses.replace(MOE_GOOD, vp=1), H100, 8, True, OVERLAP),
+    "moe_overlap_recompute": (MIXTRAL, dataclasses.replace(MOE_GOOD, recompute="full", recompute_layers=1), H100, 8,
+                              True, OVERLAP),
 }
 
 
 def test_the_unbroken_layout_breaks_nothing():
     assert check_layout(GOOD, LLAMA8B, H100, 8) is None
+    assert check_layout(MOE_GOOD, MIXTRAL, H100, 8, True, OVERLAP) is None
     assert check_layout(dataclasses.replace(GOOD, pp=2), QK_NORM, H100, 8, te=True) is None
 
 
 @pytest.mark.parametrize("rule", sorted(BREAKS))
 def test_each_rule_is_broken_by_its_one_change(rule):
-    model, lay, gpu, n, te = BREAKS[rule]
-    assert rule in list(broken_rules(lay, model, gpu, n, te)), list(broken_rules(lay, model, gpu, n, te))
+    model, lay, gpu, n, te, *moe = BREAKS[rule]
+    broken = list(broken_rules(lay, model, gpu, n, te, *moe))
+    assert rule in broken, broken
 
 
 def test_every_layout_rule_has_a_case():

@@ -263,6 +263,7 @@ def test_every_calibration_figure_the_model_reads_exists_for_every_gpu():
     try:   # plans that take every path of the step-time model: FP8, MoE, CP, PP, no TE
         for req in ({"model": "llama3-8b", "num_gpus": 16, "precision": "fp8", "seq_length": 32768},
                     {"model": "mixtral-8x7b", "num_gpus": 64},
+                    {"model": "mixtral-8x7b", "num_gpus": 64, "moe": {"grouped_gemm": False, "overlap_ep_comm": True}},
                     {"model": "llama3.2-1b", "num_gpus": 1, "gpu": "h200", "transformer_engine": False,
                      "precision": "fp8"}):
             assert call("plan", {"gpu": "h100-sxm", **req, "top": 1})["ok"]

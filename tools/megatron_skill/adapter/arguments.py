@@ -12,6 +12,7 @@ from typing import Any
 from ..core.catalog import GPUSpec
 from ..core.layout import Layout
 from ..core.model import ModelConfig
+from ..core.moe import MoEOptions
 from ..core.options import RuntimeOptions
 
 # Needed when neither Transformer Engine nor apex is installed: each of these fused paths
@@ -29,14 +30,19 @@ def no_te_flags_needed(skill_entry: bool) -> list[str]:
 TE_FP8_FLAGS = ("--fp8-format", "--fp8-recipe")
 
 
-def te_only_args(lay: Layout, gpu: GPUSpec, fake_rank: bool) -> list[str]:
+def te_only_args(lay: Layout, gpu: GPUSpec, fake_rank: bool, model: ModelConfig | None = None,
+                 moe: MoEOptions | None = None) -> list[str]:
     """Flags for Transformer Engine's layers only: tensor-parallel communication overlapped with
     the GEMMs (TE's userbuffers: Megatron asserts sequence parallelism; the buffers are shared
-    through NVLink, so every TP rank must sit in one NVLink domain). references/parallelism-guide.md,
-    "TP communication overlap", says where it comes from."""
+    through NVLink, so every TP rank must sit in one NVLink domain; references/parallelism-guide.md,
+    "TP communication overlap", says where it comes from), and TE's fused token permutation of
+    an MoE model (Megatron refuses --moe-permute-fusion without TE's kernels)."""
+    a = []
     if lay.tp > 1 and lay.sequence_parallel and lay.tp <= gpu.nvlink_domain and not fake_rank:
-        return ["--tp-comm-overlap"]
-    return []
+        a.append("--tp-comm-overlap")
+    if model is not None and model.is_moe and (moe or MoEOptions()).permute_fusion:
+        a.append("--moe-permute-fusion")
+    return a
 
 
 def split_te_fp8(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -70,7 +76,9 @@ def local_impl_flags(opts: RuntimeOptions | None = None, skill_entry: bool = Tru
     return flags + ["--no-create-attention-mask-in-dataloader"] + opts.entry_flags()
 
 
-def model_args(m: ModelConfig, seq_length: int | None = None) -> list[str]:
+def model_args(m: ModelConfig, seq_length: int | None = None, moe: MoEOptions | None = None) -> list[str]:
+    """The model's flags; for an MoE model also how its MoE layers run (moe: the skill's defaults
+    when None) but for TE's fused permutation, which te_only_args adds."""
     # Megatron requires --max-position-embeddings >= --seq-length even with RoPE, which has no
     # position table: raise it for a longer sequence (learned positions are a hard limit instead).
     positions = m.max_position_embeddings
@@ -110,9 +118,8 @@ def model_args(m: ModelConfig, seq_length: int | None = None) -> list[str]:
             a += ["--q-lora-rank", m.q_lora_rank]
     if m.is_moe:
         a += ["--num-experts", m.num_experts, "--moe-router-topk", m.moe_router_topk,
-              "--moe-ffn-hidden-size", m.expert_ffn, "--moe-token-dispatcher-type", "alltoall",
-              "--moe-grouped-gemm", "--moe-router-load-balancing-type", "aux_loss",
-              "--moe-aux-loss-coeff", "1e-3"]
+              "--moe-ffn-hidden-size", m.expert_ffn, *(moe or MoEOptions()).flags(),
+              "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "1e-3"]
         if m.moe_router_pre_softmax:
             a += ["--moe-router-pre-softmax"]
         if m.moe_shared_expert_intermediate_size:
@@ -217,13 +224,3 @@ def training_args(settings: dict[str, Any]) -> list[str]:
     if s.get("tensorboard_dir"):
         a += ["--tensorboard-dir", s["tensorboard_dir"]]
     return [str(x) for x in a]
-
-
-def full_args(model: ModelConfig, lay: Layout, settings: dict[str, Any], have_te: bool) -> list[str]:
-    a = model_args(model, lay.seq_length) + layout_args(lay, model) + training_args(settings)
-    if have_te:
-        a += ["--transformer-impl", "transformer_engine", "--attention-backend", "auto"]
-    else:
-        a += ["--transformer-impl", "local"] + local_impl_flags(RuntimeOptions.from_request(settings.get("runtime"),
-                                                                                            te=False))
-    return a

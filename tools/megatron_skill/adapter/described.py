@@ -13,6 +13,7 @@ from typing import Any
 from ..core.layout import Layout
 from ..core.memory import MemoryOptions, unfused_score_bytes
 from ..core.model import ModelConfig, build_spec
+from ..core.moe import MoEOptions
 from ..errors import ToolError
 from . import flags as megatron_flags
 
@@ -166,7 +167,9 @@ def memory_options(ns: Any, assumed: dict[str, str]) -> MemoryOptions:
     bf16_grads = bool(ns.grad_reduce_in_bf16) or (bool(ns.use_megatron_fsdp)
                                                    and ns.megatron_fsdp_main_grads_dtype in ("bf16", "bfloat16"))
     modules = ns.recompute_modules or ["core_attn"]   # Megatron's default under selective
-    return MemoryOptions(fused_head=bool(ns.skill_linear_cross_entropy) and not te,
+    moe = MoEOptions.from_args(ns)
+    return MemoryOptions(moe_routed_factor=moe.routed_factor(), router_score_bytes=moe.router_score_bytes(),
+                         fused_head=bool(ns.skill_linear_cross_entropy) and not te,
                          fp8_linear=bool(ns.skill_fp8_linear) and not te, te_fp8=te,
                          fp8_params=bool(ns.fp8 and ns.fp8_param_gather and te), score_bytes=score_bytes,
                          grad_bytes=2 if bf16_grads else 4, fused_cross_entropy=bool(ns.cross_entropy_loss_fusion),

@@ -38,7 +38,8 @@ def compare(run: dict[str, Any]) -> dict[str, Any]:
 
     model, gpu = get_model(run["model"]), get_gpu(run["gpu"])
     lay = run_layout(run, model)
-    c = predict(model, gpu, lay, padded_vocab_size(model.vocab_size, lay.tp), RuntimeOptions.from_request(None))
+    opts = RuntimeOptions.from_request(None, moe=run.get("moe"))   # the MoE options the run's recipe set
+    c = predict(model, gpu, lay, padded_vocab_size(model.vocab_size, lay.tp), opts)
     if run.get("tokens_per_s_per_gpu"):
         predicted, measured, metric = c.tokens_per_s / lay.world_size, run["tokens_per_s_per_gpu"], "tokens/s/GPU"
     else:

@@ -10,6 +10,7 @@ from typing import Any, Iterator
 
 from .catalog import GPUSpec
 from .model import ModelConfig
+from .moe import MoEOptions
 
 RECOMPUTE = ("none", "selective", "full")
 PRECISIONS = ("bf16", "fp8")
@@ -161,6 +162,13 @@ RULES = {
     "cp_needs_te": "context parallelism needs Transformer Engine's attention (the local SDPA path has none)",
     "qk_norm_sp_needs_te": "without Transformer Engine, Megatron's torch norm refuses sequence parallelism, and a "
                            "QK-layernorm model's attention uses it: TE's norm, or TP without sequence parallel",
+    "moe_pad_needs_capacity": "padding experts to capacity (pad_to_capacity) needs a capacity_factor",
+    "moe_overlap_needs_ep": "overlapping the expert all-to-all (overlap_ep_comm) needs EP > 1",
+    "moe_overlap_dispatcher": "overlapping the expert all-to-all (overlap_ep_comm) needs the alltoall or flex dispatcher",
+    "moe_overlap_needs_vp": "overlapping the expert all-to-all (overlap_ep_comm) with PP > 1 needs virtual pipeline "
+                            "stages (VP > 1)",
+    "moe_overlap_recompute": "overlapping the expert all-to-all (overlap_ep_comm) excludes full recompute",
+    "moe_flex_needs_te": "the flex dispatcher (DeepEP / HybridEP) runs with Transformer Engine's MoE layers",
 }
 
 
@@ -191,6 +199,25 @@ def sequence_parallel_rules(lay: Layout, model: ModelConfig, te: bool) -> Iterat
         yield "moe_needs_sp"
     if model.qk_layernorm and lay.sequence_parallel and not te:
         yield "qk_norm_sp_needs_te"
+
+
+def moe_rules(lay: Layout, model: ModelConfig, moe: MoEOptions, te: bool) -> Iterator[str]:
+    """Megatron's checks of its MoE options (TransformerConfig.__post_init__) against the layout."""
+    if not model.is_moe:
+        return
+    if moe.pad_to_capacity and moe.capacity_factor is None:
+        yield "moe_pad_needs_capacity"
+    if moe.dispatcher == "flex" and not te:
+        yield "moe_flex_needs_te"
+    if moe.overlap_ep_comm:
+        if lay.ep == 1:
+            yield "moe_overlap_needs_ep"
+        if moe.dispatcher not in ("alltoall", "flex"):
+            yield "moe_overlap_dispatcher"
+        if lay.pp > 1 and lay.vp == 1:
+            yield "moe_overlap_needs_vp"
+        if lay.recompute == "full":
+            yield "moe_overlap_recompute"
 
 
 def pipeline_rules(lay: Layout, model: ModelConfig) -> Iterator[str]:
@@ -224,10 +251,11 @@ def precision_rules(lay: Layout, gpu: GPUSpec) -> Iterator[str]:
         yield "fp8_arch"
 
 
-def broken_rules(lay: Layout, model: ModelConfig, gpu: GPUSpec, n_gpus: int, te: bool = True) -> Iterator[str]:
+def broken_rules(lay: Layout, model: ModelConfig, gpu: GPUSpec, n_gpus: int, te: bool = True,
+                 moe: MoEOptions | None = None) -> Iterator[str]:
     """The names of the rules the layout breaks, in the order they are checked; te: whether the
-    job's layers are Transformer Engine's (plan, render, validate and train ask the same
-    question here)."""
+    job's layers are Transformer Engine's, moe: how its MoE layers run (plan, render, validate and
+    train ask the same question here)."""
     if lay.world_size != n_gpus:
         yield "world_size"
     yield from tp_rules(lay, model, gpu)
@@ -246,8 +274,10 @@ def broken_rules(lay: Layout, model: ModelConfig, gpu: GPUSpec, n_gpus: int, te:
             yield "recompute_layers"
     if model.position_embedding_type == "learned_absolute" and lay.seq_length > model.max_position_embeddings:
         yield "seq_positions"
+    yield from moe_rules(lay, model, moe or MoEOptions(), te)
 
 
-def check_layout(lay: Layout, model: ModelConfig, gpu: GPUSpec, n_gpus: int, te: bool = True) -> str | None:
+def check_layout(lay: Layout, model: ModelConfig, gpu: GPUSpec, n_gpus: int, te: bool = True,
+                 moe: MoEOptions | None = None) -> str | None:
     """The name of the first rule the layout breaks, or None."""
-    return next(broken_rules(lay, model, gpu, n_gpus, te), None)
+    return next(broken_rules(lay, model, gpu, n_gpus, te, moe), None)

@@ -50,6 +50,8 @@ class MemoryOptions:
     fused_cross_entropy: bool = False   # Megatron's --cross-entropy-loss-fusion: no fp32 copy of the logits
     fsdp_params: bool = False           # Megatron FSDP optim_grads_params: weights and gradients sharded too
     recompute_modules: frozenset[str] | None = None   # --recompute-modules under selective; None: the skill's set
+    moe_routed_factor: float = 1.0      # token copies per expert over the balanced share (MoEOptions.routed_factor)
+    router_score_bytes: int = FP32      # the router's saved scores per expert (MoEOptions.router_score_bytes)
 
 
 def chunk_layers(model: ModelConfig, lay: Layout) -> tuple[tuple[int, ...], ...]:
@@ -178,9 +180,10 @@ def _layer_activation_bytes(model: ModelConfig, tp: int, sequence_parallel: bool
         # FC1 output and activation output (the FFN width split over ETP); the combine keeps no
         # copy of the experts' output. The router keeps its fp32 logits and two int64 index maps
         # of the k choices. (Counted on an H100 with autograd's saved-tensor hooks,
-        # references/benchmarks.md "Fine-grained MoE memory".)
-        routed = k * (BF16 * h * etp + up + act_out) / t
-        router = (FP32 * model.num_experts + 2 * 8 * k) * rep
+        # references/benchmarks.md "Fine-grained MoE memory".) Padded to a capacity, every
+        # expert holds its full capacity.
+        routed = opts.moe_routed_factor * k * (BF16 * h * etp + up + act_out) / t
+        router = (opts.router_score_bytes * model.num_experts + 2 * 8 * k) * rep
         shared = 0.0
         if model.moe_shared_expert_intermediate_size and "shared_experts" not in re_run:
             fs = model.moe_shared_expert_intermediate_size

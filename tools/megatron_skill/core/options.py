@@ -15,6 +15,7 @@ from typing import Any
 
 from .layout import Layout
 from .memory import MemoryOptions
+from .moe import MoEOptions
 
 SCHEMA = Path(__file__).resolve().parents[3] / "schemas" / "common.json"
 
@@ -34,13 +35,15 @@ class RuntimeOptions:
     fused_wgrad_accumulation: bool  # weight gradients added into main_grad by their GEMM
     fp8_linear: bool                # the skill's FP8 linear layers (no TE)
     te: bool = True                 # Transformer Engine's layers run (then none of the above does)
+    moe: MoEOptions = MoEOptions()  # how the MoE layers run (Megatron's MoE flags; core/moe.py)
 
     @classmethod
-    def from_request(cls, runtime: dict[str, Any] | None, te: bool = True) -> "RuntimeOptions":
-        return cls(**{**schema_defaults(), **(runtime or {})}, te=te)
+    def from_request(cls, runtime: dict[str, Any] | None, te: bool = True,
+                     moe: dict[str, Any] | None = None) -> "RuntimeOptions":
+        return cls(**{**schema_defaults(), **(runtime or {})}, te=te, moe=MoEOptions.from_request(moe))
 
     def to_json(self) -> dict[str, Any]:
-        return {k: v for k, v in dataclasses.asdict(self).items() if k != "te"}
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("te", "moe")}
 
     @property
     def fused_head(self) -> bool:
@@ -60,7 +63,9 @@ class RuntimeOptions:
         return self.te or self.fused_wgrad_accumulation
 
     def memory(self, lay: Layout) -> MemoryOptions:
-        return MemoryOptions(fused_head=self.fused_head, fp8_linear=self.fp8_local(lay), te_fp8=self.te)
+        return MemoryOptions(fused_head=self.fused_head, fp8_linear=self.fp8_local(lay), te_fp8=self.te,
+                             moe_routed_factor=self.moe.routed_factor(),
+                             router_score_bytes=self.moe.router_score_bytes())
 
     def entry_flags(self) -> list[str]:
         """The skill entry script's own flags for these paths (adapter/skill_flags.py)."""

@@ -241,11 +241,14 @@ def _search_stage(model: ModelConfig, gpu: GPUSpec, n_gpus: int, lay: Layout, c:
                                                distributed_optimizer=c.get("distributed_optimizer", True))
                     if lay.tp > 1 and (c.get("sequence_parallel") is False or (model.qk_layernorm and not opts.te)):
                         cand = cand.but(sequence_parallel=False)
-                    rule = check_layout(cand, model, gpu, n_gpus, opts.te)
+                    rule = check_layout(cand, model, gpu, n_gpus, opts.te, opts.moe)
                     if rule:
                         rej.add(rule, cand.label())
                         continue
-                    if not _try_recompute(model, gpu, cand, recomputes, capacity, rej, out, opts):
+                    allowed = recomputes
+                    if model.is_moe and opts.moe.overlap_ep_comm and "full" in recomputes:
+                        allowed = [r for r in recomputes if r != "full"]   # the rule moe_overlap_recompute
+                    if not _try_recompute(model, gpu, cand, allowed, capacity, rej, out, opts):
                         # memory grows with the micro-batch: the larger ones do not fit either
                         if len(mbss) - k - 1:
                             rej.add("out_of_memory", f"{cand.label()} and larger micro-batches", len(mbss) - k - 1)
@@ -319,7 +322,7 @@ def predict(model: ModelConfig, gpu: GPUSpec, lay: Layout, padded: int, opts: Ru
     opts = opts or RuntimeOptions.from_request(None)
     mem = mem or memory_report(model, lay, padded, opts.memory(lay))
     t = step_time(model, lay, gpu, padded, opts.te, fused_head=opts.fused_head, fp8_linear=opts.fp8_local(lay),
-                  fused_wgrad=opts.fused_wgrad)
+                  fused_wgrad=opts.fused_wgrad, moe=opts.moe)
     step = t.total
     tokens = lay.gbs * lay.seq_length
     model_flops = training_flops(model, lay.seq_length, lay.gbs, padded)

@@ -19,6 +19,9 @@ from .catalog import CATALOG_DIR, GPUSpec
 from .layout import Layout
 from .memory import BF16, FP32, moe_layers_among, param_split, rank_layers, ranks_to_check
 from .model import ModelConfig
+from .moe import MoEOptions
+
+DEFAULT_MOE = MoEOptions()
 
 
 @functools.lru_cache(maxsize=None)
@@ -38,6 +41,7 @@ class StepTime:
     tp_comm: float = 0.0
     cp_comm: float = 0.0
     ep_comm: float = 0.0
+    moe_dropless: float = 0.0
     pp_comm: float = 0.0
     bubble: float = 0.0
     dp_comm_exposed: float = 0.0
@@ -107,7 +111,8 @@ class _Rates:
         return factor * (group - 1) / group * nbytes / bw
 
 
-def _layer_gemms(model: ModelConfig, lay: Layout, rates: _Rates, tokens: float, moe: bool) -> float:
+def _layer_gemms(model: ModelConfig, lay: Layout, rates: _Rates, tokens: float, moe: bool,
+                 routed_factor: float = 1.0) -> float:
     h, t = model.hidden_size, lay.tp
     if model.multi_latent_attention:
         a, qk = model.num_attention_heads, model.qk_head_dim + model.qk_pos_emb_head_dim
@@ -125,9 +130,10 @@ def _layer_gemms(model: ModelConfig, lay: Layout, rates: _Rates, tokens: float, 
     if moe:
         k, fe, ep, etp = model.moe_router_topk, model.expert_ffn, lay.ep, lay.etp
         # With balanced routing a rank's experts see as many (token, expert) pairs as it sends:
-        # its sequence-parallel share of tokens x top-k, gathered over the expert-TP group.
+        # its sequence-parallel share of tokens x top-k, gathered over the expert-TP group (all of
+        # an expert's capacity when padded to it).
         local_experts = model.num_experts // ep
-        routed_tokens = tokens * k * etp / t
+        routed_tokens = tokens * k * etp / t * routed_factor
         per_expert = routed_tokens / local_experts
         time += local_experts * (rates.gemm(per_expert, up * fe / etp, h) + rates.gemm(per_expert, h, fe / etp))
         time += rates.gemm(tokens, model.num_experts, h)  # router
@@ -140,16 +146,22 @@ def _layer_gemms(model: ModelConfig, lay: Layout, rates: _Rates, tokens: float, 
     return time
 
 
-def _layer_elementwise_bytes(model: ModelConfig, lay: Layout, moe: bool) -> float:
+def _layer_elementwise_bytes(model: ModelConfig, lay: Layout, moe: bool, routed_factor: float = 1.0) -> float:
     """Bytes that norms, RoPE, the activation function and residual adds move per token,
-    forward and backward (about three passes over what the forward writes)."""
+    forward and backward (about three passes over what the forward writes). In an MoE layer
+    also the token permutation: each routed copy gathered before the experts and scattered back
+    after them, and with EP > 1 sorted by local expert after the all-to-all and back again
+    (a read and a write of the hidden vector each)."""
     h, t = model.hidden_size, lay.tp
     sp = 1 / t if (lay.sequence_parallel or t == 1) else 1
     q = model.num_attention_heads * model.head_dim
     kv = 2 * model.query_groups * model.head_dim
-    ffn = (model.expert_ffn * model.moe_router_topk + (model.moe_shared_expert_intermediate_size or 0)
+    ffn = (model.expert_ffn * model.moe_router_topk * routed_factor + (model.moe_shared_expert_intermediate_size or 0)
            if moe else model.ffn_hidden_size)
     fwd = BF16 * (2 * 2 * h * sp + 2 * 2 * h * sp + 2 * (q + kv) / t + 3 * ffn / t)
+    if moe:
+        passes = 2 + (2 if lay.ep > 1 else 0)
+        fwd += BF16 * 2 * h * passes * model.moe_router_topk * routed_factor * lay.etp / t
     return 3 * fwd
 
 
@@ -193,19 +205,74 @@ def _unfused_grad_params(model: ModelConfig, lay: Layout, rank: int, n_dense: in
     return out
 
 
+def _dispatch_time(model: ModelConfig, lay: Layout, rates: _Rates, tokens: float, node: int,
+                   opts: MoEOptions) -> float:
+    """Seconds of one MoE layer's token dispatch and combine, forward and backward (four
+    exchanges), for the tokens this rank holds, by dispatcher. Expert ranks follow each other in
+    Megatron's rank order (expert-TP innermost), so an EP group fills an NVLink domain before it
+    leaves it: the share of a rank's peers inside its domain goes over NVLink, the rest over the
+    network, both at once."""
+    h, k, ep, etp = model.hidden_size, model.moe_router_topk, lay.ep, lay.etp
+    if ep == 1 and lay.tp == 1:
+        return 0.0
+    if opts.dispatcher == "allgather":
+        # every token of the TP x EP group gathered to every rank, then reduced back
+        group = lay.tp * ep
+        fast = group <= node
+        one = BF16 * tokens * h * (group - 1) / (rates.nvlink if fast else rates.network)
+        return 4 * (one + rates.latency)
+    if ep == 1:
+        return 0.0
+    in_domain = max(1, min(ep, node // etp))          # EP peers sharing this rank's NVLink domain
+    copies = BF16 * tokens * h * k * opts.routed_factor()
+    near = copies * (in_domain - 1) / ep
+    far = copies * (ep - in_domain) / ep
+    if opts.dispatcher == "flex" and far:
+        # DeepEP / HybridEP send a token once to each remote domain holding one of its experts,
+        # then forward it over NVLink: the network carries distinct domains, not top-k copies.
+        domains = ep / in_domain
+        distinct = (domains - 1) * (1 - (1 - 1 / domains) ** k)
+        far = BF16 * tokens * h * distinct * opts.routed_factor()
+    one = max(near / rates.nvlink, far / rates.network if far else 0.0)
+    exchange = 4 * (one + rates.latency)
+    # --overlap-moe-expert-parallel-comm runs one micro-batch's exchange under another's compute
+    return exchange * (rates.cal["ep_overlap_exposed"] if opts.overlap_ep_comm else 1.0)
+
+
+def _dropless_time(model: ModelConfig, lay: Layout, cal: dict[str, Any], tokens: float, opts: MoEOptions) -> float:
+    """Seconds one MoE layer spends beyond its GEMMs, exchanges and element-wise work when its
+    dispatcher reads the routing counts back to the host (dropless routing, or a capacity without
+    padding; padded to capacity the shapes are static). Fitted to NVIDIA's published dropless runs
+    (catalog/calibration.json, moe_dropless_*): per token of the micro-batch, and per local expert,
+    whose GEMMs and casts run one expert at a time; the fit scales with tokens, not with
+    micro-batches, so it is not the sync's launch latency alone. Without grouped GEMMs the
+    per-expert part is taken as larger (moe_sequential_factor, assumed)."""
+    if not opts.host_sync:
+        return 0.0
+    local = model.num_experts // lay.ep
+    per_expert = cal["moe_dropless_us_per_token_expert"] * (1 if opts.grouped_gemm else cal["moe_sequential_factor"])
+    return tokens * (cal["moe_dropless_us_per_token"] + per_expert * local) * 1e-6
+
+
 def clear_caches() -> None:
     """After the calibration changes (bench --store-calibration): costs are computed anew."""
     calibration.cache_clear()
     _layer_times.cache_clear()
 
 
-LAYER_FIELDS = ("gemm", "attention", "elementwise", "tp_comm", "cp_comm", "ep_comm")
+def clear_caches_keep_calibration() -> None:
+    """Costs computed anew from a calibration edited in place (the fit of benchmarks/published_runs.py)."""
+    _layer_times.cache_clear()
+
+
+LAYER_FIELDS = ("gemm", "attention", "elementwise", "tp_comm", "cp_comm", "ep_comm", "moe_dropless")
 ZERO_LAYER = (0.0,) * len(LAYER_FIELDS)
 
 
 @functools.lru_cache(maxsize=65536)
 def _layer_times(model: ModelConfig, gpu: GPUSpec, te: bool, fp8_linear: bool, tp: int, cp: int, ep: int, etp: int,
-                 mbs: int, s: int, sp: bool, precision: str) -> dict[bool, tuple[float, ...]]:
+                 mbs: int, s: int, sp: bool, precision: str,
+                 moe_opts: MoEOptions = DEFAULT_MOE) -> dict[bool, tuple[float, ...]]:
     """Seconds of one dense and one MoE layer for one micro-batch, by LAYER_FIELDS: what the
     layout decides of them (not the pipeline split or data parallelism, which the planner
     varies most), so cached across the layouts of a search."""
@@ -216,8 +283,9 @@ def _layer_times(model: ModelConfig, gpu: GPUSpec, te: bool, fp8_linear: bool, t
     tokens = mbs * s / cp
     node = gpu.nvlink_domain
     out = {}
+    routed = moe_opts.routed_factor()
     for moe in (False, True) if model.is_moe else (False,):
-        gemm = _layer_gemms(model, lay, rates if moe else layer_rates, tokens, moe)
+        gemm = _layer_gemms(model, lay, rates if moe else layer_rates, tokens, moe, routed)
         elementwise = 0.0
         if (layer_rates is not rates and not moe) or (te and precision == "fp8"):
             # the casts of the FP8 GEMMs' inputs: the skill's layers, or TE's current scaling
@@ -231,13 +299,13 @@ def _layer_times(model: ModelConfig, gpu: GPUSpec, te: bool, fp8_linear: bool, t
         # Without TE, Megatron's local layers run RoPE, norms, residual adds and casts as
         # separate torch kernels: calibrated as a multiple of the fused byte count.
         unfused = 1.0 if te else rates.cal["elementwise_local_factor"]
-        elementwise += unfused * rates.memory_bound(_layer_elementwise_bytes(model, lay, moe) * tokens)
+        elementwise += unfused * rates.memory_bound(_layer_elementwise_bytes(model, lay, moe, routed) * tokens)
         # TP: 2 all-gathers + 2 reduce-scatters forward (or 2 all-reduces without SP),
         # as many backward; the backward ones overlap half with the weight-gradient GEMMs.
         act = BF16 * tokens * h
         tp_one = rates.collective(act, t, t <= node, "ag") + (rates.latency if t > 1 else 0.0)
         tp_comm = tp_one * 8 * rates.tp_exposed
-        cp_comm = ep_comm = 0.0
+        cp_comm = ep_comm = dropless = 0.0
         if cp > 1:
             kv = (2 * model.query_groups * model.head_dim if not model.multi_latent_attention
                   else model.num_attention_heads * (model.qk_head_dim + model.qk_pos_emb_head_dim + model.v_head_dim))
@@ -246,16 +314,15 @@ def _layer_times(model: ModelConfig, gpu: GPUSpec, te: bool, fp8_linear: bool, t
             # The ring overlaps with attention blocks, but never completely.
             cp_comm = max(rates.cal["cp_ring_min_exposed"] * ring, ring - 3 * core / attn_rate)
         if moe:
-            # Dispatch and combine, forward and backward: 4 all-to-alls of the routed tokens.
-            a2a = BF16 * tokens / (t if sp else 1) * model.moe_router_topk * h * (ep - 1) / ep
-            fast = t * ep <= node
-            ep_comm = 4 * (a2a / (rates.nvlink if fast else rates.network) + rates.latency)
-        out[moe] = (gemm, attention, elementwise, tp_comm, cp_comm, ep_comm)
+            ep_comm = _dispatch_time(model, lay, rates, tokens / (t if sp else 1), node, moe_opts)
+            dropless = _dropless_time(model, lay, rates.cal, tokens, moe_opts)
+        out[moe] = (gemm, attention, elementwise, tp_comm, cp_comm, ep_comm, dropless)
     return out
 
 
 def step_time(model: ModelConfig, lay: Layout, gpu: GPUSpec, padded_vocab: int, te: bool = True,
-              fused_head: bool = False, fp8_linear: bool = False, fused_wgrad: bool = True) -> StepTime:
+              fused_head: bool = False, fp8_linear: bool = False, fused_wgrad: bool = True,
+              moe: MoEOptions = DEFAULT_MOE) -> StepTime:
     # Without TE, FP8 is the skill's own linear layers (fp8_linear; precision fp8 asks for them
     # too): attention and MLP GEMMs at the FP8 rate, plus their casts; the rest stays BF16.
     rates = _Rates(gpu, lay.precision if te else "bf16", te)
@@ -265,7 +332,7 @@ def step_time(model: ModelConfig, lay: Layout, gpu: GPUSpec, padded_vocab: int, 
     node = gpu.nvlink_domain
 
     per_layer = _layer_times(model, gpu, te, fp8_linear, lay.tp, lay.cp, lay.ep, lay.etp, lay.mbs, s, sp,
-                             lay.precision)
+                             lay.precision, moe)
 
     # The busiest rank decides the pace of the pipeline: the one with most work per micro-batch.
     def rank_time(rank: int) -> tuple[StepTime, int]:

@@ -25,11 +25,14 @@ ASSUMPTIONS = [
     "Step time: GEMM roofline at calibrated efficiency (catalog/calibration.json), flash attention, "
     "memory-bound elementwise work, TP collectives not overlapped in forward, DP reduce/gather overlapped "
     "with the last micro-batch, pipeline bubble (PP-1)/VP micro-batch slots.",
-    "MoE: balanced routing (no capacity overflow, no imbalance).",
+    "MoE: balanced routing (no capacity overflow, no imbalance); the MoE options of the request's `moe` "
+    "(dispatcher, grouped GEMM, dropless or capacity, router precision, all-to-all overlap) as costed in "
+    "core/timing.py; a dropless layer's extra cost per token and local expert (time.moe_dropless_ms) is fitted "
+    "to NVIDIA's published dropless runs (references/benchmarks.md).",
 ]
 
 
-def _plan_json(rank: int, c: Candidate, gpu, model, include_args: bool) -> dict[str, Any]:
+def _plan_json(rank: int, c: Candidate, gpu, model, include_args: bool, opts: RuntimeOptions) -> dict[str, Any]:
     lay: Layout = c.layout
     t = c.time.to_json()
     parts = {k: v for k, v in t.items() if k != "step_ms"}
@@ -49,7 +52,8 @@ def _plan_json(rank: int, c: Candidate, gpu, model, include_args: bool) -> dict[
         "forecast": evidence.forecast(model, gpu.key, lay, calibration(gpu.key)["status"]),
     }
     if include_args:
-        out["megatron_args"] = megatron_args.model_args(model, lay.seq_length) + megatron_args.layout_args(lay, model, gpu)
+        out["megatron_args"] = (megatron_args.model_args(model, lay.seq_length, opts.moe)
+                                + megatron_args.layout_args(lay, model, gpu))
     return out
 
 
@@ -60,8 +64,9 @@ def run(req: dict[str, Any], ctx: Context) -> dict[str, Any]:
     seq = req.get("seq_length") or default_seq_length(model)
     gbs = req.get("global_batch_size") or default_global_batch(seq)
     precisions = {"bf16": ["bf16"], "fp8": ["fp8"], "any": ["bf16", "fp8"]}[req["precision"]]
+    opts = RuntimeOptions.from_request(None, te=req["transformer_engine"], moe=req.get("moe"))
     res = search(model, gpu, n_gpus, seq, gbs, precisions, req.get("constraints") or {},
-                 headroom_gib=req["headroom_gib"], opts=RuntimeOptions.from_request(None, te=req["transformer_engine"]))
+                 headroom_gib=req["headroom_gib"], opts=opts)
     ranked = rank(res.candidates)
     rejected = dict(sorted(res.rejected.items(), key=lambda kv: -kv[1]["count"]))
     if not ranked:
@@ -86,7 +91,7 @@ def run(req: dict[str, Any], ctx: Context) -> dict[str, Any]:
         "tokens_per_step": seq * gbs,
         "padded_vocab_size": padded_vocab_size(model.vocab_size, best.layout.tp),
         "feasible": len(ranked),
-        "plans": [_plan_json(i + 1, c, gpu, model, req["include_args"]) for i, c in enumerate(top)],
+        "plans": [_plan_json(i + 1, c, gpu, model, req["include_args"], opts) for i, c in enumerate(top)],
         "rejected": rejected,
         "assumptions": ASSUMPTIONS,
         "elapsed_s": round(elapsed, 3),

@@ -20,6 +20,7 @@ from ..contract import ROOT, Context, Tool, invoke
 from ..convert import pretrained
 from ..core.flops import padded_vocab_size
 from ..core.layout import RULES, Layout, check_layout
+from ..core.moe import MoEOptions
 from ..core.options import RuntimeOptions
 from ..core.planner import predict, rank, search
 from ..core.resolve import (
@@ -102,11 +103,12 @@ def _layout_from_request(req: dict, model, gpu, n_gpus: int, seq: int, gbs: int)
         fields.setdefault("dp", max(1, n_gpus // (fields.get("tp", 1) * fields.get("pp", 1) * fields.get("cp", 1))))
         fields.setdefault("sequence_parallel", fields.get("tp", 1) > 1)
         lay = Layout(**fields)
-        rule = check_layout(lay, model, gpu, n_gpus, req["transformer_engine"])
+        moe = MoEOptions.from_request(req.get("moe"))
+        rule = check_layout(lay, model, gpu, n_gpus, req["transformer_engine"], moe)
         if rule:
             raise ToolError("infeasible", f"the layout {lay.label()} breaks the rule {rule!r}: {RULES[rule]}",
                             where="/layout", fix="run plan and take one of its layouts")
-        opts = RuntimeOptions.from_request(req.get("runtime"), te=req["transformer_engine"])
+        opts = RuntimeOptions.from_request(req.get("runtime"), te=req["transformer_engine"], moe=req.get("moe"))
         cand = predict(model, gpu, lay, padded_vocab_size(model.vocab_size, lay.tp), opts)
         if cand.peak_gib > gpu.memory_gib:
             raise ToolError("infeasible", f"the layout {lay.label()} needs {cand.peak_gib:.1f} GiB per GPU, "
@@ -115,7 +117,7 @@ def _layout_from_request(req: dict, model, gpu, n_gpus: int, seq: int, gbs: int)
         return lay, cand
     precisions = ["fp8"] if req["precision"] == "fp8" else ["bf16"]
     res = search(model, gpu, n_gpus, seq, gbs, precisions,
-                 opts=RuntimeOptions.from_request(req.get("runtime"), te=req["transformer_engine"]))
+                 opts=RuntimeOptions.from_request(req.get("runtime"), te=req["transformer_engine"], moe=req.get("moe")))
     if not res.candidates:
         raise ToolError("infeasible", f"no layout of {model.name} fits {n_gpus} x {gpu.key}", where="/num_gpus",
                         fix="run plan for the reasons, and change the GPU count, batch or sequence length")
@@ -298,7 +300,8 @@ def build(req: dict, ctx: Context) -> dict[str, Any]:
         training["tokenizer_model"] = _path(training["tokenizer_model"])
     training["tensorboard_dir"] = f"{run_dir}/tensorboard"
     container = _container(req, launcher)
-    argv = (megatron_args.model_args(model, lay.seq_length) + megatron_args.layout_args(lay, model, gpu)
+    moe = MoEOptions.from_request(req.get("moe"))
+    argv = (megatron_args.model_args(model, lay.seq_length, moe) + megatron_args.layout_args(lay, model, gpu)
             + megatron_args.training_args(training) + _fake_rank_args(fake, model))
     # Both variants the script may run, with and without Transformer Engine, must parse.  FP8
     # without TE is the skill entry's own linear layers (Megatron-LM's entry has none).
@@ -311,7 +314,7 @@ def build(req: dict, ctx: Context) -> dict[str, Any]:
                                         te=False)
     local_flags = megatron_args.local_impl_flags(local, skill_entry=skill_entry)
     common_argv, te_fp8 = megatron_args.split_te_fp8(argv)
-    te_args = te_fp8 + megatron_args.te_only_args(lay, gpu, fake is not None)
+    te_args = te_fp8 + megatron_args.te_only_args(lay, gpu, fake is not None, model, moe)
     parser_check = megatron_flags.check(common_argv + ["--transformer-impl", "local"] + local_flags,
                                         world_size=lay.world_size)
     megatron_flags.check(common_argv + ["--transformer-impl", "transformer_engine"] + te_args, world_size=lay.world_size)

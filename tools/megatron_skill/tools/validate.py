@@ -32,6 +32,7 @@ from ..core.layout import RULES, Layout, broken_rules
 from ..core.memory import GIB, memory_report
 from ..core.memory import peak as memory_peak
 from ..core.model import ModelConfig
+from ..core.moe import MoEOptions
 from ..errors import ToolError
 
 # Layout rules that validate reports with a fix of its own words.
@@ -61,6 +62,13 @@ RULE_FIXES = {
     "sp_needs_tp": "drop --sequence-parallel, or use TP > 1",
     "recompute_layers": "set --recompute-num-layers between 1 and the layers per stage",
     "seq_positions": "raise --max-position-embeddings or lower --seq-length",
+    "moe_pad_needs_capacity": "add --moe-expert-capacity-factor, or drop --moe-pad-expert-input-to-capacity",
+    "moe_flex_needs_te": "use Transformer Engine's layers, or --moe-token-dispatcher-type alltoall",
+    "moe_overlap_needs_ep": "drop --overlap-moe-expert-parallel-comm, or set --expert-model-parallel-size > 1",
+    "moe_overlap_dispatcher": "set --moe-token-dispatcher-type alltoall (or flex) with "
+                              "--overlap-moe-expert-parallel-comm",
+    "moe_overlap_needs_vp": "add --num-virtual-stages-per-pipeline-rank, or drop --overlap-moe-expert-parallel-comm",
+    "moe_overlap_recompute": "use selective recompute, or drop --overlap-moe-expert-parallel-comm",
 }
 # What Megatron's validate_args warns of, by the rule the skill knows it as (so that a warning
 # is not said twice); anything else it says keeps the code megatron_warning.
@@ -257,7 +265,8 @@ def _check_layout(launch: Launch, ns: argparse.Namespace, model: ModelConfig, gp
                                  f"CP {lay.cp} (DP would be {world / (lay.tp * lay.pp * lay.cp):.2f})",
                                  RULE_FIXES["world_size"]))
     te = described.transformer_engine(ns)
-    for rule in broken_rules(lay, model, gpu or get_gpu("h100-sxm"), lay.world_size, te=te):
+    moe = MoEOptions.from_args(ns)
+    for rule in broken_rules(lay, model, gpu or get_gpu("h100-sxm"), lay.world_size, te=te, moe=moe):
         if rule == "world_size" or (rule == "fp8_arch" and gpu is None):
             continue
         if rule == "sp_needs_tp":
