@@ -125,3 +125,13 @@ def test_validate_reads_the_options_back_from_a_script():
     fixed = call("validate", {"args": args + ["--num-virtual-stages-per-pipeline-rank", "2"], "num_gpus": 64,
                               "gpu": "h100-sxm"})
     assert fixed["ok"] and fixed["result"]["errors"] == [], fixed["result"]["errors"]
+
+
+def test_recomputing_whole_moe_layers_trades_time_for_memory():
+    lay = QWEN_LAYOUT.but(recompute="selective")
+    act, whole = cost(None, lay=lay), cost({"recompute": ["moe"]}, lay=lay)
+    assert whole.peak_gib < act.peak_gib and whole.time.recompute > act.time.recompute
+    args = RuntimeOptions.from_request(None, moe={"recompute": ["moe", "shared_experts"]}).moe
+    assert args.selective_modules() == {"core_attn", "layernorm", "moe", "shared_experts"}
+    assert check_layout(lay, QWEN, H100, 64, True, MoEOptions.from_request(
+        {"recompute": ["moe"], "overlap_ep_comm": True})) == "moe_overlap_recompute"

@@ -142,7 +142,7 @@ def fp8_recipe(gpu: GPUSpec | None) -> str:
     return "mxfp8" if gpu is not None and gpu.arch == "blackwell" else "tensorwise"
 
 
-def layout_args(lay: Layout, model: ModelConfig, gpu: GPUSpec | None = None) -> list[str]:
+def layout_args(lay: Layout, model: ModelConfig, gpu: GPUSpec | None = None, moe: MoEOptions | None = None) -> list[str]:
     a: list[Any] = ["--tensor-model-parallel-size", lay.tp, "--pipeline-model-parallel-size", lay.pp,
                     "--context-parallel-size", lay.cp,
                     "--micro-batch-size", lay.mbs, "--global-batch-size", lay.gbs,
@@ -163,7 +163,7 @@ def layout_args(lay: Layout, model: ModelConfig, gpu: GPUSpec | None = None) -> 
     elif lay.dp * lay.cp > 1:
         a += ["--overlap-grad-reduce"]
     if lay.recompute == "selective":
-        mods = ["core_attn", "layernorm"] + (["moe_act"] if model.is_moe else [])
+        mods = ["core_attn", "layernorm"] + (list((moe or MoEOptions()).recompute) if model.is_moe else [])
         a += ["--recompute-granularity", "selective", "--recompute-modules", *mods]
     elif lay.recompute == "full":
         a += ["--recompute-granularity", "full", "--recompute-method", "block",

@@ -167,7 +167,8 @@ RULES = {
     "moe_overlap_dispatcher": "overlapping the expert all-to-all (overlap_ep_comm) needs the alltoall or flex dispatcher",
     "moe_overlap_needs_vp": "overlapping the expert all-to-all (overlap_ep_comm) with PP > 1 needs virtual pipeline "
                             "stages (VP > 1)",
-    "moe_overlap_recompute": "overlapping the expert all-to-all (overlap_ep_comm) excludes full recompute",
+    "moe_overlap_recompute": "overlapping the expert all-to-all (overlap_ep_comm) excludes full recompute and "
+                             "the recompute of whole MoE layers ('moe' in the MoE recompute)",
     "moe_flex_needs_te": "the flex dispatcher (DeepEP / HybridEP) runs with Transformer Engine's MoE layers",
 }
 
@@ -216,7 +217,7 @@ def moe_rules(lay: Layout, model: ModelConfig, moe: MoEOptions, te: bool) -> Ite
             yield "moe_overlap_dispatcher"
         if lay.pp > 1 and lay.vp == 1:
             yield "moe_overlap_needs_vp"
-        if lay.recompute == "full":
+        if lay.recompute == "full" or (lay.recompute == "selective" and "moe" in moe.recompute):
             yield "moe_overlap_recompute"
 
 

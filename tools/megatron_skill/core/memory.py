@@ -128,7 +128,7 @@ def unfused_score_bytes(softmax_in_fp32: bool, dropout: bool) -> float:
     return UNFUSED_SCORE_BYTES[(bool(softmax_in_fp32), bool(dropout))]
 
 
-# What the skill's selective recompute re-runs (megatron_args renders the same list).
+# What the skill's selective recompute re-runs by default (MoEOptions.selective_modules of the defaults).
 SELECTIVE_MODULES = frozenset({"core_attn", "layernorm", "moe_act"})
 
 

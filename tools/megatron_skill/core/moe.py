@@ -34,13 +34,20 @@ class MoEOptions:
     router_dtype: str = "fp32"            # --moe-router-dtype: fp32 | fp64 | model (the model's bf16)
     permute_fusion: bool = True           # --moe-permute-fusion (Transformer Engine's kernels)
     overlap_ep_comm: bool = False         # --overlap-moe-expert-parallel-comm
+    recompute: tuple[str, ...] = ("moe_act",)   # MoE parts in --recompute-modules under selective recompute
 
     @classmethod
     def from_request(cls, moe: dict[str, Any] | None) -> "MoEOptions":
-        return cls(**{**schema_defaults(), **(moe or {})})
+        fields = {**schema_defaults(), **(moe or {})}
+        return cls(**{**fields, "recompute": tuple(fields["recompute"])})
+
+    def selective_modules(self) -> frozenset[str]:
+        """Megatron's --recompute-modules under selective recompute: attention's core and the
+        norms, as for a dense model, and the MoE parts asked for."""
+        return frozenset({"core_attn", "layernorm", *self.recompute})
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {**dataclasses.asdict(self), "recompute": list(self.recompute)}
 
     @property
     def dropless(self) -> bool:
@@ -90,6 +97,7 @@ class MoEOptions:
     def from_args(cls, ns: Any) -> "MoEOptions":
         """The options a parsed Megatron command line sets (Megatron's defaults where unset)."""
         cf = getattr(ns, "moe_expert_capacity_factor", None)
+        modules = getattr(ns, "recompute_modules", None) or []
         return cls(dispatcher=getattr(ns, "moe_token_dispatcher_type", None) or "allgather",
                    flex_backend=getattr(ns, "moe_flex_dispatcher_backend", None) or "deepep",
                    grouped_gemm=bool(getattr(ns, "moe_grouped_gemm", False)),
@@ -97,4 +105,5 @@ class MoEOptions:
                    pad_to_capacity=bool(getattr(ns, "moe_pad_expert_input_to_capacity", False)),
                    router_dtype=getattr(ns, "moe_router_dtype", None) or "model",
                    permute_fusion=bool(getattr(ns, "moe_permute_fusion", False)),
-                   overlap_ep_comm=bool(getattr(ns, "overlap_moe_expert_parallel_comm", False)))
+                   overlap_ep_comm=bool(getattr(ns, "overlap_moe_expert_parallel_comm", False)),
+                   recompute=tuple(m for m in ("moe_act", "moe", "shared_experts") if m in modules))

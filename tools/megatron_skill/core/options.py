@@ -64,6 +64,7 @@ class RuntimeOptions:
 
     def memory(self, lay: Layout) -> MemoryOptions:
         return MemoryOptions(fused_head=self.fused_head, fp8_linear=self.fp8_local(lay), te_fp8=self.te,
+                             recompute_modules=self.moe.selective_modules(),
                              moe_routed_factor=self.moe.routed_factor(),
                              router_score_bytes=self.moe.router_score_bytes())
 

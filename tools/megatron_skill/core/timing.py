@@ -128,15 +128,7 @@ def _layer_gemms(model: ModelConfig, lay: Layout, rates: _Rates, tokens: float, 
         time = rates.gemm(tokens, (q + kv) / t, h) + rates.gemm(tokens, h, q / t)
     up = 2 if model.gated else 1
     if moe:
-        k, fe, ep, etp = model.moe_router_topk, model.expert_ffn, lay.ep, lay.etp
-        # With balanced routing a rank's experts see as many (token, expert) pairs as it sends:
-        # its sequence-parallel share of tokens x top-k, gathered over the expert-TP group (all of
-        # an expert's capacity when padded to it).
-        local_experts = model.num_experts // ep
-        routed_tokens = tokens * k * etp / t * routed_factor
-        per_expert = routed_tokens / local_experts
-        time += local_experts * (rates.gemm(per_expert, up * fe / etp, h) + rates.gemm(per_expert, h, fe / etp))
-        time += rates.gemm(tokens, model.num_experts, h)  # router
+        time += _moe_gemms(model, lay, rates, tokens, routed_factor)
         fs = model.moe_shared_expert_intermediate_size
         if fs:
             time += rates.gemm(tokens, up * fs / t, h) + rates.gemm(tokens, h, fs / t)
@@ -144,6 +136,25 @@ def _layer_gemms(model: ModelConfig, lay: Layout, rates: _Rates, tokens: float, 
         f = model.ffn_hidden_size
         time += rates.gemm(tokens, up * f / t, h) + rates.gemm(tokens, h, f / t)
     return time
+
+
+def _moe_forward_gemms(model: ModelConfig, lay: Layout, rates: _Rates, tokens: float, routed_factor: float) -> float:
+    """Seconds of the MoE GEMMs' forward alone (a third of forward and backward)."""
+    return _moe_gemms(model, lay, rates, tokens, routed_factor) / 3
+
+
+def _moe_gemms(model: ModelConfig, lay: Layout, rates: _Rates, tokens: float, routed_factor: float) -> float:
+    """The router's and the routed experts' GEMMs of one MoE layer (forward and backward).
+
+    With balanced routing a rank's experts see as many (token, expert) pairs as it sends: its
+    sequence-parallel share of tokens x top-k, gathered over the expert-TP group (all of an
+    expert's capacity when padded to it)."""
+    h, t, k, fe, ep, etp = model.hidden_size, lay.tp, model.moe_router_topk, model.expert_ffn, lay.ep, lay.etp
+    up = 2 if model.gated else 1
+    local_experts = model.num_experts // ep
+    per_expert = tokens * k * etp / t * routed_factor / local_experts
+    time = local_experts * (rates.gemm(per_expert, up * fe / etp, h) + rates.gemm(per_expert, h, fe / etp))
+    return time + rates.gemm(tokens, model.num_experts, h)
 
 
 def _layer_elementwise_bytes(model: ModelConfig, lay: Layout, moe: bool, routed_factor: float = 1.0) -> float:
@@ -272,10 +283,11 @@ ZERO_LAYER = (0.0,) * len(LAYER_FIELDS)
 @functools.lru_cache(maxsize=65536)
 def _layer_times(model: ModelConfig, gpu: GPUSpec, te: bool, fp8_linear: bool, tp: int, cp: int, ep: int, etp: int,
                  mbs: int, s: int, sp: bool, precision: str,
-                 moe_opts: MoEOptions = DEFAULT_MOE) -> dict[bool, tuple[float, ...]]:
-    """Seconds of one dense and one MoE layer for one micro-batch, by LAYER_FIELDS: what the
-    layout decides of them (not the pipeline split or data parallelism, which the planner
-    varies most), so cached across the layouts of a search."""
+                 moe_opts: MoEOptions = DEFAULT_MOE) -> dict[bool | str, tuple[float, ...]]:
+    """Seconds of one dense (key False) and one MoE layer (True) for one micro-batch, by
+    LAYER_FIELDS, and one forward of the MoE block alone ("moe_forward"): what the layout decides
+    of them (not the pipeline split or data parallelism, which the planner varies most), so cached
+    across the layouts of a search."""
     lay = Layout(tp=tp, cp=cp, ep=ep, etp=etp, mbs=mbs, seq_length=s, sequence_parallel=sp, precision=precision)
     rates = _Rates(gpu, precision if te else "bf16", te)
     layer_rates = _Rates(gpu, "fp8", te) if fp8_linear else rates
@@ -317,6 +329,8 @@ def _layer_times(model: ModelConfig, gpu: GPUSpec, te: bool, fp8_linear: bool, t
             ep_comm = _dispatch_time(model, lay, rates, tokens / (t if sp else 1), node, moe_opts)
             dropless = _dropless_time(model, lay, rates.cal, tokens, moe_opts)
         out[moe] = (gemm, attention, elementwise, tp_comm, cp_comm, ep_comm, dropless)
+        if moe:   # one forward of the MoE block: what recomputing it ('moe' in --recompute-modules) re-runs
+            out["moe_forward"] = (_moe_forward_gemms(model, lay, rates, tokens, routed) + ep_comm / 2 + dropless / 3,)
     return out
 
 
@@ -339,14 +353,16 @@ def step_time(model: ModelConfig, lay: Layout, gpu: GPUSpec, padded_vocab: int, 
         layers = rank_layers(model, lay, rank)
         n_moe = moe_layers_among(model, tuple(layers))
         n_dense = len(layers) - n_moe
-        dense, moe = per_layer[False], per_layer.get(True, ZERO_LAYER)
-        r = StepTime(**{name: n_dense * d + n_moe * m for name, d, m in zip(LAYER_FIELDS, dense, moe)})
+        dense_layer, moe_layer = per_layer[False], per_layer.get(True, ZERO_LAYER)
+        r = StepTime(**{name: n_dense * d + n_moe * m for name, d, m in zip(LAYER_FIELDS, dense_layer, moe_layer)})
         if lay.recompute == "full":
             per_chunk = len(layers) / lay.vp
             frac = min(lay.recompute_layers, per_chunk) / max(per_chunk, 1)
             r.recompute = frac * (r.gemm + r.attention + r.elementwise + r.tp_comm / 2) / 3
         elif lay.recompute == "selective":
             r.recompute = rates.cal["selective_recompute_share"] * r.elementwise
+            if "moe" in moe.recompute and n_moe:   # the whole MoE block re-runs its forward
+                r.recompute += n_moe * per_layer["moe_forward"][0]
         if rank == lay.pp - 1:  # output layer and the loss over the (padded) vocabulary
             r.gemm += rates.gemm(tokens, padded_vocab / t, h) * (1 + (model.mtp_num_layers or 0))
             # Megatron's loss: bf16 logits, an fp32 copy, softmax and its gradient (~4 fp32

@@ -53,7 +53,7 @@ def _plan_json(rank: int, c: Candidate, gpu, model, include_args: bool, opts: Ru
     }
     if include_args:
         out["megatron_args"] = (megatron_args.model_args(model, lay.seq_length, opts.moe)
-                                + megatron_args.layout_args(lay, model, gpu))
+                                + megatron_args.layout_args(lay, model, gpu, opts.moe))
     return out
 
 

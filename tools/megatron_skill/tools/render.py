@@ -301,7 +301,7 @@ def build(req: dict, ctx: Context) -> dict[str, Any]:
     training["tensorboard_dir"] = f"{run_dir}/tensorboard"
     container = _container(req, launcher)
     moe = MoEOptions.from_request(req.get("moe"))
-    argv = (megatron_args.model_args(model, lay.seq_length, moe) + megatron_args.layout_args(lay, model, gpu)
+    argv = (megatron_args.model_args(model, lay.seq_length, moe) + megatron_args.layout_args(lay, model, gpu, moe)
             + megatron_args.training_args(training) + _fake_rank_args(fake, model))
     # Both variants the script may run, with and without Transformer Engine, must parse.  FP8
     # without TE is the skill entry's own linear layers (Megatron-LM's entry has none).
