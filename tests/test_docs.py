@@ -232,8 +232,8 @@ def test_errors_of_the_past_do_not_come_back():
 
 
 # Flags in the prose that are not Megatron's or a launcher's: pip's, skillsaw's and the lab scripts'
-# (benchmarks/run_levers.py --set, --iters).
-OTHER_PROGRAMS = {"--no-build-isolation", "--set", "--iters", "--strict"}
+# (benchmarks/run_levers.py --set, --iters; benchmarks/published_runs.py --fit).
+OTHER_PROGRAMS = {"--no-build-isolation", "--set", "--iters", "--strict", "--fit"}
 
 
 def test_every_flag_in_inline_code_is_real_or_named_obsolete():

@@ -135,3 +135,13 @@ def test_recomputing_whole_moe_layers_trades_time_for_memory():
     assert args.selective_modules() == {"core_attn", "layernorm", "moe", "shared_experts"}
     assert check_layout(lay, QWEN, H100, 64, True, MoEOptions.from_request(
         {"recompute": ["moe"], "overlap_ep_comm": True})) == "moe_overlap_recompute"
+
+
+def test_render_takes_the_moe_options_the_plan_was_costed_with(tmp_path):
+    plan = {"model": "qwen3-30b-a3b", "num_gpus": 16, "gpu": "h100-sxm", "seq_length": 4096,
+            "moe": {"capacity_factor": 1.0, "pad_to_capacity": True}}
+    out = call("render", {"plan": plan, "launcher": "slurm", "output_dir": str(tmp_path)})
+    assert out["ok"], out
+    assert "--moe-pad-expert-input-to-capacity" in out["result"]["megatron_args"]
+    twice = call("render", {"plan": plan, "moe": {}, "launcher": "slurm", "output_dir": str(tmp_path / "b")})
+    assert not twice["ok"] and twice["error"]["where"] == "/moe"

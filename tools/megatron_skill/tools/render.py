@@ -385,7 +385,7 @@ def _unseen_datasets(req: dict) -> list[str]:
 
 # What render takes from a plan: the fields of the plan request that say what is trained where.
 FROM_PLAN = ("model", "hf_config", "gpu", "num_gpus", "nodes", "gpus_per_node", "seq_length", "global_batch_size",
-             "transformer_engine")
+             "transformer_engine", "moe")
 DEFAULTS = {"gpu": "h100-sxm", "precision": "bf16", "transformer_engine": True}
 DERIVED = ("world_size", "expert_dp", "num_microbatches")
 
