@@ -145,3 +145,9 @@ def test_render_takes_the_moe_options_the_plan_was_costed_with(tmp_path):
     assert "--moe-pad-expert-input-to-capacity" in out["result"]["megatron_args"]
     twice = call("render", {"plan": plan, "moe": {}, "launcher": "slurm", "output_dir": str(tmp_path / "b")})
     assert not twice["ok"] and twice["error"]["where"] == "/moe"
+
+
+def test_a_cpu_run_refuses_moe_options_it_would_not_run(tmp_path):
+    out = call("train", {"model": "tiny-gpt", "backend": "cpu", "runs_root": str(tmp_path), "dry_run": True,
+                         "moe": {"dispatcher": "alltoall"}})
+    assert not out["ok"] and out["error"]["where"] == "/moe"

@@ -121,6 +121,10 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
                         f"{req['launcher']} is started elsewhere", where="/launcher",
                         fix="render the script or manifest and start it where it runs (render's command says how)")
     backend = _backend(req)
+    if backend == "cpu" and req.get("moe"):
+        raise ToolError("bad_request", "the CPU backend runs Megatron's allgather dispatcher and none of the MoE "
+                        "options (they are GPU paths: the all-to-all, grouped GEMMs, the capacity padding)",
+                        where="/moe", fix="leave moe out for a CPU run, or train on GPUs (backend gpu)")
     req = {**req, "python": req.get("python") or sys.executable}
     _check_runtime(req, backend)
     if req.get("num_gpus") is None and req.get("nodes") is None:
