@@ -69,5 +69,7 @@ def forecast(model: ModelConfig, gpu_key: str, lay: Layout, calibration_status: 
         beyond.append(f"{gpu_key}'s kernel rates are assumed, not measured (bench --calibrate measures them)")
     return {"error_band_pct": [min(errors), max(errors)], "checked_runs": len(kind),
             "basis": f"{len(kind)} published {'MoE' if model.is_moe else 'dense'} runs costed with their own "
-                     f"layouts (references/benchmarks.md); {gpu_key}'s calibration: {calibration_status[:120]}",
+                     f"layouts (references/benchmarks.md)"
+                     + ("; the dropless cost and the all-to-all overlap are fitted to them" if model.is_moe else "")
+                     + f"; {gpu_key}'s calibration: {calibration_status[:120]}",
             "beyond_evidence": beyond}
