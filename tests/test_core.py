@@ -42,6 +42,8 @@ BREAKS = {
     "pp_uneven": (LLAMA8B, dataclasses.replace(GOOD, pipeline_split="uneven", first_stage_layers=40,
                                                last_stage_layers=1), H100, 8, True),
     "vp_layers": (LLAMA8B, dataclasses.replace(GOOD, vp=3), H100, 8, True),
+    "pp_layout": (LLAMA8B, dataclasses.replace(GOOD, pipeline_split="layout", pipeline_layout="E(t*16|)*2L"), H100, 8,
+                  True),
     "vp_needs_pp": (LLAMA8B, dataclasses.replace(GOOD, pp=1, dp=4, vp=2), H100, 8, True),
     "vp_microbatches": (LLAMA8B, dataclasses.replace(GOOD, vp=2, gbs=2), H100, 8, True),
     "cp_sequence": (LLAMA8B, dataclasses.replace(GOOD, cp=2, dp=1, seq_length=8194), H100, 8, True),

@@ -1,10 +1,13 @@
 """Uneven pipelines: the planner's layer split is Megatron-Core's own, and a model whose layers do
-not divide by PP (DeepSeek-V3's 61 at PP16) is planned, rendered and accepted by Megatron."""
+not divide by PP (DeepSeek-V3's 61 at PP16) is planned, rendered and accepted by Megatron; Megatron's
+layout string (--pipeline-model-parallel-layout) is read as Megatron reads it, refused where it
+refuses it, rendered and read back."""
 import pytest
 from conftest import require_modules
 
 from megatron_skill.contract import call
-from megatron_skill.core.layout import Layout
+from megatron_skill.core.catalog import get_gpu, get_model
+from megatron_skill.core.layout import Layout, check_layout, pipeline_layout_chunks
 from megatron_skill.core.planner import pipeline_splits
 
 SPLITS = [  # (layers, PP, VP, Layout fields)
@@ -78,3 +81,56 @@ def test_an_uneven_split_that_does_not_add_up_is_refused(tmp_path):
                           "layout": {"tp": 1, "pp": 16, "ep": 64, "pipeline_split": "uneven",
                                      "first_stage_layers": 3, "last_stage_layers": 3}})
     assert env["error"]["code"] == "infeasible" and "pp_uneven" in env["error"]["message"]
+
+
+# ---- Megatron's layout string (--pipeline-model-parallel-layout) ------------------------------
+LAYOUTS = [  # (layers, PP, layout string, MTP layers)
+    (61, 8, "Et|(tt|)*30mL", 1),          # DeepSeek-V3 at PP8 VP4, Megatron-Bridge's H100 shape
+    (61, 16, "Et*4|(t*4|)*14tmL", 1),     # DeepSeek-V3 at PP16
+    (8, 2, "Ett|tt|tt|ttL", 0),           # even, VP2
+    (10, 2, "E|t*4|t*5|tL", 0),           # an empty first chunk beside the embedding
+]
+
+
+@pytest.mark.parametrize("layers,pp,text,mtp", LAYOUTS)
+def test_layout_string_chunks_are_megatrons(layers, pp, text, mtp):
+    require_modules("megatron.core")
+    from megatron.core.transformer.enums import LayerType
+    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+    theirs = PipelineParallelLayerLayout(text, pp)
+    theirs.validate_layer_layout(layers, mtp or None)
+    vp = theirs.virtual_pipeline_model_parallel_size
+    lay = Layout(pp=pp, vp=vp, pipeline_split="layout", pipeline_layout=text)
+    mine = lay.chunk_sizes(layers)
+    # Megatron's own parse, rank by virtual stage (its getters need a parallel state to read vp_stage)
+    assert mine == [theirs.layout[c % pp][c // pp].count(LayerType.decoder) for c in range(pp * vp)]
+    assert sum(mine) == layers
+
+
+def test_layout_strings_megatron_refuses_break_the_rule_book():
+    v3 = get_model("deepseek-v3")
+    base = Layout(tp=2, pp=8, vp=4, ep=64, dp=64, mbs=1, gbs=8192, seq_length=4096, sequence_parallel=True,
+                  pipeline_split="layout", pipeline_layout="Et|(tt|)*30mL")
+    h100 = get_gpu("h100-sxm")
+    assert check_layout(base, v3, h100, 1024) is None
+    for bad in ("Et|(tt|)*29mL", "t|(tt|)*30mEL", "Et|(tt|)*30L", "Etm|(tt|)*30tL", "Et|(tt|)*30mL|", "t*999999999",
+                "Ex|L"):
+        assert check_layout(base.but(pipeline_layout=bad), v3, h100, 1024) == "pp_layout", bad
+    assert pipeline_layout_chunks("t*999999999") is None     # refused before it is expanded
+
+
+def test_a_layout_string_is_rendered_and_read_back(tmp_path):
+    req = {"model": "deepseek-v3", "gpu": "h100-sxm", "num_gpus": 1024, "seq_length": 4096, "global_batch_size": 8192,
+           "precision": "fp8", "launcher": "slurm", "output_dir": str(tmp_path),
+           "layout": {"tp": 2, "pp": 8, "vp": 4, "ep": 64, "mbs": 1, "recompute": "selective",
+                      "pipeline_split": "layout", "pipeline_layout": "Et|(tt|)*30mL"}}
+    out = call("render", req)
+    assert out["ok"], out
+    args = out["result"]["megatron_args"]
+    assert args[args.index("--pipeline-model-parallel-layout") + 1] == "Et|(tt|)*30mL"
+    assert "--num-virtual-stages-per-pipeline-rank" not in args   # Megatron takes one or the other
+    back = call("validate", {"script_text": open(out["result"]["files"][0]["path"]).read(), "gpu": "h100-sxm"})
+    assert back["ok"] and back["result"]["valid"], back["result"]["errors"]
+    lay = back["result"]["layout"]
+    assert (lay["vp"], lay["pipeline_split"], lay["pipeline_layout"]) == (4, "layout", "Et|(tt|)*30mL")

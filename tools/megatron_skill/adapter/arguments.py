@@ -147,7 +147,9 @@ def layout_args(lay: Layout, model: ModelConfig, gpu: GPUSpec | None = None, moe
                     "--context-parallel-size", lay.cp,
                     "--micro-batch-size", lay.mbs, "--global-batch-size", lay.gbs,
                     "--seq-length", lay.seq_length]
-    if lay.vp > 1:
+    if lay.pipeline_split == "layout":   # the layout string sets the virtual stages itself
+        a += ["--pipeline-model-parallel-layout", lay.pipeline_layout]
+    elif lay.vp > 1:
         a += ["--num-virtual-stages-per-pipeline-rank", lay.vp]
     if lay.pipeline_split == "embedding_loss":
         a += ["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..core.layout import Layout
+from ..core.layout import Layout, pipeline_layout_chunks
 from ..core.memory import MemoryOptions, unfused_score_bytes
 from ..core.model import ModelConfig, build_spec
 from ..core.moe import MoEOptions
@@ -96,6 +96,9 @@ def layout_from_args(ns: Any, model: ModelConfig, world: int | None, assumed: di
     vp = ns.num_virtual_stages_per_pipeline_rank or getattr(ns, "virtual_pipeline_model_parallel_size", None) or 1
     if ns.num_layers_per_virtual_pipeline_stage:
         vp = max(1, (model.num_layers // pp) // ns.num_layers_per_virtual_pipeline_stage)
+    layout = getattr(ns, "pipeline_model_parallel_layout", None)
+    if layout:   # the layout string's chunks set the virtual stages (Megatron's validate_args)
+        vp = max(1, len(pipeline_layout_chunks(str(layout)) or ()) // pp)
     world = world or getattr(ns, "world_size", None)   # a log's dump says it
     if world is None:
         assumed["world_size"] = f"{tp * pp * cp} (TP x PP x CP: the GPU count is not known; pass num_gpus)"
@@ -117,6 +120,8 @@ def layout_from_args(ns: Any, model: ModelConfig, world: int | None, assumed: di
 def _pipeline_split(ns: Any, num_layers: int, pp: int) -> dict[str, Any]:
     """Layout fields of the pipeline split. With only one of the first / last counts given,
     Megatron spreads the rest evenly over the other ranks, the other end included."""
+    if getattr(ns, "pipeline_model_parallel_layout", None):
+        return {"pipeline_split": "layout", "pipeline_layout": str(ns.pipeline_model_parallel_layout)}
     first, last = ns.decoder_first_pipeline_num_layers, ns.decoder_last_pipeline_num_layers
     if first is None and last is None:
         return {"pipeline_split": "embedding_loss" if ns.account_for_embedding_in_pipeline_split else "even"}

@@ -14,8 +14,9 @@ from typing import Any
 
 from .catalog import CATALOG_DIR, get_gpu, get_model
 from .flops import padded_vocab_size
-from .layout import Layout
+from .layout import Layout, check_layout
 from .model import ModelConfig
+from .moe import MoEOptions
 from .options import RuntimeOptions
 
 
@@ -24,11 +25,16 @@ def published_runs() -> list[dict[str, Any]]:
 
 
 def run_layout(run: dict[str, Any], model: ModelConfig) -> Layout:
+    """The run's layout: its own layout string where it gave one, else an even split (counting
+    the embedding and the loss as layers where the layers alone do not divide)."""
     dp = run["num_gpus"] // (run["tp"] * run["pp"] * run["cp"])
-    split = "even" if model.num_layers % run["pp"] == 0 else "embedding_loss"
+    if run.get("pipeline_layout"):
+        split = {"pipeline_split": "layout", "pipeline_layout": run["pipeline_layout"]}
+    else:
+        split = {"pipeline_split": "even" if model.num_layers % run["pp"] == 0 else "embedding_loss"}
     return Layout(tp=run["tp"], pp=run["pp"], cp=run["cp"], vp=run["vp"], ep=run["ep"], dp=dp, mbs=run["mbs"],
                   gbs=run["gbs"], seq_length=run["seq_length"], precision=run["precision"],
-                  sequence_parallel=run["tp"] > 1, pipeline_split=split)
+                  sequence_parallel=run["tp"] > 1, recompute=run.get("recompute", "none"), **split)
 
 
 def compare(run: dict[str, Any]) -> dict[str, Any]:
@@ -38,6 +44,9 @@ def compare(run: dict[str, Any]) -> dict[str, Any]:
 
     model, gpu = get_model(run["model"]), get_gpu(run["gpu"])
     lay = run_layout(run, model)
+    rule = check_layout(lay, model, gpu, run["num_gpus"], True, MoEOptions.from_request(run.get("moe")))
+    if rule:   # a published run is a layout Megatron ran: one the rule book refuses is a catalog error
+        raise ValueError(f"published run {run['model']} ({run['source']}): its layout breaks {rule}")
     opts = RuntimeOptions.from_request(None, moe=run.get("moe"))   # the MoE options the run's recipe set
     c = predict(model, gpu, lay, padded_vocab_size(model.vocab_size, lay.tp), opts)
     if run.get("tokens_per_s_per_gpu"):
@@ -54,10 +63,13 @@ def checked() -> tuple[dict[str, Any], ...]:
 
 
 def forecast(model: ModelConfig, gpu_key: str, lay: Layout, calibration_status: str) -> dict[str, Any]:
-    """The error band of the published runs like this forecast (dense or MoE), and where the
-    forecast goes beyond them."""
+    """The error band of the published runs like this forecast (dense or MoE; on GPUs of the same
+    architecture where any was checked), and where the forecast goes beyond them."""
+    arch = get_gpu(gpu_key).arch
     kind = [r for r in checked() if r["moe"] == model.is_moe]
-    errors = [r["error_pct"] for r in kind]
+    same_arch = [r for r in kind if get_gpu(r["gpu"]).arch == arch]
+    band = same_arch or kind
+    errors = [r["error_pct"] for r in band]
     beyond = []
     if not any(r["gpu"] == gpu_key for r in kind):
         beyond.append(f"no published {'MoE' if model.is_moe else 'dense'} run on {gpu_key} has been checked")
@@ -67,9 +79,9 @@ def forecast(model: ModelConfig, gpu_key: str, lay: Layout, calibration_status: 
         beyond.append(f"no checked run in {lay.precision}")
     if not calibration_status.startswith("measured"):
         beyond.append(f"{gpu_key}'s kernel rates are assumed, not measured (bench --calibrate measures them)")
-    return {"error_band_pct": [min(errors), max(errors)], "checked_runs": len(kind),
-            "basis": f"{len(kind)} published {'MoE' if model.is_moe else 'dense'} runs costed with their own "
-                     f"layouts (references/benchmarks.md)"
-                     + ("; the dropless cost and the all-to-all overlap are fitted to them" if model.is_moe else "")
-                     + f"; {gpu_key}'s calibration: {calibration_status[:120]}",
+    fitted = "; the dropless cost and the all-to-all overlap are fitted to the H100 ones" if model.is_moe else ""
+    return {"error_band_pct": [min(errors), max(errors)], "checked_runs": len(band),
+            "basis": f"{len(band)} published {'MoE' if model.is_moe else 'dense'} runs"
+                     f"{' on ' + arch + ' GPUs' if same_arch else ''} costed with their own layouts "
+                     f"(references/benchmarks.md){fitted}; {gpu_key}'s calibration: {calibration_status[:120]}",
             "beyond_evidence": beyond}

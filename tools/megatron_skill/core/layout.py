@@ -6,6 +6,8 @@ argument checks, so the planner can group what it rejects and validate can say w
 from __future__ import annotations
 
 import dataclasses
+import functools
+import re
 from typing import Any, Iterator
 
 from .catalog import GPUSpec
@@ -34,8 +36,10 @@ class Layout:
     sequence_parallel: bool = False
     precision: str = "bf16"
     pipeline_split: str = "even"  # even | embedding_loss (they count as layers) | uneven (first / last below)
+                                  # | layout (pipeline_layout below)
     first_stage_layers: int = 0   # uneven: transformer layers of the first pipeline rank
     last_stage_layers: int = 0    # uneven: of the last; the middle ranks share the rest evenly
+    pipeline_layout: str = ""     # layout: Megatron's --pipeline-model-parallel-layout, e.g. "Et|(tt|)*30mL"
 
     def but(self, **changes: Any) -> "Layout":
         """This layout with some fields changed: dataclasses.replace without re-running the
@@ -78,6 +82,11 @@ class Layout:
         """Transformer layers of each model chunk, chunk c on pipeline rank c % PP; None when the
         split is not whole."""
         L, n = num_layers, self.pp * self.vp
+        if self.pipeline_split == "layout":
+            chunks = pipeline_layout_chunks(self.pipeline_layout)
+            if chunks is None or len(chunks) != n or sum(c.count("t") for c in chunks) != L:
+                return None
+            return [c.count("t") for c in chunks]
         if self.pipeline_split == "uneven":
             counts = self.rank_layer_counts(L)
             if counts is None or any(c % self.vp for c in counts):
@@ -99,6 +108,8 @@ class Layout:
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
+        if self.pipeline_split != "layout":
+            del d["pipeline_layout"]
         d["world_size"] = self.world_size
         d["num_microbatches"] = self.num_microbatches
         if self.ep > 1 or self.etp > 1:
@@ -114,6 +125,8 @@ class Layout:
         parts = [f"TP{self.tp}", f"PP{self.pp}"]
         if self.pipeline_split == "uneven":
             parts[-1] += f"({self.first_stage_layers}+..+{self.last_stage_layers})"
+        elif self.pipeline_split == "layout":
+            parts[-1] += f"[{self.pipeline_layout}]"
         if self.vp > 1:
             parts.append(f"VP{self.vp}")
         if self.cp > 1:
@@ -136,6 +149,52 @@ class Layout:
         return " ".join(parts)
 
 
+# Megatron's --pipeline-model-parallel-layout: model chunks separated by '|', chunk c on pipeline
+# rank c % PP; E the embedding, t a transformer layer, m a multi-token-prediction layer, L the
+# loss; "(...)*n" and "x*n" repeat, commas are cosmetic. Bounded: a hostile "t*10**9" is refused.
+LAYOUT_MAX_UNITS = 100_000
+
+
+@functools.lru_cache(maxsize=256)
+def pipeline_layout_chunks(text: str) -> tuple[str, ...] | None:
+    """The layout string as one string of unit letters per model chunk; None when malformed."""
+    expanded = text.replace(",", "")
+    for pattern in (r"\(([^()]+)\)\*(\d+)", r"([^()|])\*(\d+)"):
+        def repeat(m: re.Match) -> str:
+            n = int(m.group(2))
+            if n * len(m.group(1)) > LAYOUT_MAX_UNITS:
+                raise ValueError("too long")
+            return m.group(1) * n
+        try:
+            expanded = re.sub(pattern, repeat, expanded)
+        except ValueError:
+            return None
+        if len(expanded) > LAYOUT_MAX_UNITS:
+            return None
+    chunks = tuple(expanded.split("|"))
+    return chunks if all(set(c) <= set("EtmL") for c in chunks) else None
+
+
+def pipeline_layout_problem(lay: Layout, model: ModelConfig) -> str | None:
+    """What Megatron's PipelineParallelLayerLayout would refuse in the layout string, in words."""
+    chunks = pipeline_layout_chunks(lay.pipeline_layout)
+    if not chunks:
+        return "it does not parse (letters E, t, m, L; '|' between chunks; (...)*n and x*n repeats)"
+    if len(chunks) != lay.pp * lay.vp:
+        return f"it has {len(chunks)} chunks, not PP x VP = {lay.pp * lay.vp}"
+    units = "".join(chunks)
+    if units.count("E") != 1 or units.count("L") != 1 or not units.startswith("E") or not units.endswith("L"):
+        return "it must begin with the one E (embedding) and end with the one L (loss)"
+    if units.count("t") != model.num_layers:
+        return f"it places {units.count('t')} transformer layers, the model has {model.num_layers}"
+    mtp = model.mtp_num_layers or 0
+    if units.count("m") != mtp or ("m" in units and "t" in units[units.index("m"):]):
+        return f"it must place the model's {mtp} MTP layer(s), after every transformer layer"
+    if any("m" in c for i, c in enumerate(chunks) if i < len(chunks) - lay.pp):
+        return "MTP layers must sit in a rank's last virtual stage"
+    return None
+
+
 # Each rule: (name, human explanation with the fix). Names are stable: tests and callers use them.
 RULES = {
     "world_size": "TP x PP x CP x DP must equal the number of GPUs",
@@ -150,6 +209,8 @@ RULES = {
     "pp_uneven": "with --decoder-first/last-pipeline-num-layers every pipeline rank needs a layer and the "
                  "middle ranks must share the rest evenly (and each rank's layers divide by the virtual stages)",
     "vp_layers": "layers per pipeline rank must be divisible by the virtual stages",
+    "pp_layout": "Megatron's --pipeline-model-parallel-layout must name PP x VP chunks, begin with the embedding "
+                 "(E), end with the loss (L), and place every transformer layer (t) and MTP layer (m) once",
     "vp_needs_pp": "the interleaved schedule (VP > 1) needs PP > 1",
     "vp_microbatches": "with VP > 1 the number of micro-batches must be a multiple of PP",
     "cp_sequence": "seq_length must be divisible by 2 x CP (load-balanced causal context parallel)",
@@ -223,7 +284,10 @@ def moe_rules(lay: Layout, model: ModelConfig, moe: MoEOptions, te: bool) -> Ite
 
 def pipeline_rules(lay: Layout, model: ModelConfig) -> Iterator[str]:
     pp_broken = None
-    if lay.pipeline_split == "uneven":
+    if lay.pipeline_split == "layout":
+        if pipeline_layout_problem(lay, model):
+            pp_broken = "pp_layout"
+    elif lay.pipeline_split == "uneven":
         counts = lay.rank_layer_counts(model.num_layers)
         if counts is None or min(counts) < 1:
             pp_broken = "pp_uneven"

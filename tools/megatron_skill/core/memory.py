@@ -57,12 +57,14 @@ class MemoryOptions:
 def chunk_layers(model: ModelConfig, lay: Layout) -> tuple[tuple[int, ...], ...]:
     """Layer indices of each model chunk, chunk c living on pipeline rank c % PP."""
     return _chunk_layers(model.num_layers, lay.pp, lay.vp, lay.pipeline_split, lay.first_stage_layers,
-                         lay.last_stage_layers)
+                         lay.last_stage_layers, lay.pipeline_layout)
 
 
 @functools.lru_cache(maxsize=4096)
-def _chunk_layers(L: int, pp: int, vp: int, split: str, first: int, last: int) -> tuple[tuple[int, ...], ...]:
-    shape = Layout(pp=pp, vp=vp, pipeline_split=split, first_stage_layers=first, last_stage_layers=last)
+def _chunk_layers(L: int, pp: int, vp: int, split: str, first: int, last: int,
+                  layout: str = "") -> tuple[tuple[int, ...], ...]:
+    shape = Layout(pp=pp, vp=vp, pipeline_split=split, first_stage_layers=first, last_stage_layers=last,
+                   pipeline_layout=layout)
     sizes = shape.chunk_sizes(L) or [L // (pp * vp)] * (pp * vp)
     out, start = [], 0
     for n in sizes:
@@ -80,12 +82,13 @@ def moe_layers_among(model: ModelConfig, layers: tuple[int, ...]) -> int:
 
 def rank_layers(model: ModelConfig, lay: Layout, rank: int) -> list[int]:
     return list(_rank_layers(model.num_layers, lay.pp, lay.vp, lay.pipeline_split, lay.first_stage_layers,
-                             lay.last_stage_layers, rank))
+                             lay.last_stage_layers, rank, lay.pipeline_layout))
 
 
 @functools.lru_cache(maxsize=4096)
-def _rank_layers(num_layers: int, pp: int, vp: int, split: str, first: int, last: int, rank: int) -> tuple[int, ...]:
-    chunks = _chunk_layers(num_layers, pp, vp, split, first, last)
+def _rank_layers(num_layers: int, pp: int, vp: int, split: str, first: int, last: int, rank: int,
+                 layout: str = "") -> tuple[int, ...]:
+    chunks = _chunk_layers(num_layers, pp, vp, split, first, last, layout)
     return tuple(i for c, layers in enumerate(chunks) if c % pp == rank for i in layers)
 
 
@@ -335,7 +338,7 @@ def _layer_acts(model: ModelConfig, tp: int, sequence_parallel: bool, recompute:
 def stage_memory(model: ModelConfig, lay: Layout, rank: int, padded_vocab: int,
                  opts: MemoryOptions = MemoryOptions()) -> StageMemory:
     layers = _rank_layers(model.num_layers, lay.pp, lay.vp, lay.pipeline_split, lay.first_stage_layers,
-                          lay.last_stage_layers, rank)
+                          lay.last_stage_layers, rank, lay.pipeline_layout)
     first, last = rank == 0, rank == lay.pp - 1
     n_moe = moe_layers_among(model, layers)
     h = model.hidden_size

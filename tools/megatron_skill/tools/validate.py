@@ -50,6 +50,8 @@ RULE_FIXES = {
                  "--decoder-last-pipeline-num-layers",
     "pp_uneven": "give first and last stage layer counts that leave the middle ranks an even share",
     "vp_layers": "choose virtual stages that divide the layers per pipeline rank",
+    "pp_layout": "write --pipeline-model-parallel-layout with PP x VP chunks: E first, L last, every layer t and "
+                 "MTP layer m once (references/parallelism-guide.md)",
     "vp_needs_pp": "drop the virtual pipeline flags, or use PP > 1",
     "vp_microbatches": "make global batch / (micro-batch x DP) a multiple of PP",
     "cp_sequence": "make --seq-length divisible by 2 x CP",
