@@ -9,19 +9,9 @@ back from a script (adapter/described.py), and the rule book (core/layout.py) ho
 from __future__ import annotations
 
 import dataclasses
-import functools
-import json
-from pathlib import Path
 from typing import Any
 
-SCHEMA = Path(__file__).resolve().parents[3] / "schemas" / "common.json"
-DISPATCHERS = ("alltoall", "allgather", "flex")
-
-
-@functools.lru_cache(maxsize=1)
-def schema_defaults() -> dict[str, Any]:
-    props = json.loads(SCHEMA.read_text())["$defs"]["moe"]["properties"]
-    return {k: v.get("default") for k, v in props.items()}
+from .defaults import schema_defaults
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +28,7 @@ class MoEOptions:
 
     @classmethod
     def from_request(cls, moe: dict[str, Any] | None) -> "MoEOptions":
-        fields = {**schema_defaults(), **(moe or {})}
+        fields = {**schema_defaults("moe"), **(moe or {})}
         return cls(**{**fields, "recompute": tuple(fields["recompute"])})
 
     def selective_modules(self) -> frozenset[str]:

@@ -8,22 +8,12 @@ method here.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import json
-from pathlib import Path
 from typing import Any
 
+from .defaults import schema_defaults
 from .layout import Layout
 from .memory import MemoryOptions
 from .moe import MoEOptions
-
-SCHEMA = Path(__file__).resolve().parents[3] / "schemas" / "common.json"
-
-
-@functools.lru_cache(maxsize=1)
-def schema_defaults() -> dict[str, Any]:
-    props = json.loads(SCHEMA.read_text())["$defs"]["runtime"]["properties"]
-    return {k: v["default"] for k, v in props.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +30,7 @@ class RuntimeOptions:
     @classmethod
     def from_request(cls, runtime: dict[str, Any] | None, te: bool = True,
                      moe: dict[str, Any] | None = None) -> "RuntimeOptions":
-        return cls(**{**schema_defaults(), **(runtime or {})}, te=te, moe=MoEOptions.from_request(moe))
+        return cls(**{**schema_defaults("runtime"), **(runtime or {})}, te=te, moe=MoEOptions.from_request(moe))
 
     def to_json(self) -> dict[str, Any]:
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("te", "moe")}

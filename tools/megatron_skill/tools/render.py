@@ -18,6 +18,7 @@ from ..adapter import arguments as megatron_args
 from ..adapter import flags as megatron_flags
 from ..contract import ROOT, Context, Tool, invoke
 from ..convert import pretrained
+from ..core.defaults import schema_defaults
 from ..core.flops import padded_vocab_size
 from ..core.layout import RULES, Layout, check_layout
 from ..core.moe import MoEOptions
@@ -161,12 +162,6 @@ def _home_relative_skill() -> str:
     return f"$HOME/{rel}" if re.fullmatch(r"[A-Za-z0-9._/+-]+", str(rel)) and str(rel) != "." else ""
 
 
-def _schema_defaults(name: str) -> dict:
-    """The defaults schemas/common.json gives an options object (every field, None where it has none)."""
-    props = json.loads((ROOT / "schemas" / "common.json").read_text())["$defs"][name]["properties"]
-    return {k: p.get("default") for k, p in props.items()}
-
-
 def _k8s_context(context: dict, k8s: dict, run_id: str, nodes: int, req: dict, training: dict) -> dict:
     """What the PyTorchJob template needs: the pods' environment, and the job step (the same checks
     and Megatron vector as every launcher) that each pod runs."""
@@ -274,7 +269,7 @@ def build(req: dict, ctx: Context) -> dict[str, Any]:
     gpus_here = 1 if fake is not None else min(per_node, n_gpus)
     run_id = req.get("run_id") or ctx.request_id
     out_dir = Path(req.get("output_dir") or default_runs_root() / run_id)
-    k8s = {**_schema_defaults("kubernetes"), **(req.get("kubernetes") or {})} if launcher == "kubernetes" else None
+    k8s = {**schema_defaults("kubernetes"), **(req.get("kubernetes") or {})} if launcher == "kubernetes" else None
     if req.get("kubernetes") and not k8s:
         raise ToolError("bad_request", "kubernetes options belong to launcher kubernetes", where="/kubernetes",
                         fix="use launcher kubernetes, or leave kubernetes out")
