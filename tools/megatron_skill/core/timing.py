@@ -224,7 +224,7 @@ def _dispatch_time(model: ModelConfig, lay: Layout, rates: _Rates, tokens: float
     leaves it: the share of a rank's peers inside its domain goes over NVLink, the rest over the
     network, both at once."""
     h, k, ep, etp = model.hidden_size, model.moe_router_topk, lay.ep, lay.etp
-    if ep == 1 and lay.tp == 1:
+    if ep == 1:   # every expert local: TP's own collectives (tp_comm) move the tokens
         return 0.0
     if opts.dispatcher == "allgather":
         # every token of the TP x EP group gathered to every rank, then reduced back
@@ -232,8 +232,6 @@ def _dispatch_time(model: ModelConfig, lay: Layout, rates: _Rates, tokens: float
         fast = group <= node
         one = BF16 * tokens * h * (group - 1) / (rates.nvlink if fast else rates.network)
         return 4 * (one + rates.latency)
-    if ep == 1:
-        return 0.0
     in_domain = max(1, min(ep, node // etp))          # EP peers sharing this rank's NVLink domain
     copies = BF16 * tokens * h * k * opts.routed_factor()
     near = copies * (in_domain - 1) / ep
