@@ -218,6 +218,29 @@ def _iteration(i: int, loss: str, ms: float = 5.0) -> str:
             f"iteration (ms): {ms} | learning rate: 1.0E-04 | global batch size: 8 | lm loss: {loss} |")
 
 
+def test_a_stopped_watcher_reports_what_the_log_says_before_it_goes(tmp_path, receiver, secret):
+    """The job's launcher stops the watcher (SIGTERM) as soon as the job ends: a checkpoint the
+    job wrote just before (here on a last line without its newline) must still be reported."""
+    run, log = tmp_path / "run", tmp_path / "train.log"
+    run.mkdir()
+    log.write_text("")
+    alive = subprocess.Popen(["sleep", "120"])   # the launcher: alive all along, the watcher is stopped
+    env = {**os.environ, ev.URL_ENV: receiver.url, ev.TOKEN_ENV: TOKEN}
+    watch = subprocess.Popen(EMIT + ["watch", "--pid", str(alive.pid), "--run-id", "r1", "--run-dir", str(run),
+                                     "--log", str(log), "--poll-s", "30"], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(3)   # the watcher has read the (empty) log and sleeps its poll
+        with open(log, "a") as f:
+            f.write(" iteration       10/      80 | lm loss: 5.1E+00 |\n"
+                    "  successfully saved checkpoint from iteration      10 to runs/x/checkpoints")
+        watch.send_signal(signal.SIGTERM)
+        assert watch.wait(timeout=60) == 0
+    finally:
+        alive.kill()
+    saved = receiver.wait_for("checkpoint.saved", timeout=10)
+    assert saved["details"]["checkpoint_iteration"] == 10
+
+
 def test_the_watcher_says_each_thing_once_an_episode():
     w = emitter.Watcher(stall_s=0.2)
     kinds = []

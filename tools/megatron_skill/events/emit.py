@@ -11,6 +11,7 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -240,12 +241,18 @@ def _alive(pid: int) -> bool:
 
 def watch(log: Path, pid: int, on_event, stall_s: float = 600.0, poll_s: float = 2.0) -> None:
     """Follow log (from its current end: a resumed run does not report its earlier life again)
-    until process pid is gone; on_event(kind, details) for each thing worth an event."""
+    until process pid is gone, or until this process is asked to stop (SIGTERM: the job ended and
+    its launcher stops the watcher); on_event(kind, details) for each thing worth an event. Either
+    way the log is read to its end first: a checkpoint or a failure written just before the job
+    died is still reported."""
+    stopping = threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     watcher = Watcher(stall_s)
     offset = log.stat().st_size if log.exists() else 0
     partial = b""
     while True:
-        alive = _alive(pid)
+        alive = _alive(pid) and not stopping.is_set()
         try:
             size = log.stat().st_size
             if size < offset:  # the log was replaced: read the new one from its start
@@ -264,6 +271,8 @@ def watch(log: Path, pid: int, on_event, stall_s: float = 600.0, poll_s: float =
         for kind, details in found:
             on_event(kind, details)
         if not alive and not chunk:
+            for kind, details in watcher.line(partial.decode("utf-8", errors="replace")) if partial else []:
+                on_event(kind, details)   # a last line the job had no time to end
             return
         if not chunk:
-            time.sleep(poll_s)
+            stopping.wait(poll_s)   # a stop ends the wait at once
