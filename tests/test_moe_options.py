@@ -151,3 +151,17 @@ def test_a_cpu_run_refuses_moe_options_it_would_not_run(tmp_path):
     out = call("train", {"model": "tiny-gpt", "backend": "cpu", "runs_root": str(tmp_path), "dry_run": True,
                          "moe": {"dispatcher": "alltoall"}})
     assert not out["ok"] and out["error"]["where"] == "/moe"
+
+
+def test_the_planner_asks_the_rule_book_about_each_recompute_it_tries():
+    # whole-MoE recompute and full recompute are both refused with the all-to-all overlap: with
+    # no other recompute allowed, no layout is left, and the answer names the rule
+    out = call("plan", {"model": "qwen3-30b-a3b", "num_gpus": 64, "gpu": "h100-sxm", "seq_length": 4096,
+                        "constraints": {"recompute": ["selective", "full"]},
+                        "moe": {"overlap_ep_comm": True, "recompute": ["moe"]}})
+    assert not out["ok"] and out["error"]["code"] == "infeasible", out
+    assert "moe_overlap_recompute" in out["error"]["details"]["rejected"]
+    # the same without the overlap plans whole-MoE recompute
+    plain = call("plan", {"model": "qwen3-30b-a3b", "num_gpus": 64, "gpu": "h100-sxm", "seq_length": 4096,
+                          "constraints": {"recompute": ["selective"]}, "moe": {"recompute": ["moe"]}, "top": 1})
+    assert plain["ok"] and plain["result"]["plans"][0]["layout"]["recompute"] == "selective"

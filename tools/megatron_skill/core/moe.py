@@ -36,9 +36,6 @@ class MoEOptions:
         norms, as for a dense model, and the MoE parts asked for."""
         return frozenset({"core_attn", "layernorm", *self.recompute})
 
-    def to_json(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "recompute": list(self.recompute)}
-
     @property
     def dropless(self) -> bool:
         return self.capacity_factor is None

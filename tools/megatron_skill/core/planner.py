@@ -18,7 +18,7 @@ from typing import Any, Iterable
 
 from .catalog import CATALOG_DIR, GPUSpec
 from .flops import padded_vocab_size, training_flops
-from .layout import RULES, Layout, check_layout, context_parallel_rules, expert_rules, precision_rules, tp_rules
+from .layout import RULES, Layout, check_layout, context_parallel_rules, expert_rules, moe_rules, precision_rules, tp_rules
 from .memory import GIB, memory_report, peak
 from .model import ModelConfig
 from .options import RuntimeOptions
@@ -245,10 +245,7 @@ def _search_stage(model: ModelConfig, gpu: GPUSpec, n_gpus: int, lay: Layout, c:
                     if rule:
                         rej.add(rule, cand.label())
                         continue
-                    allowed = recomputes
-                    if model.is_moe and opts.moe.overlap_ep_comm and "full" in recomputes:
-                        allowed = [r for r in recomputes if r != "full"]   # the rule moe_overlap_recompute
-                    if not _try_recompute(model, gpu, cand, allowed, capacity, rej, out, opts):
+                    if not _try_recompute(model, gpu, cand, recomputes, capacity, rej, out, opts):
                         # memory grows with the micro-batch: the larger ones do not fit either
                         if len(mbss) - k - 1:
                             rej.add("out_of_memory", f"{cand.label()} and larger micro-batches", len(mbss) - k - 1)
@@ -281,7 +278,14 @@ def _try_recompute(model, gpu, lay, allowed, capacity, rej, out, opts: RuntimeOp
     when none fits. Memory falls as recompute grows: the lightest is tried first (it fits most
     often), then the heaviest (when it does not fit, nothing does), then those between."""
     padded = padded_vocab_size(model.vocab_size, lay.tp)
-    options = _recompute_options(model, lay, allowed)
+    options = []
+    for option in _recompute_options(model, lay, allowed):
+        # the MoE options' rules that depend on the recompute (the all-to-all overlap refuses some)
+        rule = next(moe_rules(option, model, opts.moe, opts.te), None)
+        if rule:
+            rej.add(rule, option.label())
+        else:
+            options.append(option)
     if not options:
         return False
     reports: dict[int, dict] = {}

@@ -138,11 +138,6 @@ def _layer_gemms(model: ModelConfig, lay: Layout, rates: _Rates, tokens: float, 
     return time
 
 
-def _moe_forward_gemms(model: ModelConfig, lay: Layout, rates: _Rates, tokens: float, routed_factor: float) -> float:
-    """Seconds of the MoE GEMMs' forward alone (a third of forward and backward)."""
-    return _moe_gemms(model, lay, rates, tokens, routed_factor) / 3
-
-
 def _moe_gemms(model: ModelConfig, lay: Layout, rates: _Rates, tokens: float, routed_factor: float) -> float:
     """The router's and the routed experts' GEMMs of one MoE layer (forward and backward).
 
@@ -328,7 +323,8 @@ def _layer_times(model: ModelConfig, gpu: GPUSpec, te: bool, fp8_linear: bool, t
             dropless = _dropless_time(model, lay, rates.cal, tokens, moe_opts)
         out[moe] = (gemm, attention, elementwise, tp_comm, cp_comm, ep_comm, dropless)
         if moe:   # one forward of the MoE block: what recomputing it ('moe' in --recompute-modules) re-runs
-            out["moe_forward"] = (_moe_forward_gemms(model, lay, rates, tokens, routed) + ep_comm / 2 + dropless / 3,)
+            # (GEMMs and the dropless cost: a third of forward and backward; the exchanges: half)
+            out["moe_forward"] = (_moe_gemms(model, lay, rates, tokens, routed) / 3 + ep_comm / 2 + dropless / 3,)
     return out
 
 

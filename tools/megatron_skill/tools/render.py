@@ -97,6 +97,7 @@ def _needs_te(lay: Layout, model, gpu) -> str:
 
 
 def _layout_from_request(req: dict, model, gpu, n_gpus: int, seq: int, gbs: int) -> tuple[Layout, Any]:
+    opts = RuntimeOptions.from_request(req.get("runtime"), te=req["transformer_engine"], moe=req.get("moe"))
     if req.get("layout"):
         fields = {k: v for k, v in req["layout"].items() if k in {f.name for f in dataclasses.fields(Layout)}}
         fields.update(seq_length=seq, gbs=gbs)
@@ -104,12 +105,10 @@ def _layout_from_request(req: dict, model, gpu, n_gpus: int, seq: int, gbs: int)
         fields.setdefault("dp", max(1, n_gpus // (fields.get("tp", 1) * fields.get("pp", 1) * fields.get("cp", 1))))
         fields.setdefault("sequence_parallel", fields.get("tp", 1) > 1)
         lay = Layout(**fields)
-        moe = MoEOptions.from_request(req.get("moe"))
-        rule = check_layout(lay, model, gpu, n_gpus, req["transformer_engine"], moe)
+        rule = check_layout(lay, model, gpu, n_gpus, req["transformer_engine"], opts.moe)
         if rule:
             raise ToolError("infeasible", f"the layout {lay.label()} breaks the rule {rule!r}: {RULES[rule]}",
                             where="/layout", fix="run plan and take one of its layouts")
-        opts = RuntimeOptions.from_request(req.get("runtime"), te=req["transformer_engine"], moe=req.get("moe"))
         cand = predict(model, gpu, lay, padded_vocab_size(model.vocab_size, lay.tp), opts)
         if cand.peak_gib > gpu.memory_gib:
             raise ToolError("infeasible", f"the layout {lay.label()} needs {cand.peak_gib:.1f} GiB per GPU, "
@@ -117,8 +116,7 @@ def _layout_from_request(req: dict, model, gpu, n_gpus: int, seq: int, gbs: int)
                             fix="more recompute, a smaller micro-batch, or more TP/PP; plan finds one that fits")
         return lay, cand
     precisions = ["fp8"] if req["precision"] == "fp8" else ["bf16"]
-    res = search(model, gpu, n_gpus, seq, gbs, precisions,
-                 opts=RuntimeOptions.from_request(req.get("runtime"), te=req["transformer_engine"], moe=req.get("moe")))
+    res = search(model, gpu, n_gpus, seq, gbs, precisions, opts=opts)
     if not res.candidates:
         raise ToolError("infeasible", f"no layout of {model.name} fits {n_gpus} x {gpu.key}", where="/num_gpus",
                         fix="run plan for the reasons, and change the GPU count, batch or sequence length")

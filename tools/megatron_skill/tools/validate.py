@@ -300,8 +300,6 @@ def _pretrained_rows(launch: Launch, ns: argparse.Namespace, tp: int, findings: 
     that lies here: its embedding rows against the rows this script pads its vocabulary to at its
     TP. A converted checkpoint loaded at another TP than it was padded for fails at load with a
     shape mismatch; the fix is the divisor that pads to the checkpoint's rows."""
-    import math
-
     flag = "--pretrained-checkpoint" if getattr(ns, "pretrained_checkpoint", None) else "--load"
     path = getattr(ns, "pretrained_checkpoint", None) or (ns.load if getattr(ns, "finetune", False) else None)
     if not path or not Path(path).is_dir():
@@ -325,9 +323,7 @@ def _pretrained_rows(launch: Launch, ns: argparse.Namespace, tp: int, findings: 
             return
     if rows is None or vocab is None:
         return
-    divisor = getattr(ns, "make_vocab_size_divisible_by", None) or 128
-    step = divisor * tp
-    padded = math.ceil(vocab / step) * step
+    padded = padded_vocab_size(vocab, tp, getattr(ns, "make_vocab_size_divisible_by", None) or 128)
     result["pretrained"] = {"path": path, "embedding_rows": rows, "padded_vocab": padded}
     if padded != rows:
         fix = (f"add --make-vocab-size-divisible-by {rows // tp} (pads {vocab} tokens to the checkpoint's {rows} "
