@@ -8,6 +8,7 @@ from conftest import require_modules
 from megatron_skill.contract import call
 from megatron_skill.core.catalog import get_gpu, get_model
 from megatron_skill.core.layout import Layout, check_layout, pipeline_layout_chunks
+from megatron_skill.core.model import build_spec
 from megatron_skill.core.planner import pipeline_splits
 
 SPLITS = [  # (layers, PP, VP, Layout fields)
@@ -134,3 +135,18 @@ def test_a_layout_string_is_rendered_and_read_back(tmp_path):
     assert back["ok"] and back["result"]["valid"], back["result"]["errors"]
     lay = back["result"]["layout"]
     assert (lay["vp"], lay["pipeline_split"], lay["pipeline_layout"]) == (4, "layout", "Et|(tt|)*30mL")
+
+
+def test_a_layout_string_with_stray_characters_is_refused_as_megatron_refuses_it():
+    # right counts (2 chunks, 4 layers, E first, L last) but a parenthesis no repeat consumed
+    require_modules("megatron.core")
+    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+    text = "E(tt|tt)L"
+    with pytest.raises(AssertionError):   # Megatron: invalid layer character
+        PipelineParallelLayerLayout(text, 2)
+    four = build_spec("four", {"num_layers": 4, "hidden_size": 64, "ffn_hidden_size": 128, "num_attention_heads": 4,
+                               "vocab_size": 1000})
+    lay = Layout(pp=2, dp=1, gbs=2, pipeline_split="layout", pipeline_layout=text)
+    assert pipeline_layout_chunks(text) is None and lay.chunk_sizes(4) is None
+    assert check_layout(lay, four, get_gpu("h100-sxm"), 2) == "pp_layout"
