@@ -251,3 +251,74 @@ def test_a_quoted_value_split_by_word_splitting_is_joined_in_the_fixed_vector():
     assert [e["code"] for e in res["errors"]] == ["stray_arguments"]
     assert res["fixed_args"]["args"][-1] == "0:8 1M:16"
     assert any("--step-batch-size-schedule and --global-batch-size" in e for e in res["fixed_args"]["remaining_errors"])
+
+
+# ---- Megatron's code may exit, print or raise while it reads the arguments ----------------
+SMALL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "128",
+         "--max-position-embeddings", "128", "--micro-batch-size", "1", "--global-batch-size", "8", "--bf16"]
+
+
+def test_a_flag_megatron_exits_on_gets_one_json_answer_naming_its_replacement():
+    """Megatron 0.19's validate_args prints a line and calls exit() for --checkpoint-activations:
+    the command line still answers with one JSON object that names the replacement."""
+    from conftest import run_cli
+
+    rc, out, _ = run_cli("validate", "--args", " ".join(SMALL + ["--checkpoint-activations"]), "--num-gpus", "1")
+    assert rc == 7 and isinstance(out, dict) and out["ok"], out
+    text = " ".join(e["message"] + " " + e["fix"] for e in out["result"]["errors"])
+    assert "--checkpoint-activations" in text and "--recompute-granularity" in text, out["result"]["errors"]
+
+
+def _exits_quietly():
+    exit()
+
+
+def _exits_with_status():
+    print("a reason printed on stdout first")
+    sys.exit(3)
+
+
+def _asserts_bare():
+    assert False  # noqa: B011 -- a bare assert, as Megatron writes some
+
+
+def _raises_other():
+    raise KeyError("hidden_size")
+
+
+def _raises_system_exit_with_text():
+    raise SystemExit("stopped: a message as the exit code")
+
+
+@pytest.mark.parametrize("ending", [_exits_quietly, _exits_with_status, _asserts_bare, _raises_other,
+                                    _raises_system_exit_with_text])
+def test_every_way_megatron_can_end_is_one_tool_error_and_nothing_on_stdout(ending, capsys):
+    from megatron_skill.adapter import parser
+    from megatron_skill.errors import ToolError
+
+    with pytest.raises(ToolError) as caught:
+        parser._run_megatron("validate_args", ending)
+    assert caught.value.code == "invalid_script" and caught.value.message and caught.value.fix
+    assert capsys.readouterr().out == ""
+    if ending is _exits_with_status:
+        assert "a reason printed on stdout first" in caught.value.message
+
+
+def test_help_in_the_arguments_is_refused_not_printed(capsys):
+    from megatron_skill.adapter import parser
+    from megatron_skill.errors import ToolError
+
+    with pytest.raises(ToolError) as caught:
+        parser.parse(SMALL + ["--help"])
+    assert "--help" in caught.value.message and capsys.readouterr().out == ""
+
+
+def test_render_answers_in_json_when_megatrons_checks_exit(monkeypatch, tmp_path):
+    """render runs the same parser: an exit inside validate_args is its refusal, not a silent end."""
+    import megatron.training.arguments as arguments
+
+    monkeypatch.setenv("MEGATRON_SKILL_CACHE", str(tmp_path / "cache"))   # no remembered verdict
+    monkeypatch.setattr(arguments, "validate_args", lambda args, defaults: exit())
+    env = call("render", {"model": "llama3-8b", "num_gpus": 8, "output_dir": str(tmp_path / "out"), "dry_run": True})
+    assert not env["ok"] and env["error"]["code"] == "invalid_script", env
+    assert "exit" in env["error"]["message"]

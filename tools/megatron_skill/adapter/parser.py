@@ -46,19 +46,28 @@ def check(argv: list[str], world_size: int | None = None, device_major: int = 9,
     except (OSError, ValueError):
         verdict = None
     if verdict is None:
+        warned: list[str] = []
         try:
-            warned: list[str] = []
             parse(argv, world_size=world_size, device_major=device_major, env=env, warnings_out=warned)
             verdict = {"ok": True, "warnings": warned}
         except ToolError as e:
-            verdict = {"ok": False, "error": e.to_json()}
+            verdict = {"ok": False, "error": e.to_json(), "warnings": warned}
         with contextlib.suppress(OSError):
             path.parent.mkdir(parents=True, exist_ok=True)
             write_atomic(path, json.dumps(verdict))
     if not verdict.get("ok"):
         e = verdict["error"]
-        raise ToolError(e["code"], e["message"], where=e.get("where"), fix=e.get("fix"))
+        raise Refusal(e["code"], e["message"], where=e.get("where"), fix=e.get("fix"),
+                      warnings=verdict.get("warnings", []))
     return list(verdict.get("warnings", []))
+
+
+class Refusal(ToolError):
+    """Megatron's refusal of an argument vector, with the warnings it gave before it stopped."""
+
+    def __init__(self, *args: Any, warnings: list[str] | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.warnings = list(warnings or [])
 
 
 def _cache_dir() -> Path:
@@ -85,7 +94,8 @@ def _module():
     """megatron.training.arguments, imported with torch.compile deferred: Megatron decorates its
     fused kernels with torch.compile at import, which loads TorchDynamo and Inductor (about
     2 s of a 4.5 s import here); the parser never runs a kernel, so the decoration is the
-    identity while it imports (in this process only, and restored after)."""
+    identity while it imports (in this process only, and restored after). Whatever the import
+    prints goes to stderr: stdout is the answer's."""
     import torch
 
     real = torch.compile
@@ -95,9 +105,13 @@ def _module():
 
     torch.compile = deferred
     try:
-        import megatron.training.arguments as arguments
-    except Exception as e:  # ImportError, or torch missing underneath
-        raise ToolError("environment", f"megatron-core is not importable: {e}", where="megatron.training",
+        with contextlib.redirect_stdout(sys.stderr):
+            import megatron.training.arguments as arguments
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # ImportError, torch missing underneath, or an exit at import
+        raise ToolError("environment", f"megatron-core is not importable: {type(e).__name__}: {e}",
+                        where="megatron.training",
                         fix="pip install 'megatron-core==0.19.*' (Python 3.12) or use the parser manifest") from None
     finally:
         torch.compile = real
@@ -142,18 +156,52 @@ def _reason(error: BaseException) -> str:
     return f"{text} ({where}, line {f.lineno})"
 
 
+def _last_said(printed: str) -> str:
+    """The last line Megatron printed before it stopped: what it stopped for."""
+    lines = [ln.strip() for ln in printed.splitlines() if ln.strip()]
+    return lines[-1] if lines else ""
+
+
+def _refusal(step: str, error: BaseException, printed: str) -> ToolError:
+    """Any way Megatron's code ends while it reads the arguments, as one ToolError: an exit
+    (argparse's error, exit() after a printed message, --help), an assert, or any other exception."""
+    said = _last_said(printed)
+    if isinstance(error, SystemExit):
+        if step == "parser":
+            return ToolError("invalid_script", f"Megatron's parser refused the arguments: {said}", where="argv",
+                             fix="remove or correct the flag it names")
+        code = "" if error.code in (0, None) else f", exit status {error.code}"
+        return ToolError("invalid_script", f"Megatron's validate_args stopped the run (exit{code}): "
+                         f"{said or 'it printed no reason'}", where="argv", fix="do what Megatron's message says")
+    if isinstance(error, (AssertionError, ValueError, RuntimeError)):
+        return ToolError("invalid_script", f"Megatron's {step} refused the arguments: {_reason(error)}",
+                         where="argv", fix="fix the combination it names")
+    return ToolError("invalid_script", f"Megatron's {step} failed on the arguments: {type(error).__name__}: "
+                     f"{_reason(error)}", where="argv", fix="correct the flag whose value the error names")
+
+
+def _run_megatron(step: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """fn(*args) with what it prints kept (never on stdout) and every way it can end but by
+    returning turned into a ToolError; step names it in the message ("parser", "validate_args")."""
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(printed), contextlib.redirect_stdout(printed):
+            return fn(*args, **kwargs)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # noqa: BLE001 -- exit(), sys.exit, asserts and anything else Megatron raises
+        raise _refusal(step, e, printed.getvalue()) from None
+
+
 def _parse(arguments: Any, argv: list[str], world_size: int | None, device_major: int,
            env: dict[str, str] | None) -> Any:
+    if "-h" in argv or "--help" in argv:   # argparse would print the help (0.19's fails on a '%') and exit
+        raise ToolError("invalid_script", "-h / --help asks Megatron's parser for its help: not a training argument",
+                        where="argv", fix="remove -h / --help")
     saved = sys.argv
     sys.argv = ["pretrain_gpt.py", *argv]
-    err, out = io.StringIO(), io.StringIO()
     try:
-        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
-            args = arguments.parse_args(extra_args_provider=add_skill_arguments)
-    except SystemExit:
-        msg = err.getvalue().strip().splitlines()
-        raise ToolError("invalid_script", f"Megatron's parser refused the arguments: {msg[-1] if msg else ''}",
-                        where="argv", fix="remove or correct the flag it names") from None
+        args = _run_megatron("parser", arguments.parse_args, extra_args_provider=add_skill_arguments)
     finally:
         sys.argv = saved
     if world_size is None:
@@ -168,23 +216,20 @@ def _parse(arguments: Any, argv: list[str], world_size: int | None, device_major
         torch.cuda.get_device_capability = lambda *a, **k: (device_major, 0)
     env = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if env is None else env
     saved_env = {k: os.environ.get(k) for k in env}
-    for k, v in env.items():   # None: the launch leaves it unset
+    _set_env(env)
+    try:
+        _run_megatron("validate_args", arguments.validate_args, args, {})
+    finally:
+        arguments.get_device_arch_version = original
+        torch.cuda.get_device_capability = original_cap
+        _set_env(saved_env)
+    return args
+
+
+def _set_env(env: dict[str, str | None]) -> None:
+    """Set each variable; None: unset it."""
+    for k, v in env.items():
         if v is None:
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
-    try:
-        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
-            arguments.validate_args(args, {})
-    except (AssertionError, ValueError, RuntimeError) as e:
-        raise ToolError("invalid_script", f"Megatron's validate_args refused the arguments: {_reason(e)}",
-                        where="argv", fix="fix the combination it names") from None
-    finally:
-        arguments.get_device_arch_version = original
-        torch.cuda.get_device_capability = original_cap
-        for k, v in saved_env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    return args

@@ -384,7 +384,7 @@ def _megatron_checks(launch: Launch, clean: list[str], findings: list[dict], che
     try:
         said = megatron_parser.check(clean, world_size=world, env=env)
     except ToolError as e:
-        findings.append(_finding("megatron_validate_args", e.message, "fix the combination Megatron names"))
+        findings.append(_finding("megatron_validate_args", e.message, e.fix or "fix the combination Megatron names"))
         checks["megatron"] = "Megatron's parser and validate_args refused the arguments" if world else \
             "Megatron's parser refused the arguments"
         return
