@@ -200,23 +200,37 @@ def test_flag_fragments_and_argument_strings_are_read_as_flags(tmp_path):
 
 
 def test_obsolete_flags_are_errors_only_where_megatron_refuses_them():
-    """Megatron 0.19's own parser decides: a flag it still accepts (deprecated and ignored, or
-    translated, such as --use-mcore-models) is a warning; one it does not know is an error."""
-    import argparse
+    """Megatron 0.19's own code decides: a flag its parser and validate_args still accept
+    (deprecated and ignored, or translated, such as --use-mcore-models) is a warning; one its
+    parser does not know, or validate_args stops on (--checkpoint-activations), is an error."""
+    from megatron_skill.adapter import parser
+    from megatron_skill.adapter.flags import OBSOLETE, arity, load_manifest, megatron_retired
+    from megatron_skill.errors import ToolError
 
-    from megatron.training.arguments import add_megatron_arguments
+    def accepted(argv):
+        try:
+            parser.parse(SMALL + argv, world_size=1)
+            return True
+        except ToolError:
+            return False
 
-    from megatron_skill.adapter.flags import OBSOLETE
+    def value(flag):   # a value the flag's parser takes, where it takes one
+        entry = load_manifest()["flags"].get(flag)
+        if entry is None:
+            return ["2"] if "size" in flag else ["ADAM"] if "type" in flag else []
+        return [] if arity(flag) == 0 else [entry.get("choices", ["2"])[0]]
 
-    parser = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
-    accepted = {flag for flag in OBSOLETE if not parser.parse_known_args([flag] + (["2"] if "size" in flag else []))[1]}
-    assert {"--use-mcore-models", "--use-flash-attn", "--recompute-activations"} <= accepted
-    for flag in OBSOLETE:
-        argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", flag]
-        argv += ["2"] if "size" in flag else []
+    # (two whose meaning depends on others: --no-position-embedding without RoPE, a hybrid pattern)
+    flags = sorted(set(OBSOLETE) | set(megatron_retired()) - {"--no-position-embedding", "--hybrid-override-pattern"})
+    with_value = {f: [f, *value(f)] for f in flags}
+    ok = {flag for flag in flags if accepted(with_value[flag])}
+    assert {"--use-mcore-models", "--use-flash-attn", "--recompute-activations"} <= ok
+    assert not {"--checkpoint-activations", "--batch-size", "--model-parallel-size", "--warmup"} & ok
+    for flag in flags:
+        argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", *with_value[flag]]
         res = call("validate", {"args": argv, "num_gpus": 1})["result"]
         found = [f for f in res["errors"] + res["warnings"] if f["code"] == "obsolete_flag"]
-        assert [f["severity"] for f in found] == ["warning" if flag in accepted else "error"], (flag, found)
+        assert [f["severity"] for f in found] == ["warning" if flag in ok else "error"], (flag, found)
 
 
 def test_sequence_parallel_at_tp1_is_a_warning_as_megatron_makes_it():
@@ -322,3 +336,81 @@ def test_render_answers_in_json_when_megatrons_checks_exit(monkeypatch, tmp_path
     env = call("render", {"model": "llama3-8b", "num_gpus": 8, "output_dir": str(tmp_path / "out"), "dry_run": True})
     assert not env["ok"] and env["error"]["code"] == "invalid_script", env
     assert "exit" in env["error"]["message"]
+
+
+# ---- one pass: every finding at once --------------------------------------------------------
+BIG = ["--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads", "32", "--seq-length", "4096",
+       "--max-position-embeddings", "4096", "--tokenizer-type", "NullTokenizer", "--vocab-size", "32000",
+       "--micro-batch-size", "1", "--global-batch-size", "64", "--train-iters", "10", "--lr", "1e-4"]
+
+
+def _codes(res):
+    return [f["code"] for f in res["errors"]], [f["code"] for f in res["warnings"]]
+
+
+def test_independent_errors_and_megatrons_warnings_come_in_one_pass():
+    """--fp16 with --bf16, virtual stages of 3 layers over 8 layers a rank, and --data-path without
+    --split: the two errors and Megatron's warning, at once (Megatron's checks run on a copy with
+    the errors repaired), and no virtual-stage count that cannot be."""
+    argv = BIG + ["--fp16", "--bf16", "--pipeline-model-parallel-size", "4",
+                  "--num-layers-per-virtual-pipeline-stage", "3", "--data-path", "/data/corpus_text_document"]
+    res = call("validate", {"args": argv, "num_gpus": 8, "gpu": "h100-sxm"})["result"]
+    errors, warnings = _codes(res)
+    assert {"fp16_and_bf16", "vp_layers"} <= set(errors), res["errors"]
+    assert any("--split" in w["message"] for w in res["warnings"]), res["warnings"]
+    assert "fp16_and_bf16" in res["checks"]["megatron"] and "vp_layers" in res["checks"]["megatron"]
+    assert res["layout"]["vp"] is None and res["layout"]["pp"] == 4
+
+
+def test_retired_and_deprecated_flags_are_all_named_with_their_replacements_in_one_pass():
+    argv = BIG + ["--bf16", "--checkpoint-activations", "--use-rotary-position-embeddings", "--batch-size", "4",
+                  "--distributed-backend", "nccl"]
+    res = call("validate", {"args": argv, "num_gpus": 8, "gpu": "h200"})["result"]
+    fixes = {f["message"].split()[0]: (f["severity"], f["fix"]) for f in res["errors"] + res["warnings"]
+             if f["code"] == "obsolete_flag"}
+    assert fixes["--checkpoint-activations"][0] == "error"
+    assert "--recompute-granularity full" in fixes["--checkpoint-activations"][1]
+    assert fixes["--use-rotary-position-embeddings"] == ("warning", "replace --use-rotary-position-embeddings with "
+                                                         "--position-embedding-type rope (0.19 translates it so)")
+    assert fixes["--batch-size"][0] == "error" and "--micro-batch-size 4" in fixes["--batch-size"][1]
+    assert "--distributed-backend" not in fixes   # still a flag of 0.19 (nccl or gloo)
+    assert "on a copy with obsolete_flag repaired" in res["checks"]["megatron"]
+    assert res["fixed_args"]["valid"] and "--checkpoint-activations" not in res["fixed_args"]["args"]
+
+
+def test_the_retired_flags_come_from_megatrons_own_code():
+    """The flags Megatron 0.19's validate_args stops on as retired are read from its source; the
+    skill's own table agrees where it has words of its own for them."""
+    from megatron_skill.adapter.flags import OBSOLETE, megatron_retired
+
+    retired = megatron_retired()
+    refused = {flag for flag, r in retired.items() if r.refused}
+    assert {"--checkpoint-activations", "--batch-size", "--warmup", "--model-parallel-size"} <= refused
+    assert "--recompute-granularity" in retired["--checkpoint-activations"].says
+    assert not retired["--use-rotary-position-embeddings"].refused
+    assert all(OBSOLETE[f].refused == (f in refused) for f in OBSOLETE if f in retired)
+
+
+def test_recompute_activations_is_read_as_selective_recompute():
+    """Megatron 0.19 turns --recompute-activations into selective recompute: with the local layers'
+    unfused attention, the S x S scores are recomputed, not kept."""
+    local = BIG + ["--bf16", "--transformer-impl", "local"]
+    plain = call("validate", {"args": local, "num_gpus": 8, "gpu": "h100-sxm"})["result"]
+    old = call("validate", {"args": local + ["--recompute-activations"], "num_gpus": 8, "gpu": "h100-sxm"})["result"]
+    assert plain["layout"]["recompute"] == "none" and old["layout"]["recompute"] == "selective"
+    assert old["predicted_peak_gib"] < plain["predicted_peak_gib"]
+
+
+def test_query_groups_are_not_blamed_where_the_script_sets_none():
+    res = call("validate", {"args": BIG + ["--bf16", "--tensor-model-parallel-size", "3"], "num_gpus": 6,
+                            "env": {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}})["result"]
+    errors, _ = _codes(res)
+    assert "tp_heads" in errors and "tp_query_groups" not in errors, res["errors"]
+
+
+def test_an_unreadable_value_leaves_the_other_checks_running():
+    argv = BIG + ["--fp16", "--bf16", "--pipeline-model-parallel-size", "two"]
+    res = call("validate", {"args": argv, "num_gpus": 8})["result"]
+    errors, _ = _codes(res)
+    assert "bad_value" in errors and "fp16_and_bf16" in errors, res["errors"]
+    assert res["layout"] is not None and "--pipeline-model-parallel-size" in res["assumed"]

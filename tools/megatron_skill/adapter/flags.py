@@ -23,15 +23,21 @@ MANIFEST_PATH = CATALOG_DIR / "megatron_flags.json"
 class Obsolete:
     """A flag users carry over from old scripts and posts, and what replaces it in 0.19.
     takes_value: it is followed by a value; becomes: the words that replace it, where
-    "{value}" is that value; why: said with the fix."""
+    "{value}" is that value (None: no exact words, the flag is kept and `why` says what to do);
+    why: said with the fix; refused: 0.19's parser reads it but validate_args stops on it."""
     takes_value: bool
-    becomes: tuple[str, ...]
+    becomes: tuple[str, ...] | None
     why: str = ""
+    refused: bool = False
 
-    def replacement(self, value: str | None) -> list[str]:
+    def replacement(self, value: str | None, original: list[str] | None = None) -> list[str]:
+        if self.becomes is None:
+            return list(original or [])
         return [w.replace("{value}", value or "") for w in self.becomes]
 
     def fix_text(self, flag: str, value: str | None = None) -> str:
+        if self.becomes is None:
+            return self.why
         old = f"{flag} {value}" if self.takes_value and value is not None else flag
         new = " ".join(self.replacement(value)) if value is not None or not self.takes_value else \
             " ".join(self.becomes).replace("{value}", "N")
@@ -60,18 +66,144 @@ OBSOLETE = {
     "--recompute-activations": Obsolete(False, ("--recompute-granularity", "selective"),
                                         "0.19 translates it so"),
     "--use-te": Obsolete(False, ("--transformer-impl", "transformer_engine")),
+    # What it did where it existed: every layer's input kept and the layer recomputed in the
+    # backward (full, uniform, one layer a chunk). --recompute-activations, which Megatron's own
+    # message names, is selective recompute: less memory saved.
+    "--checkpoint-activations": Obsolete(False, ("--recompute-granularity", "full", "--recompute-method", "uniform",
+                                                 "--recompute-num-layers", "1"),
+                                         "what it did: full recompute of every layer; --recompute-activations is "
+                                         "selective recompute, which saves less memory", refused=True),
+    "--use-rotary-position-embeddings": Obsolete(False, ("--position-embedding-type", "rope"),
+                                                 "0.19 translates it so"),
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class Retired:
+    """A flag Megatron's own code says is retired: its words, and whether validate_args stops
+    on it (an assert or an exit) or reads on (ignored or translated, said in its help)."""
+    says: str
+    refused: bool
+
+
+def _megatron_arguments_source() -> str | None:
+    """The text of the installed megatron/training/arguments.py, found without importing it."""
+    import importlib.util
+    from pathlib import Path
+
+    try:
+        spec = importlib.util.find_spec("megatron")
+    except (ImportError, ValueError):
+        return None
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        path = Path(folder) / "training" / "arguments.py"
+        if path.is_file():
+            return path.read_text(encoding="utf-8", errors="replace")
+    return None
+
+
+def _string(node: Any) -> str | None:
+    """A string literal as Python joins it ('a' 'b', 'a' + 'b'); None for anything computed."""
+    import ast
+
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        left, right = _string(node.left), _string(node.right)
+        return left + right if left is not None and right is not None else None
+    return None
+
+
+_RETIRED_WORDS = r"no longer valid|(?<![\w-])deprecated[\].:]"
+
+
+def _retired_in_help(tree: Any) -> dict[str, tuple[str, str]]:
+    """dest -> (flag, help) of every flag whose help calls it deprecated; and every flag's dest."""
+    import ast
+    import re
+
+    out: dict[str, tuple[str, str]] = {}
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "add_argument"):
+            continue
+        opts = [a.value for a in node.args if isinstance(a, ast.Constant) and str(a.value).startswith("--")]
+        if not opts:
+            continue
+        kw = {k.arg: k.value for k in node.keywords}
+        dest = _string(kw["dest"]) if "dest" in kw else opts[0][2:].replace("-", "_")
+        text = _string(kw["help"]) if "help" in kw else None
+        out[dest] = (opts[0], text if text and re.search(_RETIRED_WORDS, text, re.I) else "")
+    return out
+
+
+def _refused_in_validate_args(tree: Any) -> dict[str, str]:
+    """dest -> Megatron's words, for each flag validate_args stops on as retired: `assert args.X is
+    None, '... no longer valid ...'` and `if args.X: print(...); exit()`."""
+    import ast
+    import re
+
+    body = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "validate_args"), None)
+    out: dict[str, str] = {}
+    for node in ast.walk(body) if body else ():
+        if isinstance(node, ast.Assert) and isinstance(node.test, ast.Compare) and \
+                isinstance(node.test.left, ast.Attribute) and isinstance(node.test.ops[0], ast.Is):
+            said = _string(node.msg) or ""
+            if re.search(_RETIRED_WORDS, said, re.I):
+                out[node.test.left.attr] = said
+        elif isinstance(node, ast.If) and isinstance(node.test, ast.Attribute):
+            calls = [c for stmt in node.body for c in ast.walk(stmt) if isinstance(c, ast.Call)]
+            if any(ast.unparse(c.func) in ("exit", "sys.exit", "quit") for c in calls):
+                said = next((t for c in calls for t in map(_string, c.args) if t), "")
+                if re.search(_RETIRED_WORDS, said, re.I):
+                    out[node.test.attr] = said
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def megatron_retired() -> dict[str, Retired]:
+    """The flags the installed Megatron's own code calls retired, read from its source (not
+    imported: that takes seconds): {flag: Retired}. Empty where megatron-core is absent."""
+    import ast
+
+    text = _megatron_arguments_source()
+    if text is None:
+        return {}
+    tree = ast.parse(text)
+    in_help = _retired_in_help(tree)
+    out = {flag: Retired(says, refused=False) for flag, says in in_help.values() if says}
+    for dest, says in _refused_in_validate_args(tree).items():
+        if dest in in_help:
+            out[in_help[dest][0]] = Retired(says, refused=True)
+    return out
+
+
+def obsolete_entry(flag: str) -> Obsolete | None:
+    """What replaces a flag: the skill's exact words (OBSOLETE) where it has them; else Megatron's
+    own, a rename where they say "use --NEW instead" of a flag that takes a value."""
+    import re
+
+    if flag in OBSOLETE:
+        return OBSOLETE[flag]
+    retired = megatron_retired().get(flag)
+    if retired is None:
+        return None
+    takes_value = flag in known_flags() and arity(flag) != 0
+    rename = re.search(r"use (--[\w-]+) instead", retired.says)
+    if rename and takes_value and rename.group(1) in known_flags():
+        return Obsolete(True, (rename.group(1), "{value}"), "as Megatron's own message says", retired.refused)
+    return Obsolete(takes_value, None, f"Megatron 0.19 says: {retired.says}", retired.refused)
 
 
 def rewrite_obsolete(args: list[str]) -> tuple[list[str], list[dict[str, Any]]]:
     """args with every obsolete flag replaced as its entry says (a replacement already present
-    is not added twice), and the changes: flag, its value, the words removed and added."""
+    is not added twice; a flag with no exact replacement is kept), and the changes: flag, its
+    value, the words removed and added."""
     out: list[str] = []
     changes: list[dict[str, Any]] = []
     i = 0
     while i < len(args):
         flag, _, inline = args[i].partition("=")
-        entry = OBSOLETE.get(flag) if args[i].startswith("--") else None
+        entry = obsolete_entry(flag) if args[i].startswith("--") else None
         if entry is None:
             out.append(args[i])
             i += 1
@@ -81,9 +213,9 @@ def rewrite_obsolete(args: list[str]) -> tuple[list[str], list[dict[str, Any]]]:
         if entry.takes_value and not inline and i + 1 < len(args) and not args[i + 1].startswith("--"):
             value = args[i + 1]
             removed.append(value)
-        added = entry.replacement(value)
+        added = entry.replacement(value, removed)
         present = [w for w in added if w.startswith("--") and (w in out or w in args)]
-        if present and len(present) == sum(w.startswith("--") for w in added):
+        if entry.becomes is not None and present and len(present) == sum(w.startswith("--") for w in added):
             added = []
         out += added
         changes.append({"flag": flag, "value": value, "removed": removed, "added": added,
@@ -96,7 +228,8 @@ def rewrite_obsolete(args: list[str]) -> tuple[list[str], list[dict[str, Any]]]:
 class Combination:
     """A pair of settings Megatron 0.19's validate_args refuses (an assert), known to the skill
     so that the planning-only install (no megatron-core) still catches it. Each is tested
-    against Megatron's own validate_args (tests/test_validate.py)."""
+    against Megatron's own validate_args (tests/test_validate.py). flag: the flag it names,
+    whose removal is the repair validate makes before Megatron's own checks run."""
     code: str
     when: Callable[[argparse.Namespace], bool]
     message: str
@@ -128,6 +261,8 @@ COMBINATIONS = (
                 "--optimizer-cpu-offload"),
     Combination("fp4_and_fp8", lambda ns: bool(ns.fp4 and ns.fp8), "--fp4-format together with --fp8-format",
                 "choose one of the two", "--fp4-format"),
+    Combination("fp16_and_bf16", lambda ns: bool(ns.fp16 and ns.bf16), "--fp16 together with --bf16",
+                "keep one: --bf16 (no loss scaling needed) on Ampere and newer, --fp16 on older GPUs", "--fp16"),
 )
 
 
@@ -179,8 +314,9 @@ def arity(flag: str) -> int | None:
 
 
 def suggest(flag: str) -> str | None:
-    if flag in OBSOLETE:
-        return OBSOLETE[flag].fix_text(flag)
+    entry = obsolete_entry(flag)
+    if entry is not None:
+        return entry.fix_text(flag)
     close = difflib.get_close_matches(flag, known_flags(), n=1, cutoff=0.75)
     return f"did you mean {close[0]}?" if close else None
 

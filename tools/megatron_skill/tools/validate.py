@@ -8,7 +8,9 @@ Megatron's parser refuses, the combinations Megatron's validate_args asserts, th
 rules (world size, divisibility, FP8 before Hopper, CUDA_DEVICE_MAX_CONNECTIONS), and memory
 for the layout and the attention path that will run. Where megatron-core is importable,
 Megatron's own parser and validate_args run too, and what they warn of is a warning; the
-answer's `checks` says how deep the check went.
+answer's `checks` says how deep the check went. Everything is found in one pass: a value that
+cannot be read is left out of the other checks, and Megatron's checks (which stop at the first
+refusal) read a copy with each error the skill found and can repair repaired.
 """
 from __future__ import annotations
 
@@ -150,16 +152,15 @@ def _flag_findings(launch: Launch) -> tuple[list[dict], list[str]]:
             room = (0 if "=" in a else n) if n is not None else -1   # -1: a list takes any number
         else:
             owner, room = None, 0
-        if flag in megatron_flags.OBSOLETE:
-            change = fixes.get(flag) or {"fix": megatron_flags.OBSOLETE[flag].fix_text(flag)}
-            if flag in known:  # Megatron 0.19 still parses it: deprecated, ignored or translated
-                findings.append(_finding("obsolete_flag", f"{flag} is deprecated: Megatron 0.19 accepts it and "
-                                         "ignores or translates it", change["fix"], launch.where(flag),
-                                         severity="warning"))
+        entry = megatron_flags.obsolete_entry(flag)
+        if entry is not None:
+            fix = (fixes.get(flag) or {"fix": entry.fix_text(flag)})["fix"]
+            findings.append(_finding("obsolete_flag", _obsolete_message(flag, entry, flag in known), fix,
+                                     launch.where(flag), severity="error" if entry.refused or flag not in known
+                                     else "warning"))
+            if flag in known:
                 clean.append(a)
             else:
-                findings.append(_finding("obsolete_flag", f"{flag} is obsolete: Megatron 0.19 does not know it",
-                                         change["fix"], launch.where(flag)))
                 skip_values = True
             continue
         if flag not in known:
@@ -184,6 +185,17 @@ def _flag_findings(launch: Launch) -> tuple[list[dict], list[str]]:
             "quote the array expansions (\"${ARGS[@]}\") so that each item stays one word, or give the value "
             "as the flag expects", launch.where(owner) if owner else None))
     return findings, clean
+
+
+def _obsolete_message(flag: str, entry: megatron_flags.Obsolete, known: bool) -> str:
+    """What Megatron 0.19 does with an obsolete flag, in its own words where its code has them."""
+    retired = megatron_flags.megatron_retired().get(flag)
+    says = f' (Megatron: "{retired.says}")' if retired else ""
+    if not known:
+        return f"{flag} is obsolete: Megatron 0.19 does not know it"
+    if entry.refused:
+        return f"{flag} is retired: Megatron 0.19's parser reads it, then validate_args stops on it" + says
+    return f"{flag} is deprecated: Megatron 0.19 accepts it and ignores or translates it" + says
 
 
 def fixed_vector(args: list[str]) -> list[str]:
@@ -224,14 +236,11 @@ def check_launch(launch: Launch, gpu_name: str | None, recheck_fix: bool = True)
     have_megatron = megatron_parser.available()
     result: dict[str, Any] = {"megatron_args": launch.args, "checks": checks, "assumed": assumed,
                               "layout": None, "predicted_peak_gib": None}
-    try:
-        checks["flags"] = megatron_flags.check_values(clean)
-    except ToolError as e:
-        findings.append(_finding("bad_value", e.message, e.fix or "correct the value"))
-        checks["flags"] = "refused a value: the other checks need the values read"
+    clean, checks["flags"] = _readable(clean, launch, findings, assumed)
+    if clean is None:
         result["memory"] = {"skipped": "a value could not be read (see the bad_value error)"}
         return _close(result, findings, launch, gpu_name, recheck_fix)
-    ns = described.parse_values(clean)
+    ns = described.parse_values(megatron_flags.rewrite_obsolete(clean)[0])   # as Megatron reads them
     for combo in megatron_flags.COMBINATIONS:
         if combo.when(ns):
             findings.append(_finding(combo.code, combo.message, combo.fix, launch.where(combo.flag)))
@@ -255,11 +264,46 @@ def check_launch(launch: Launch, gpu_name: str | None, recheck_fix: bool = True)
     return _close(result, findings, launch, gpu_name, recheck_fix)
 
 
+def _readable(clean: list[str], launch: Launch, findings: list[dict],
+              assumed: dict[str, str]) -> tuple[list[str] | None, str]:
+    """clean with each flag whose value the manifest refuses left out (each an error), so that
+    the other checks still run; None where the refusal names no flag. And what checked them."""
+    for _ in range(len(clean)):
+        try:
+            return clean, megatron_flags.check_values(clean)
+        except ToolError as e:
+            refused = re.search(r"argument (--[\w-]+)", e.message)
+            findings.append(_finding("bad_value", e.message, e.fix or "correct the value",
+                                     launch.where(refused.group(1)) if refused else None))
+            if refused is None:
+                return None, "refused a value: the other checks need the values read"
+            assumed[refused.group(1)] = "left out: its value could not be read (see the bad_value error)"
+            clean = _without(clean, {refused.group(1)})
+    return None, "refused a value: the other checks need the values read"
+
+
+def _without(args: list[str], drop: set[str]) -> list[str]:
+    """args less each flag in drop and the values that follow it."""
+    out: list[str] = []
+    dropping = False
+    for a in args:
+        if a.startswith("--"):
+            dropping = a.split("=", 1)[0] in drop
+        if not dropping:
+            out.append(a)
+    return out
+
+
 def _check_layout(launch: Launch, ns: argparse.Namespace, model: ModelConfig, gpu: Any, findings: list[dict],
                   result: dict[str, Any], assumed: dict[str, str], have_megatron: bool) -> None:
     world = launch.world
     lay = described.layout_from_args(ns, model, world, assumed)
-    result["layout"] = lay.to_json()
+    uneven = _uneven_virtual_split(ns, model, lay.pp)
+    if uneven:
+        findings.append(_finding("vp_layers", uneven, RULE_FIXES["vp_layers"],
+                                 launch.where("--num-layers-per-virtual-pipeline-stage")))
+        lay = dataclasses.replace(lay, vp=1)   # costed without the virtual stages it cannot have
+    result["layout"] = {**lay.to_json(), **({"vp": None} if uneven else {})}
     result["model"] = {"params_b": round(model.total_params() / 1e9, 3), "activation": model.activation,
                        "num_layers": model.num_layers, "hidden_size": model.hidden_size}
     if world is not None and world % (lay.tp * lay.pp * lay.cp):
@@ -271,6 +315,8 @@ def _check_layout(launch: Launch, ns: argparse.Namespace, model: ModelConfig, gp
     for rule in broken_rules(lay, model, gpu or get_gpu("h100-sxm"), lay.world_size, te=te, moe=moe):
         if rule == "world_size" or (rule == "fp8_arch" and gpu is None):
             continue
+        if rule == "tp_query_groups" and not (ns.group_query_attention and ns.num_query_groups):
+            continue   # no query groups set: each head is its own, and tp_heads says it
         if rule == "sp_needs_tp":
             if not have_megatron:  # where Megatron runs, its own warning says it
                 findings.append(_finding(rule, "sequence parallel at TP 1: Megatron switches it off (a warning, "
@@ -292,6 +338,20 @@ def _check_layout(launch: Launch, ns: argparse.Namespace, model: ModelConfig, gp
         result["memory"] = {"skipped": f"{launch.entry} is not Megatron's GPT training entry: its model and memory "
                                        "are not the ones the planner costs"}
     result["predicted_peak_gib"] = result["memory"].get("peak_gib")
+
+
+def _uneven_virtual_split(ns: argparse.Namespace, model: ModelConfig, pp: int) -> str | None:
+    """Where --num-layers-per-virtual-pipeline-stage does not divide the layers of a pipeline rank
+    (counted as Megatron counts them), why; None otherwise (an uneven PP split is pp_layers')."""
+    per_chunk = ns.num_layers_per_virtual_pipeline_stage
+    layers = model.num_layers + bool(ns.account_for_embedding_in_pipeline_split) + \
+        bool(ns.account_for_loss_in_pipeline_split)
+    if not per_chunk or ns.num_virtual_stages_per_pipeline_rank or layers % pp:
+        return None
+    if (layers // pp) % per_chunk == 0:
+        return None
+    return (f"--num-layers-per-virtual-pipeline-stage {per_chunk} does not divide the {layers // pp} layers of each "
+            f"pipeline rank: no whole number of virtual stages (Megatron refuses it)")
 
 
 def _pretrained_rows(launch: Launch, ns: argparse.Namespace, tp: int, findings: list[dict],
@@ -373,32 +433,67 @@ def _megatron_checks(launch: Launch, clean: list[str], findings: list[dict], che
             "run validate where megatron-core 0.19 is installed (tools/setup.sh) for Megatron's full checks",
             severity="warning"))
         return
-    if any(f["severity"] == "error" for f in findings):
-        checks["megatron"] = "skipped: the errors above come first (Megatron stops at the first it meets)"
+    blocking = sorted({f["code"] for f in findings if f["severity"] == "error"} - set(REPAIRS) - NOT_MEGATRONS)
+    if blocking:
+        checks["megatron"] = (f"skipped: Megatron would stop at {', '.join(blocking)} before its other checks "
+                              "(they run once those are fixed)")
         return
+    argv, env, repaired = _repaired_copy(launch, clean, findings)
     # An entry other than a training one passes validate_args defaults of its own (inference
     # servers set the micro-batch, for one): there only Megatron's parser speaks for it.
     world = launch.world if launch.kind != "other" else None
-    # what the launch's environment says (None: unset, as a script may leave it for FSDP)
-    env = {"CUDA_DEVICE_MAX_CONNECTIONS": launch.env.get("CUDA_DEVICE_MAX_CONNECTIONS")}
+    on = f" on a copy with {', '.join(repaired)} repaired" if repaired else ""
     try:
-        said = megatron_parser.check(clean, world_size=world, env=env)
+        said = megatron_parser.check(argv, world_size=world, env=env)
     except ToolError as e:
-        findings.append(_finding("megatron_validate_args", e.message, e.fix or "fix the combination Megatron names"))
-        checks["megatron"] = "Megatron's parser and validate_args refused the arguments" if world else \
-            "Megatron's parser refused the arguments"
+        findings.append(_finding("megatron_validate_args", e.message + (f" (checked{on})" if on else ""),
+                                 e.fix or "fix the combination Megatron names"))
+        checks["megatron"] = ("Megatron's parser and validate_args refused the arguments" if world else
+                              "Megatron's parser refused the arguments") + on
+        _megatron_warnings(getattr(e, "warnings", []), findings)
         return
     checks["megatron"] = (f"Megatron's parser and validate_args ran at world size {world}" if world else
                           f"Megatron's parser ran; validate_args skipped: {launch.entry} sets defaults of its own"
                           if launch.kind == "other" else
-                          "Megatron's parser ran; validate_args skipped: the GPU count is not known (pass num_gpus)")
-    have = {f["code"] for f in findings}
+                          "Megatron's parser ran; validate_args skipped: the GPU count is not known (pass num_gpus)") + on
+    _megatron_warnings(said, findings)
+
+
+# How validate repairs an error on the copy of the arguments that Megatron's own checks read, so
+# that they run in the same pass: the flags to leave out. Obsolete flags get their replacement.
+REPAIRS = {**{c.code: (c.flag,) for c in megatron_flags.COMBINATIONS},
+           "vp_layers": ("--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank"),
+           "vp_needs_pp": ("--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank"),
+           "obsolete_flag": (), "cuda_device_max_connections": ()}
+# Errors Megatron's parser and validate_args do not see (memory, the GPU, what runs, what loads),
+# or whose words never reach them (unknown flags and unreadable values are left out of what they
+# read). Stray words are not among them: they may be a split value, whose verdict is fixed_args'.
+NOT_MEGATRONS = {"out_of_memory", "fp8_arch", "cp_needs_te", "qk_norm_sp_needs_te", "moe_flex_needs_te",
+                 "tp_within_nvlink", "pretrained_vocab_rows", "unknown_flag", "bad_value"}
+
+
+def _repaired_copy(launch: Launch, clean: list[str], findings: list[dict]) -> tuple[list[str], dict, list[str]]:
+    """The arguments and environment Megatron's own checks read, with each error that has a
+    repair repaired, and the codes repaired."""
+    codes = [c for c in dict.fromkeys(f["code"] for f in findings if f["severity"] == "error") if c in REPAIRS]
+    drop = {flag for c in codes for flag in REPAIRS[c]}
+    argv = megatron_flags.rewrite_obsolete(_without(clean, drop))[0] if codes else clean
+    # what the launch's environment says (None: unset, as a script may leave it for FSDP)
+    env = {"CUDA_DEVICE_MAX_CONNECTIONS": "1" if "cuda_device_max_connections" in codes
+           else launch.env.get("CUDA_DEVICE_MAX_CONNECTIONS")}
+    return argv, env, codes
+
+
+def _megatron_warnings(said: list[str], findings: list[dict]) -> None:
+    """What Megatron warned of, each once, under the code of the rule the skill knows it as."""
+    have = {f["code"] for f in findings} | {f["message"] for f in findings}
     for text in said:
         code = next((c for pattern, c in MEGATRON_WARNING_CODES if pattern in text), "megatron_warning")
-        if code not in have:
-            findings.append(_finding(code, f"Megatron warns: {text}", "none needed to run: Megatron proceeds as it "
-                                     "says; change the flags to silence it", severity="warning"))
-            have.add(code)
+        message = f"Megatron warns: {text}"
+        if code not in have and message not in have:
+            findings.append(_finding(code, message, "none needed to run: Megatron proceeds as it says; change the "
+                                     "flags to silence it", severity="warning"))
+            have.add(code if code != "megatron_warning" else message)
 
 
 def _close(result: dict[str, Any], findings: list[dict], launch: Launch, gpu_name: str | None,
