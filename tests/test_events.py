@@ -29,16 +29,19 @@ class Receiver:
     """A webhook receiver on 127.0.0.1, as OpenClaw's Gateway would be: it records each POSTed
     body with its Authorization header and answers 202."""
 
-    def __init__(self):
+    def __init__(self, delay_s: float = 0.0):
         self.bodies: list[dict] = []
         self.auth: list[str | None] = []
+        self.keys: list[str | None] = []
         outer = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_POST(self):
                 data = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                time.sleep(delay_s)  # a Gateway admitting the hook (it starts an agent turn first)
                 outer.bodies.append(json.loads(data))
                 outer.auth.append(self.headers.get("Authorization"))
+                outer.keys.append(self.headers.get("Idempotency-Key"))
                 self.send_response(202)
                 self.end_headers()
 
@@ -152,36 +155,132 @@ def test_malformed_events_and_unknown_runs_are_clear_errors(tmp_path, secret, cl
 
 
 # ---- deduplication ------------------------------------------------------------------------
+def _marked_run(tmp_path: Path, run_id: str = "r0123456789abcdef") -> tuple[Path, Path]:
+    """A run launched from a script that, run again, appends a line to a marker file: how many
+    times on-event really started it."""
+    run = _run_dir(tmp_path, run_id)
+    marker = run / "starts"
+    (run / "launch.sh").write_text(f"#!/bin/bash\necho started >> {marker}\n")
+    return run, marker
+
+
+def _starts(marker: Path, expected: int) -> int:
+    """The marker's lines once the started processes had time to write them."""
+    if expected:
+        _wait(lambda: marker.exists() and len(marker.read_text().splitlines()) >= expected, 30, "the resume")
+    time.sleep(0.5)  # a second start would have written by now
+    return len(marker.read_text().splitlines()) if marker.exists() else 0
+
+
 def test_the_same_event_and_the_same_incident_from_another_emitter_act_once(tmp_path, secret):
     run = _run_dir(tmp_path)
     (run / "launch.sbatch").write_text("#!/bin/bash\n")
-    first = ev.sign(_event("job.failed", exit_code=143, signal="SIGTERM", failure="node_failure"), secret)
+    first = ev.sign(_event("job.failed", exit_code=143, signal="SIGTERM", failure="nccl_timeout"), secret)
     a = _on_event(first, tmp_path / "runs")["result"]
     assert a["verdict"] == "handled" and [x["kind"] for x in a["actions"]] == ["resume"]
-    assert a["actions"][0]["commands"] == [f"sbatch --chdir={run} --exclude=node7 {run / 'launch.sbatch'}"]
+    assert a["actions"][0]["commands"] == [f"sbatch --chdir={run} {run / 'launch.sbatch'}"]
+    assert a["actions"][0]["allowed"] and not a["actions"][0]["needs_person"]
+    # Answered, not started: the same event again answers the same action, still to start.
     again = _on_event(first, tmp_path / "runs")["result"]
-    assert again["verdict"] == "duplicate" and again["actions"] == []
-    # The scheduler reports the same job's end: another event id, the same incident.
+    assert again["verdict"] == "pending" and again["actions"] == a["actions"]
+    # The scheduler reports the same job's end, saying less: the same incident, the same action.
     scheduler = ev.sign({**_event("job.failed", exit_code=1), "emitter": "scheduler"}, secret)
     third = _on_event(scheduler, tmp_path / "runs")["result"]
-    assert third["verdict"] == "duplicate" and third["duplicate_of"] == first["event_id"]
+    assert third["verdict"] == "pending" and third["incident"] == a["incident"] and third["cause"] == "nccl_timeout"
     # The next job of the run is a new incident.
     nxt = _on_event(ev.sign(_event("job.failed", job_id="4243", failure="node_failure"), secret), tmp_path / "runs")
-    assert nxt["result"]["verdict"] == "handled"
+    assert nxt["result"]["verdict"] == "handled" and nxt["result"]["incident"] != a["incident"]
 
 
-def test_two_handlers_at_once_record_one_handling(tmp_path, secret):
-    run = _run_dir(tmp_path)
-    (run / "launch.sbatch").write_text("#!/bin/bash\n")
+def test_an_action_answered_without_apply_starts_later_and_once(tmp_path, secret):
+    """The documented flow: on-event answers, the user says yes, on-event --apply starts it."""
+    run, marker = _marked_run(tmp_path)
+    failed = ev.sign(_event("job.failed", exit_code=1, failure="nccl_timeout"), secret)
+    told = _on_event(failed, tmp_path / "runs")["result"]
+    (action,) = told["actions"]
+    assert told["verdict"] == "handled" and action["allowed"] and "applied" not in action
+    assert _starts(marker, 0) == 0
+    started = _on_event(failed, tmp_path / "runs", apply=True)["result"]
+    assert started["verdict"] == "handled" and started["actions"][0]["applied"]["pid"]
+    assert _starts(marker, 1) == 1
+    # The event again, and another report of the same end: nothing more starts.
+    assert _on_event(failed, tmp_path / "runs", apply=True)["result"]["verdict"] == "duplicate"
+    trap = ev.sign({**_event("job.failed", exit_code=1), "emitter": "scheduler"}, secret)
+    late = _on_event(trap, tmp_path / "runs", apply=True)["result"]
+    assert late["verdict"] == "duplicate" and late["duplicate_of"] == failed["event_id"]
+    assert late["facts"]["applied"]["resume"]["pid"] == started["actions"][0]["applied"]["pid"]
+    assert _starts(marker, 1) == 1
+
+
+def test_a_kill_waits_for_a_person_with_the_command_and_starts_once_approved(tmp_path, secret):
+    run, marker = _marked_run(tmp_path)
+    killed = ev.sign(_event("job.failed", exit_code=137, signal="SIGKILL"), secret)
+    out = _on_event(killed, tmp_path / "runs", apply=True)["result"]
+    (action,) = out["actions"]
+    assert out["cause"] == "killed" and action["kind"] == "resume"
+    assert action["needs_person"] is True and action["allowed"] is False and "applied" not in action
+    assert action["commands"] == [f"bash {run / 'launch.sh'} > {run / 'logs' / 'resume.out'} 2>&1"]
+    assert "--approve resume" in action["why"]
+    assert _starts(marker, 0) == 0
+    # The user says yes: the same event with the approval starts it; any later report does not.
+    yes = _on_event(killed, tmp_path / "runs", apply=True, approve=["resume"])["result"]
+    assert yes["verdict"] == "handled" and yes["actions"][0]["applied"]["approved"] is True
+    other = ev.sign({**_event("job.failed", exit_code=137, signal="SIGKILL"), "emitter": "scheduler"}, secret)
+    assert _on_event(other, tmp_path / "runs", apply=True, approve=["resume"])["result"]["verdict"] == "duplicate"
+    assert _starts(marker, 1) == 1
+
+
+def test_a_later_node_failure_report_upgrades_a_kill_and_resumes_without_the_jobs_nodes(tmp_path, secret):
+    """The trap saw SIGKILL (exit 137, no failure); Slurm's trigger then reports the same job
+    as NODE_FAIL: one incident, now a node failure, whose resume the default policy starts."""
+    run, marker = _marked_run(tmp_path)
+    trap = ev.sign(_event("job.failed", exit_code=137, signal="SIGKILL"), secret)
+    first = _on_event(trap, tmp_path / "runs", apply=True)["result"]
+    assert first["cause"] == "killed" and first["actions"][0]["needs_person"] and _starts(marker, 0) == 0
+    trigger = ev.sign({**ev.new("job.failed", run.name, {"job_id": "4242", "scheduler": "slurm", "host": "ctl",
+                                                        "nodes": ["gpu[03-04]"]}, "scheduler",
+                                details={"exit_code": 1, "failure": "node_failure"})}, secret)
+    second = _on_event(trigger, tmp_path / "runs", apply=True)["result"]
+    assert second["verdict"] == "handled" and second["incident"] == first["incident"]
+    assert second["cause"] == "node_failure" and second["actions"][0]["applied"]["pid"]
+    assert _starts(marker, 1) == 1
+    assert _on_event(trap, tmp_path / "runs", apply=True)["result"]["verdict"] == "duplicate"
+    # Under Slurm, the resume leaves out the failed job's nodes, not the host the trigger ran on.
+    sb = _run_dir(tmp_path, "sb0123456789abcdef")
+    (sb / "launch.sbatch").write_text("#!/bin/bash\n")
+    for event in (trap, trigger):
+        moved = ev.sign({**{k: v for k, v in event.items() if k != "signature"}, "run_id": sb.name,
+                         "event_id": "x" + event["event_id"]}, secret)
+        out = _on_event(moved, tmp_path / "runs")["result"]
+    assert out["actions"][0]["commands"] == [f"sbatch --chdir={sb} '--exclude=gpu[03-04]' {sb / 'launch.sbatch'}"]
+
+
+def test_one_job_run_is_one_incident_whatever_reports_it():
+    """Guards the incident key: every report of one job's end (trap, trigger, train, watcher)
+    shares it, whatever its type; another job, or a stall, is another incident."""
+    job = {"job_id": "77", "scheduler": "slurm"}
+    ends = [ev.new(kind, "r1", job, emitter) for kind, emitter in
+            (("job.failed", "job"), ("job.failed", "scheduler"), ("job.finished", "train"), ("node.failure", "watcher"))]
+    assert len({ev.incident(e) for e in ends}) == 1
+    assert ev.incident(ends[0]) not in {e["type"] for e in ends} and ends[0]["type"] not in ev.incident(ends[0])
+    other_job = ev.new("job.failed", "r1", {"job_id": "78"}, "job")
+    stall = ev.new("training.stalled", "r1", job, "watcher")
+    assert len({ev.incident(ends[0]), ev.incident(other_job), ev.incident(stall)}) == 3
+    assert ev.incident(ev.new("job.failed", "r2", job, "job")) != ev.incident(ends[0])
+
+
+def test_two_handlers_at_once_start_one_resume(tmp_path, secret):
+    run, marker = _marked_run(tmp_path)
     path = tmp_path / "event.json"
     path.write_text(json.dumps(ev.body(ev.sign(_event("job.failed", failure="nccl_timeout"), secret))))
     cmd = [sys.executable, str(ROOT / "tools" / "launch.py"), "on-event", "--event-file", str(path),
-           "--runs-root", str(tmp_path / "runs")]
+           "--runs-root", str(tmp_path / "runs"), "--apply"]
     procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) for _ in range(4)]
     verdicts = sorted(json.loads(p.communicate(timeout=120)[0])["result"]["verdict"] for p in procs)
     assert verdicts == ["duplicate"] * 3 + ["handled"]
     record = json.loads((tmp_path / "runs" / ".events" / run.name / "ledger.json").read_text())
-    assert len(record["incidents"]) == 1
+    assert len(record["incidents"]) == 1 and len(record["relaunches"]) == 1
+    assert _starts(marker, 1) == 1
 
 
 def test_relaunches_are_limited_and_backed_off(tmp_path):
@@ -205,7 +304,7 @@ def test_a_storm_of_failures_relaunches_at_most_the_policy_allows(tmp_path, secr
     applied = []
     for job in range(5):
         out = _on_event(ev.sign(_event("job.failed", job_id=f"j{job}", failure="killed"), secret), tmp_path / "runs",
-                        apply=True, policy={"max_relaunches": 2, "backoff_s": 0})["result"]
+                        apply=True, policy={"max_relaunches": 2, "backoff_s": 0, "allow": {"killed": ["resume"]}})["result"]
         applied.append(bool(out["actions"][0].get("applied")))
     assert applied == [True, True, False, False, False]
     last = out["actions"][0]

@@ -1,7 +1,8 @@
 """From a training event and what the run's log and record say, the intended next steps.
 
-Each action says what to do (commands, files), why, whether a person must decide, and whether
-the policy lets `on-event --apply` carry it out. The decisions:
+Each action says what to do (commands, files), why, and whether a person must decide; whether
+`on-event --apply` may carry it out is the policy's (on_event.py). Every event has one cause
+(CAUSES), and each cause one action (ACTION_OF):
   node, NCCL or kill failure      -> resume: the same request again, from its last checkpoint
   out of memory                   -> relayout: the layout plan says fits with the error seen
                                      taken off, rendered, validated, and the script's diff
@@ -24,9 +25,20 @@ from typing import Any
 from ..contract import ROOT, Context, invoke
 from ..errors import ToolError
 from ..runs import latest_checkpoint
+from .files import read_bounded
 
 LAUNCH = ROOT / "tools" / "launch.py"
-RESUMABLE = {"node_failure", "nccl_timeout", "nccl_error", "killed"}
+ACTION_OF = {"node_failure": "resume", "nccl_timeout": "resume", "nccl_error": "resume", "killed": "resume",
+             "out_of_memory": "relayout", "nan": "rollback", "loss_spike": "rollback", "stalled": "diagnose",
+             "throughput_drop": "diagnose", "other_failure": "diagnose", "finished": "summary"}
+CAUSES = tuple(ACTION_OF)
+RESUMABLE = {c for c, a in ACTION_OF.items() if a == "resume"}
+# How much a report says about why a job ended: a later report that says more (the scheduler saw
+# the node die, where the trap only saw SIGKILL) decides the incident again; one that says as much
+# or less is merged into it. Causes not named are 0.
+SPECIFICITY = {"finished": 1, "killed": 1, "nccl_timeout": 2, "nccl_error": 2, "node_failure": 3,
+               "out_of_memory": 3, "nan": 3}
+MAX_RECORD_BYTES = 4 * 1024 * 1024  # a run's request.json, state.json or run.lock
 # Signals that come from outside the training's arithmetic: a scheduler, a person, a dying node.
 OUTSIDE_SIGNALS = {"SIGKILL", "SIGTERM", "SIGHUP", "SIGINT", "SIGBUS", "SIGUSR1", "SIGUSR2"}
 SCRIPTS = ("launch.sbatch", "launch.sh", "launch_multinode.sh")
@@ -59,8 +71,8 @@ class Run:
 
 def _json(path: Path) -> dict[str, Any] | None:
     try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError):
+        value = json.loads(read_bounded(path, MAX_RECORD_BYTES))
+    except (OSError, ValueError, RecursionError):
         return None
     return value if isinstance(value, dict) else None
 
@@ -93,21 +105,52 @@ def facts(run: Run, event: dict[str, Any], ctx: Context) -> dict[str, Any]:
 
 
 def cause(event: dict[str, Any], found: dict[str, Any]) -> str:
-    """Why the job ended, in one word: out_of_memory, a resumable failure, nan, or unknown."""
+    """Why, in one word of CAUSES: for a job's end out_of_memory, nan, a resumable failure,
+    finished or other_failure; for the other events what they report."""
+    kind = event["type"]
+    details = event.get("details", {})
+    if kind == "training.stalled":
+        return "stalled"
+    if kind == "throughput.drop":
+        return "throughput_drop"
+    if kind == "loss.anomaly":
+        return "nan" if str(details.get("loss")).lower() in ("nan", "inf", "-inf") else "loss_spike"
+    if kind == "job.finished":
+        return "finished"
     codes = [f["code"] for f in found.get("failures", [])]
-    given = event.get("details", {}).get("failure")
+    given = details.get("failure")
     if "out_of_memory" in codes or given == "out_of_memory":
         return "out_of_memory"
     if any(a["kind"] == "nan" for a in found.get("anomalies", [])):
         return "nan"
-    for code in codes + ([given] if given else []):
+    for code in [given] + codes if given else codes:
         if code in RESUMABLE:
             return code
-    if event.get("details", {}).get("signal") in OUTSIDE_SIGNALS and not codes:
+    if details.get("signal") in OUTSIDE_SIGNALS and not codes:
         return "killed"
-    if event["type"] == "node.failure":
-        return given or "node_failure"
-    return codes[0] if codes else "unknown"
+    if kind == "node.failure":
+        return "node_failure"
+    return "other_failure"
+
+
+def more_specific(new: str, old: str | None) -> bool:
+    return old is None or SPECIFICITY.get(new, 0) > SPECIFICITY.get(old, 0)
+
+
+def failure_code(found: dict[str, Any]) -> str:
+    codes = [f["code"] for f in found.get("failures", [])]
+    return codes[0] if codes else "no known failure in the log"
+
+
+def nan_evidence(found: dict[str, Any]) -> dict[str, Any]:
+    """Whether the run's own log shows the NaN an event reports: a signed event says what its
+    emitter saw, the log is what the job wrote."""
+    seen = [a for a in found.get("anomalies", []) if a.get("kind") == "nan"]
+    if seen or found.get("nan_iterations"):
+        return {"source": "log", "log": found.get("log"), "iterations": found.get("nan_iterations")
+                or [a.get("iteration") for a in seen]}
+    why = "the log is missing" if found.get("log_missing") else "the log shows no NaN"
+    return {"source": "event only", "log": found.get("log"), "why": why}
 
 
 # ---- the actions -----------------------------------------------------------------------------
@@ -115,21 +158,22 @@ def _shell(argv: list[str]) -> str:
     return " ".join(shlex.quote(str(a)) for a in argv)
 
 
-def resume(run: Run, event: dict[str, Any], why: str, failed_node: bool) -> dict[str, Any]:
+def resume(run: Run, why: str, exclude: list[str]) -> dict[str, Any]:
     """The same request again: train continues it from its last checkpoint with the same layout;
-    a run launched from a rendered script runs that script again (under Slurm without the node
-    that failed)."""
-    host = (event["job"].get("host") or "") if failed_node else ""
+    a run launched from a rendered script runs that script again (under Slurm without the nodes
+    given in exclude: the failed job's nodes, as Slurm wrote them)."""
     action: dict[str, Any] = {"kind": "resume", "why": why, "needs_person": False}
+    excluded = ",".join(exclude)
     if run.request:
         argv = [sys.executable, str(LAUNCH), "train", "--request", str(run.dir / "request.json")]
         action["commands"] = [f"cd {shlex.quote(run.cwd)} && {_shell(argv)}"]
         action.update(argv=argv, cwd=run.cwd)
     elif run.script and run.script.suffix == ".sbatch":
-        argv = ["sbatch", f"--chdir={run.dir}", *([f"--exclude={host}"] if host else []),
-                str(run.script)]
+        argv = ["sbatch", f"--chdir={run.dir}", *([f"--exclude={excluded}"] if excluded else []), str(run.script)]
         action["commands"] = [_shell(argv)]
         action["argv"] = argv
+        if excluded:
+            action["why"] += f"; the failed job's nodes ({excluded}) are left out"
     elif run.script:
         argv = ["bash", str(run.script)]
         action["commands"] = [_shell(argv) + f" > {shlex.quote(str(run.dir / 'logs' / 'resume.out'))} 2>&1"]
@@ -138,8 +182,6 @@ def resume(run: Run, event: dict[str, Any], why: str, failed_node: bool) -> dict
         action.update(needs_person=True, commands=[],
                       why=why + "; no train request or launch script in the run directory: launch the job again "
                                 "as it was launched (it loads its last checkpoint)")
-    if host:
-        action["why"] += f"; {host} is left out where the scheduler allows (sbatch --exclude={host})"
     return action
 
 
@@ -253,14 +295,22 @@ def rollback(run: Run, event: dict[str, Any], found: dict[str, Any], lr_factor: 
     return action
 
 
+def with_evidence(action: dict[str, Any], found: dict[str, Any]) -> dict[str, Any]:
+    """A rollback for a reported NaN, with what backs it: the run's log, or the event alone
+    (then said first in its why)."""
+    evidence = nan_evidence(found)
+    action["evidence"] = evidence
+    if evidence["source"] != "log":
+        action["why"] = (f"the event reports a NaN loss but {evidence['why']} ({evidence['log']}): this rests on "
+                         f"the event alone, check the log before acting; {action['why']}")
+    return action
+
+
 def _stop_command(run: Run, event: dict[str, Any]) -> str:
     job = event["job"]
     if job.get("scheduler") == "slurm":
         return f"scancel {shlex.quote(job['job_id'])}"
-    try:
-        owner = json.loads((run.dir / "run.lock").read_text() or "{}")
-    except (OSError, ValueError):
-        owner = {}
+    owner = _json(run.dir / "run.lock") or {}
     if owner.get("pid"):
         return f"kill -TERM {int(owner['pid'])}  # the train tool on {owner.get('host', 'its host')}: it stops the job"
     return f"stop job {job['job_id']} on {job.get('host', 'its host')} (kill its torchrun)"

@@ -16,6 +16,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from .files import read_bounded
+
 SECRET_ENV = "MEGATRON_SKILL_EVENTS_SECRET"
 SECRET_FILE_ENV = "MEGATRON_SKILL_EVENTS_SECRET_FILE"
 URL_ENV = "MEGATRON_SKILL_EVENTS_URL"
@@ -73,19 +75,41 @@ def verified(event: dict[str, Any], secret: bytes) -> bool:
     return isinstance(given, str) and hmac.compare_digest(given, signature(event, secret))
 
 
-def secret_from_env(env: dict[str, str] | None = None) -> bytes | None:
+MAX_SECRET_BYTES = 4096
+
+
+class SecretFileError(ValueError):
+    """MEGATRON_SKILL_EVENTS_SECRET_FILE names something that is no usable secret file."""
+
+
+def load_secret(env: dict[str, str] | None = None) -> bytes | None:
     """The shared secret: MEGATRON_SKILL_EVENTS_SECRET, or the first line of the file that
-    MEGATRON_SKILL_EVENTS_SECRET_FILE names (for secrets mounted as files)."""
+    MEGATRON_SKILL_EVENTS_SECRET_FILE names (for secrets mounted as files); None when neither
+    is set. A secret file that is missing, empty, not a regular file (a FIFO would block) or
+    larger than 4 KiB raises SecretFileError."""
     env = os.environ if env is None else env
     if env.get(SECRET_ENV):
         return env[SECRET_ENV].encode()
-    if env.get(SECRET_FILE_ENV):
-        try:
-            line = Path(env[SECRET_FILE_ENV]).read_text().splitlines()[0].strip()
-        except (OSError, IndexError):
-            return None
-        return line.encode() or None
-    return None
+    name = env.get(SECRET_FILE_ENV)
+    if not name:
+        return None
+    try:
+        text = read_bounded(name, MAX_SECRET_BYTES).decode("utf-8", errors="strict")
+    except (OSError, UnicodeDecodeError) as e:
+        raise SecretFileError(f"{SECRET_FILE_ENV} ({name}): {getattr(e, 'strerror', None) or e}") from None
+    line = text.splitlines()[0].strip() if text.strip() else ""
+    if not line:
+        raise SecretFileError(f"{SECRET_FILE_ENV} ({name}) holds no secret on its first line")
+    return line.encode()
+
+
+def secret_from_env(env: dict[str, str] | None = None) -> bytes | None:
+    """The shared secret, or None where there is none to use (the emitters' side: an event is
+    then sent unsigned, which on-event refuses)."""
+    try:
+        return load_secret(env)
+    except SecretFileError:
+        return None
 
 
 def incident(event: dict[str, Any]) -> str:

@@ -2,9 +2,12 @@
 
 In order, before anything is done: the event's form (schemas/event.json, size), its signature
 (the shared secret), its age (stale replays are refused), and its run (a run directory under
-runs_root). Then, under the run's event record: an event id seen before, or an incident
-already acted on, answers 'duplicate' and does nothing. Otherwise the actions are worked out
-(events/actions.py), recorded, and, with apply, those the policy allows are started.
+runs_root). Then, under the run's event record: the event joins its incident (one job's end,
+whoever reports it; one stall, ...); the incident's cause is the most specific any report gave,
+and its actions are decided when it opens and again when a later report names a more specific
+cause (events/actions.py). Seen is not acted: the decided actions stay in the record, and with
+apply those the policy allows (or the user approved) start, each at most once per incident,
+whichever report or repeat of the event brings the apply.
 """
 from __future__ import annotations
 
@@ -13,31 +16,45 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..contract import Context, Tool, parse_json, validator
+from ..contract import Context, Tool, check_values, parse_json, validator
 from ..errors import ToolError
 from ..events import actions
 from ..events import event as ev
-from ..events.ledger import Ledger, folder
+from ..events.files import TooLarge, read_bounded
+from ..events.ledger import RELAUNCHING, Ledger, folder
 from ..runs import RunLock
 
 MAX_FILE_BYTES = 64 * 1024
 CLOCK_SKEW_S = 300  # an event may come from a host whose clock runs this far ahead
 
 
+def _read_event_file(path: Path) -> str:
+    """The event file's text: a regular file of at most MAX_FILE_BYTES (a FIFO or a device is
+    refused without waiting on it), UTF-8 with anything else replaced."""
+    try:
+        raw = read_bounded(path, MAX_FILE_BYTES)
+    except FileNotFoundError:
+        raise ToolError("not_found", f"no file {path}", where="/event_file",
+                        fix="give the file the event was saved to") from None
+    except TooLarge:
+        raise ToolError("bad_request", f"{path} is larger than {MAX_FILE_BYTES // 1024} KiB: no event is",
+                        where="/event_file", fix="give the event alone (the emitters keep one under 32 KiB)") from None
+    except OSError as e:
+        raise ToolError("bad_request", f"cannot read {path}: {e.strerror or e}", where="/event_file",
+                        fix="save the event to a regular file and give that") from None
+    return raw.decode("utf-8", errors="replace")
+
+
 def _load(req: dict) -> tuple[dict[str, Any], str]:
     if "event" in req:
         return req["event"], "/event"
     path = Path(req["event_file"])
+    document = ev.unwrap(parse_json(_read_event_file(path), "/event_file", f"the event in {path}"))
     try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_FILE_BYTES + 1)
-    except OSError as e:
-        raise ToolError("not_found", f"cannot read {path}: {e.strerror}", where="/event_file",
-                        fix="give the file the event was saved to") from None
-    if len(raw) > MAX_FILE_BYTES:
-        raise ToolError("bad_request", f"{path} is larger than {MAX_FILE_BYTES // 1024} KiB: no event is",
-                        where="/event_file", fix="give the event alone (the emitters keep one under 32 KiB)")
-    document = ev.unwrap(parse_json(raw.decode("utf-8", errors="replace"), "/event_file", f"the event in {path}"))
+        check_values(document)  # numbers out of range (1e400), lone surrogates, deep nesting
+    except ToolError as e:
+        raise ToolError("bad_request", f"the event in {path}: {e.message}", where=f"/event_file:{e.where}",
+                        fix=e.fix) from None
     errors = sorted(validator({"$ref": "event.json"}).iter_errors(document), key=lambda e: e.path)
     if errors:
         err = errors[0]
@@ -47,15 +64,25 @@ def _load(req: dict) -> tuple[dict[str, Any], str]:
     return document, "/event_file"
 
 
-def _trusted(event: dict[str, Any], where: str, max_age_s: float) -> None:
-    if len(ev.canonical(event)) > ev.MAX_BYTES:
-        raise ToolError("bad_request", f"the event is larger than {ev.MAX_BYTES // 1024} KiB", where=where,
-                        fix="shorten details.log_tail")
-    secret = ev.secret_from_env()
+def _secret() -> bytes:
+    try:
+        secret = ev.load_secret()
+    except ev.SecretFileError as e:
+        raise ToolError("environment", f"the shared secret cannot be read: {e}", where=ev.SECRET_FILE_ENV,
+                        fix=f"point {ev.SECRET_FILE_ENV} at a regular file whose first line is the secret, or set "
+                            f"{ev.SECRET_ENV}") from None
     if not secret:
         raise ToolError("environment", "no shared secret to check the event's signature with",
                         where=ev.SECRET_ENV, fix=f"set {ev.SECRET_ENV} (or {ev.SECRET_FILE_ENV}) to the secret "
                         "the emitters sign with, where this tool runs")
+    return secret
+
+
+def _trusted(event: dict[str, Any], where: str, max_age_s: float) -> None:
+    if len(ev.canonical(event)) > ev.MAX_BYTES:
+        raise ToolError("bad_request", f"the event is larger than {ev.MAX_BYTES // 1024} KiB", where=where,
+                        fix="shorten details.log_tail")
+    secret = _secret()
     if "signature" not in event:
         raise ToolError("refused", "the event is not signed", where=where + "/signature",
                         fix=f"set {ev.SECRET_ENV} where the job runs, so that its emitters sign what they send")
@@ -91,138 +118,247 @@ def _run_dir(runs_root: Path, event: dict[str, Any], where: str) -> Path:
     return run_dir
 
 
+
+
+# ---- what the event is about -----------------------------------------------------------------
 def _running(run: actions.Run, ledger: Ledger, event: dict[str, Any]) -> bool:
-    return RunLock(run.dir).held_elsewhere() or (event["type"] not in ("job.finished", "job.failed")
-                                                 and ledger.job_running(event["job"]["job_id"]))
+    lock = run.dir / "run.lock"
+    held = lock.is_file() and RunLock(run.dir).held_elsewhere()  # (a FIFO put there would block the probe)
+    return held or (event["type"] not in ("job.finished", "job.failed") and ledger.job_running(event["job"]["job_id"]))
 
 
-def decide(event: dict[str, Any], run: actions.Run, ledger: Ledger, policy: dict[str, Any], proposals: Path,
-           ctx: Context) -> tuple[str, list[dict[str, Any]], dict[str, Any]]:
-    """(verdict, actions, facts) for an event not seen before."""
-    kind = event["type"]
-    if kind in ("job.started", "checkpoint.saved"):
-        return "noted", [{"kind": "record", "needs_person": False, "why": f"{kind} recorded"}], {}
-    found = actions.facts(run, event, ctx)
-    running = _running(run, ledger, event)
-    if kind == "node.failure" and running:
-        return "noted", [{"kind": "wait", "needs_person": False,
-                          "why": "a node or NCCL failure while the job still runs: it ends soon; its end (job.failed) "
-                                 "brings the resume"}], found
-    if kind == "job.finished":
-        return "handled", [actions.summary(run, found)], found
-    if kind in ("training.stalled", "throughput.drop"):
-        return "handled", [actions.diagnose(run, event, found, kind)], found
-    if kind == "loss.anomaly":
-        return "handled", [actions.rollback(run, event, found, policy["lr_factor"], proposals, running)], found
-    why = actions.cause(event, found)  # job.failed, or node.failure after the job ended
-    if why == "out_of_memory":
-        return "handled", [actions.relayout(run, found, proposals, ctx)], found
-    if why == "nan":
-        return "handled", [actions.rollback(run, event, found, policy["lr_factor"], proposals, False)], found
-    if why in actions.RESUMABLE:
-        text = {"killed": "the job was killed from outside (a signal, a time limit, a person)",
-                "node_failure": "a node or GPU failed", "nccl_timeout": "a collective timed out",
-                "nccl_error": "NCCL failed"}[why]
-        return "handled", [actions.resume(run, event, text + ": the same layout resumes from the last checkpoint",
-                                          failed_node=why == "node_failure")], found
-    return "handled", [actions.diagnose(run, event, found, why)], found
+def _ended(run: actions.Run, ledger: Ledger, event: dict[str, Any], found: dict[str, Any]) -> bool:
+    return (ledger.job_ended(event["job"]["job_id"]) or run.state.get("status") == "finished"
+            or found.get("log_state") == "finished")
 
 
-def _policy(action: dict[str, Any], ledger: Ledger, policy: dict[str, Any], now: float) -> None:
-    """Mark the action allowed or not, by the policy and the relaunch limits."""
-    if action["kind"] not in policy["apply_kinds"] or action.get("needs_person") or not action.get("argv"):
-        action["allowed"] = False
-        return
-    if action["kind"] == "relayout" and not (action.get("validation") or {}).get("valid"):
-        action.update(allowed=False, needs_person=True)
-        action["why"] += "; its script did not validate, so it waits for a person"
-        return
+def _only_noted(event: dict[str, Any], cause: str, run: actions.Run, ledger: Ledger,
+                found: dict[str, Any]) -> dict[str, Any] | None:
+    """The one action of an event that asks nothing of anyone (a record, a wait), or None."""
+    if event["type"] == "node.failure" and _running(run, ledger, event):
+        return {"kind": "wait", "needs_person": False,
+                "why": "a node or NCCL failure while the job still runs: it ends soon; its end (job.failed) is the "
+                       f"same incident and brings the action, with this report's cause ({cause}) counted"}
+    if cause in ("stalled", "throughput_drop") and _ended(run, ledger, event, found):
+        return {"kind": "record", "needs_person": False,
+                "why": f"{event['type']} reported after the job had ended: the job's last iterations (its final "
+                       "checkpoint, its shutdown) are no slowdown of a running job; nothing to do"}
+    return None
+
+
+_RESUME_WHY = {"killed": "the job was killed from outside (a signal, a time limit, a person)",
+               "node_failure": "a node or GPU failed", "nccl_timeout": "a collective timed out",
+               "nccl_error": "NCCL failed"}
+
+
+def decide(event: dict[str, Any], cause: str, nodes: list[str], run: actions.Run, found: dict[str, Any],
+           running: bool, policy: dict[str, Any], proposals: Path, ctx: Context) -> list[dict[str, Any]]:
+    """The actions for the incident's cause (actions.ACTION_OF), before the policy has its say."""
+    kind = actions.ACTION_OF[cause]
+    if kind == "resume":
+        why = _RESUME_WHY[cause] + ": the same layout resumes from the last checkpoint"
+        return [actions.resume(run, why, nodes if cause == "node_failure" else [])]
+    if kind == "relayout":
+        return [actions.relayout(run, found, proposals, ctx)]
+    if kind == "rollback":
+        action = actions.rollback(run, event, found, policy["lr_factor"], proposals, running)
+        return [actions.with_evidence(action, found) if event["type"] == "loss.anomaly" and cause == "nan"
+                else action]
+    if kind == "summary":
+        return [actions.summary(run, found)]
+    what = event["type"] if cause in ("stalled", "throughput_drop") else actions.failure_code(found)
+    return [actions.diagnose(run, event, found, what)]
+
+
+def _check_policy(policy: dict[str, Any]) -> None:
+    """Each cause allows only the action it gets: anything else would never start, silently."""
+    for cause, kinds in policy["allow"].items():
+        for i, kind in enumerate(kinds):
+            if kind != actions.ACTION_OF[cause]:
+                raise ToolError("bad_request", f"the policy allows {kind} after {cause}, whose action is "
+                                f"{actions.ACTION_OF[cause]}", where=f"/policy/allow/{cause}/{i}",
+                                fix=f"allow {actions.ACTION_OF[cause]} for {cause}, or leave {cause} out"
+                                if actions.ACTION_OF[cause] in RELAUNCHING else f"leave {cause} out: its action "
+                                f"({actions.ACTION_OF[cause]}) is always a person's")
+
+
+# ---- the policy --------------------------------------------------------------------------------
+def _judge(action: dict[str, Any], cause: str, key: str, ledger: Ledger, req: dict, now: float) -> dict[str, Any]:
+    """The action as answered now: applied already, allowed to start, or waiting for a person
+    with the exact command (the policy by cause and action, the user's approval, the relaunch
+    limits, one relaunch per incident)."""
+    a = dict(action)
+    kind = a["kind"]
+    done = ledger.incident(key)["applied"].get(kind)
+    if done:
+        return {**a, "allowed": False, "needs_person": False, "applied": done}
+    a["allowed"] = False
+    if kind not in RELAUNCHING or not a.get("argv") or a.get("needs_person"):
+        return a
+    other = ledger.relaunched(key)
+    if other:
+        return _for_person(a, f"this incident's job was already relaunched ({other[0]}, "
+                              f"{other[1].get('output', 'started')}): look at that run before starting another")
+    if kind == "relayout" and not (a.get("validation") or {}).get("valid"):
+        return _for_person(a, "its script did not validate")
+    if kind in req["approve"]:
+        return {**a, "allowed": True, "approved": True}
+    if kind not in req["policy"]["allow"].get(cause, []):
+        return _for_person(a, f"the policy does not start a {kind} after {cause} by itself: run the command, or "
+                              f"on-event again with --apply --approve {kind}")
+    policy = req["policy"]
     ok, why, not_before = ledger.relaunch_allowed(now, policy["max_relaunches"], policy["window_s"],
                                                   policy["backoff_s"])
-    action["allowed"] = ok
     if not ok:
-        action["why"] += f"; not now: {why}"
-        action["needs_person"] = True
-        action["not_before"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(not_before))
+        a["not_before"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(not_before))
+        return _for_person(a, f"not now: {why}; a person decides (--approve {kind} starts it)")
+    return {**a, "allowed": True}
 
 
-def _apply(action: dict[str, Any], run: actions.Run) -> dict[str, Any]:
-    """Start the action's command, detached (it outlives this tool), its output in the run's logs."""
+def _for_person(action: dict[str, Any], why: str) -> dict[str, Any]:
+    return {**action, "allowed": False, "needs_person": True, "why": f"{action['why']}; {why}"}
+
+
+def _start(action: dict[str, Any], run: actions.Run, key: str, ledger: Ledger, now: float) -> dict[str, Any]:
+    """Start the action's command, detached (it outlives this tool), its output in the run's logs.
+    Marked as started in the record before the process starts: never twice for one incident."""
     logs = run.dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    n = len(list(logs.glob("on-event-*.out")))
-    out = logs / f"on-event-{n + 1}-{action['kind']}.out"
-    with open(out, "ab") as sink:
-        proc = subprocess.Popen(action["argv"], stdin=subprocess.DEVNULL, stdout=sink, stderr=subprocess.STDOUT,
-                                cwd=action.get("cwd") or str(run.dir), start_new_session=True)
-    return {"pid": proc.pid, "output": str(out), "at": time.time()}
+    out = logs / f"on-event-{len(list(logs.glob('on-event-*.out'))) + 1}-{action['kind']}.out"
+    what: dict[str, Any] = {"output": str(out), "at": now, "approved": bool(action.get("approved"))}
+    ledger.started(key, action["kind"], {**what, "starting": True})
+    ledger.count_relaunch(now)
+    ledger.save()
+    try:
+        with open(out, "ab") as sink:
+            proc = subprocess.Popen(action["argv"], stdin=subprocess.DEVNULL, stdout=sink, stderr=subprocess.STDOUT,
+                                    cwd=action.get("cwd") or str(run.dir), start_new_session=True)
+        what["pid"] = proc.pid
+    except OSError as e:
+        what["error"] = f"could not start {action['argv'][0]}: {e.strerror or e}"
+    ledger.started(key, action["kind"], what)
+    ledger.save()
+    return what
 
 
+# ---- the tool ----------------------------------------------------------------------------------
 def run(req: dict, ctx: Context) -> dict[str, Any]:
+    _check_policy(req["policy"])
     event, where = _load(req)
-    policy = req["policy"]
-    _trusted(event, where, policy["max_age_s"])
+    _trusted(event, where, req["policy"]["max_age_s"])
     runs_root = Path(req["runs_root"]).resolve()
     run_dir = _run_dir(runs_root, event, where)
-    incident = ev.incident(event)
-    base = {"event_id": event["event_id"], "type": event["type"], "run_id": event["run_id"], "incident": incident}
+    key = ev.incident(event)
+    base = {"event_id": event["event_id"], "type": event["type"], "run_id": event["run_id"], "incident": key}
     if ctx.dry_run:
         ledger = Ledger(runs_root, event["run_id"]).read()
-        return {**base, "dry_run": True, **_handle(event, incident, run_dir, ledger, req, ctx, dry=True)}
+        return {**base, "dry_run": True, **_handle(event, key, run_dir, ledger, req, ctx, dry=True)}
     with Ledger(runs_root, event["run_id"]) as ledger:
-        return {**base, **_handle(event, incident, run_dir, ledger, req, ctx, dry=False)}
+        return {**base, **_handle(event, key, run_dir, ledger, req, ctx, dry=False)}
 
 
-def _handle(event: dict[str, Any], incident: str, run_dir: Path, ledger: Ledger, req: dict, ctx: Context,
+def _handle(event: dict[str, Any], key: str, run_dir: Path, ledger: Ledger, req: dict, ctx: Context,
             dry: bool) -> dict[str, Any]:
     first = ledger.seen(event["event_id"])
-    if first:
-        return {"verdict": "duplicate", "duplicate_of": event["event_id"], "actions": [],
-                "facts": {"first_seen": first}}
-    claimed = ledger.claimed(incident)
-    if claimed:
-        if not dry:
-            ledger.note(event, "duplicate", incident)
-            ledger.save()
-        return {"verdict": "duplicate", "duplicate_of": claimed["event_id"], "actions": [],
-                "facts": {"incident_actions": claimed["actions"], "applied": claimed.get("applied", {})}}
-    run = actions.Run(run_dir, event)
-    verdict, todo, found = decide(event, run, ledger, req["policy"], folder(Path(req["runs_root"]).resolve(),
-                                                                            event["run_id"]) / "proposals", ctx)
+    decided = False
+    if first is None:
+        out = _take_report(event, key, run_dir, ledger, req, ctx, dry)
+        if out.get("verdict") == "noted":
+            return out
+        decided, found = out["decided"], out["facts"]
+    else:
+        found = {"first_seen": first}
+    record = ledger.incident(key)
+    if record is None:  # an event seen before that opened no incident (a start, a checkpoint)
+        return {"verdict": "duplicate", "duplicate_of": event["event_id"], "actions": [], "facts": found}
     now = time.time()
+    answered, started = [], False
+    for action in (a for a in record["actions"] if isinstance(a, dict)):
+        judged = _judge(action, record.get("cause", ""), key, ledger, req, now)
+        if req["apply"] and judged["allowed"]:
+            judged["applied"] = {"dry_run": True, "would_run": judged.get("commands", [])} if dry else \
+                _start(judged, actions.Run(run_dir, event), key, ledger, now)
+            started = True
+            if not dry:
+                ctx.progress(f"on-event: {judged['kind']} started, output {judged['applied']['output']}")
+        answered.append(judged)
+    verdict = "handled" if decided or started else "pending" if any(_waiting(a) for a in answered) else "duplicate"
+    out = {"verdict": verdict, "cause": record.get("cause"), "actions": answered if verdict != "duplicate" else [],
+           "facts": found}
+    if verdict == "duplicate":
+        out["duplicate_of"] = record.get("decided_by", record["event_id"])
+        out["facts"] = {**found, "incident_actions": [a["kind"] for a in answered], "applied": record["applied"]}
+    return out
+
+
+def _waiting(action: dict[str, Any]) -> bool:
+    """An action that could still start for this incident: allowed, or waiting for a person's yes."""
+    return action["kind"] in RELAUNCHING and bool(action.get("argv")) and not action.get("applied")
+
+
+def _take_report(event: dict[str, Any], key: str, run_dir: Path, ledger: Ledger, req: dict, ctx: Context,
+                 dry: bool) -> dict[str, Any]:
+    """A report not seen before: recorded, merged into its incident, and the incident decided when
+    it is new or this report names a more specific cause."""
+    kind = event["type"]
+    if kind in ("job.started", "checkpoint.saved"):
+        if not dry:
+            ledger.note(event, "noted", None)
+            if kind == "checkpoint.saved":
+                details = event.get("details", {})
+                ledger.checkpoint(details.get("checkpoint_iteration", -1), details.get("loss"))
+            ledger.save()
+        return {"verdict": "noted", "actions": [{"kind": "record", "needs_person": False, "why": f"{kind} recorded"}],
+                "facts": {}}
+    run = actions.Run(run_dir, event)
+    found = actions.facts(run, event, ctx)
+    cause = actions.cause(event, found)
+    quiet = _only_noted(event, cause, run, ledger, found)
+    known = ledger.incident(key)
+    ledger.note(event, "noted" if quiet else "reported", key)
+    record = ledger.report(key, event, cause if not quiet or kind == "node.failure" else None)
+    if quiet:
+        if not known:  # a report that asks nothing opens no incident of its own
+            if kind != "node.failure":
+                del ledger.data["incidents"][key]
+        if not dry:
+            ledger.save()
+        return {"verdict": "noted", "cause": cause, "actions": [quiet], "facts": found}
+    best = _most_specific(record)
+    if record["actions"] and not actions.more_specific(best, record.get("cause")):
+        if not dry:
+            ledger.save()
+        return {"decided": False, "facts": found}
+    nodes = list(dict.fromkeys(n for r in record["reports"] for n in r.get("nodes", [])))
+    todo = decide(event, best, nodes, run, found, _running(run, ledger, event), req["policy"],
+                  ledger.dir / "proposals", ctx)
+    ledger.decide(key, event, best, todo)
+    if not dry:
+        ledger.save()  # the decision before anything starts
+        _write_proposals(todo, ledger)
+    return {"decided": True, "facts": found}
+
+
+def _most_specific(record: dict[str, Any]) -> str:
+    """The incident's cause: the most specific any of its reports gave (the earliest among equals)."""
+    causes = [r["cause"] for r in record["reports"] if r.get("cause")]
+    best = causes[0]
+    for cause in causes[1:]:
+        if actions.more_specific(cause, best):
+            best = cause
+    return best
+
+
+def _write_proposals(todo: list[dict[str, Any]], ledger: Ledger) -> None:
+    """The proposed train requests, so that the commands run as shown."""
     for action in todo:
-        _policy(action, ledger, req["policy"], now)
-    if dry:
-        return {"verdict": verdict, "actions": [_shown(a, req["apply"]) for a in todo], "facts": found}
-    ledger.note(event, verdict, incident)
-    if event["type"] == "checkpoint.saved":
-        ledger.checkpoint(event.get("details", {}).get("checkpoint_iteration", -1), event.get("details", {}).get("loss"))
-    if verdict == "handled":
-        ledger.claim(incident, event, [a["kind"] for a in todo])
-    ledger.save()  # before anything starts: a crash from here on never starts it twice
-    for action in todo:
-        for f in action.get("files", []):  # the proposed requests, so that the commands run as shown
+        for f in action.get("files", []):
             path = Path(f["path"])
             if path.parent == ledger.dir / "proposals" and not path.exists():
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(f["content"])
-        if req["apply"] and action.get("allowed"):
-            ledger.count_relaunch(now)
-            ledger.save()
-            action["applied"] = _apply(action, run)
-            ledger.applied(incident, action["kind"], action["applied"])
-            ledger.save()
-            ctx.progress(f"on-event: {action['kind']} started (pid {action['applied']['pid']}), output "
-                         f"{action['applied']['output']}")
-    return {"verdict": verdict, "actions": todo, "facts": found}
-
-
-def _shown(action: dict[str, Any], apply: bool) -> dict[str, Any]:
-    if apply and action.get("allowed"):
-        return {**action, "applied": {"dry_run": True, "would_run": action.get("commands", [])}}
-    return action
 
 
 TOOL = Tool(name="on-event", summary="Handle a training event (job failed, stalled, NaN, finished, ...): check "
-                     "it, drop duplicates, answer the intended actions; --apply starts those the policy allows.",
-            run=run)
+                     "it, merge it into its incident, answer the intended actions; --apply starts those the policy "
+                     "allows or the user approved, once per incident.", run=run)
