@@ -98,7 +98,7 @@ def test_tokens_per_s_from_the_logs_own_argument_dump(tmp_path):
 
 def test_out_of_memory_advice_follows_the_traceback(tmp_path):
     frames = {
-        "unfused_attention": ['  File "megatron/core/transformer/dot_product_attention.py", line 160, in forward',
+        "attention_scores": ['  File "megatron/core/transformer/dot_product_attention.py", line 160, in forward',
                               "    matmul_result = torch.baddbmm("],
         "logits": ['  File "megatron/core/models/common/language_module/language_module.py", line 90, in '
                    'compute_language_model_loss', "    loss = tensor_parallel.vocab_parallel_cross_entropy(logits)"],
@@ -110,8 +110,8 @@ def test_out_of_memory_advice_follows_the_traceback(tmp_path):
         res = call("logs", {"log": str(log)})["result"]
         oom = next(f for f in res["failures"] if f["code"] == "out_of_memory")
         assert oom["site"] == site, oom
-        assert ("flash" if site == "unfused_attention" else "cross-entropy") in oom["fix"]
-    res = call("logs", {"log": str(tmp_path / "unfused_attention.log")})["result"]
+        assert ("flash" if site == "attention_scores" else "cross-entropy") in oom["fix"]
+    res = call("logs", {"log": str(tmp_path / "attention_scores.log")})["result"]
     assert any("SDPA" in h or "flash" in h for h in res["hints"])
 
 
@@ -166,7 +166,7 @@ def test_a_stock_local_attention_oom_is_traced_to_its_scores_and_planned_around(
     log.write_text("\n".join(lines) + "\n")
     r = call("logs", {"log": str(log), "gpu": "h200"})["result"]
     oom = next(f for f in r["failures"] if f["code"] == "out_of_memory")
-    assert oom["site"] == "unfused_attention" and "SDPA" in oom["fix"] and oom["ranks"] == [0]
+    assert oom["site"] == "attention_scores" and "SDPA" in oom["fix"] and oom["ranks"] == [0]
     pred = r["prediction"]
     assert pred["assumed"]["attention"].startswith("unfused") and pred["predicted_peak_gib"] > pred["gpu_gib"]
     assert pred["plan"]["peak_gib"] < pred["gpu_gib"] and r["state"] == "failed"
@@ -220,3 +220,86 @@ def test_skipped_iterations_and_a_node_failure(tmp_path):
     r = call("logs", {"log": str(log)})["result"]
     assert [f["code"] for f in r["failures"]] == ["node_failure"]
     assert r["skipped_iterations"] == 2 and any("2 iteration(s) skipped" in h for h in r["hints"])
+
+
+# ---- out of memory: the site from the traceback's frames, the fixes from the run's arguments ----
+FIXTURES = Path(__file__).parent / "fixtures" / "logs"
+
+
+def _oom(res):
+    return next(f for f in res["failures"] if f["code"] == "out_of_memory")
+
+
+def test_an_unfused_attention_oom_at_micro_batch_8_gets_fixes_that_fit_the_run():
+    """The scores of one layer (8 x 16 heads x 8192^2 in bf16) were being allocated: the fixes are
+    attention without S x S scores and a smaller micro-batch; the run has the distributed
+    optimizer already, so it is not suggested."""
+    env = call("logs", {"log": str(FIXTURES / "oom-unfused-attention-mbs8.log"), "gpu": "h100-sxm"})
+    assert env["ok"], env
+    oom = _oom(env["result"])
+    assert oom["site"] == "attention_scores" and "dot_product_attention.py:194" in oom["frame"], oom
+    assert "flash" in oom["fixes"][0] and "about 16.0 GiB" in oom["fixes"][0]
+    assert any("--micro-batch-size from 8" in f for f in oom["fixes"])
+    assert "--use-distributed-optimizer" not in oom["fix"] and sorted(oom["ranks"]) == [0, 4]
+    assert oom["run"]["micro_batch_size"] == 8 and oom["run"]["unfused_attention"]
+
+
+def test_an_adam_step_oom_with_the_distributed_optimizer_at_dp1_is_not_told_to_shard():
+    """torch's foreach Adam died in _foreach_sqrt; the distributed optimizer is on and DP is 1, where
+    it shards nothing: the answer says so and offers what helps instead."""
+    env = call("logs", {"log": str(FIXTURES / "oom-adam-foreach-distopt-dp1.log"), "gpu": "h100-sxm"})
+    assert env["ok"], env   # the plan beside it finds no layout: a hint, not an internal error
+    oom = _oom(env["result"])
+    assert oom["site"] == "optimizer_step" and "_foreach_sqrt" in oom["frame"], oom
+    assert "--use-distributed-optimizer" not in oom["fix"]
+    assert "DP 1" in oom["fix"] and "fused Adam" in oom["fix"] and "--optimizer-cpu-offload" in oom["fix"]
+    assert any("no layout" in h for h in env["result"]["hints"])
+
+
+def _frames(*places):
+    out = ["[rank0]: Traceback (most recent call last):"]
+    for path, func, code in places:
+        out += [f'[rank0]:   File "/opt/pkgs/{path}", line 10, in {func}', f"[rank0]:     {code}"]
+    return out + ["[rank0]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB."]
+
+
+TRAIN = ("megatron/training/training.py", "train_step", "losses_reduced = forward_backward_func(")
+SITES = {
+    # the innermost frame is a generic linear layer: the output layer above it names the site
+    "logits": [TRAIN, ("megatron/core/models/gpt/gpt_model.py", "forward", "logits, _ = self.output_layer("),
+               ("megatron/core/tensor_parallel/layers.py", "forward", "output_parallel = self._forward_impl(")],
+    # a load reaches the optimizer's code: it is the load that failed
+    "checkpoint_load": [("megatron/training/checkpointing.py", "load_checkpoint",
+                         "optimizer.load_state_dict(state_dict['optimizer'])"),
+                        ("megatron/core/optimizer/distrib_optimizer.py", "load_state_dict",
+                         "self.load_parameter_state_from_dp_zero(")],
+    "activations": [TRAIN, ("megatron/core/pipeline_parallel/schedules.py", "backward_step",
+                            "custom_backward(output_tensor[0], output_tensor_grad[0])"),
+                    ("torch/autograd/graph.py", "_engine_run_backward",
+                     "return Variable._execution_engine.run_backward(")],
+}
+
+
+def test_the_site_comes_from_the_frames_of_the_last_traceback(tmp_path):
+    """An earlier traceback (a warning's, inside the optimizer) does not decide the site of the
+    out-of-memory error below it; a site named by an outer frame beats a generic inner one."""
+    earlier = _frames(("torch/optim/adam.py", "step", "adam("))[:-1] + ["[rank0]: UserWarning: a passing notice"]
+    for site, places in SITES.items():
+        log = tmp_path / f"{site}.log"
+        log.write_text("\n".join([f"[rank0]: {x}" for x in _dump(**ONE_B)] + earlier + _frames(*places)) + "\n")
+        oom = _oom(call("logs", {"log": str(log)})["result"])
+        assert oom["site"] == site, (site, oom)
+        assert oom["fixes"] and "--use-distributed-optimizer" not in oom["fix"]
+
+
+def test_sharding_is_suggested_only_where_it_shards(tmp_path):
+    step = _frames(TRAIN[:2] + ("optimizer.step()",), ("torch/optim/adam.py", "_multi_tensor_adam",
+                                                       "torch._foreach_add_(device_exp_avgs, device_grads)"))
+    for dp, distopt, suggested in ((4, False, True), (1, False, False), (4, True, False)):
+        args = {**ONE_B, "world_size": dp, "data_parallel_size": dp, "use_distributed_optimizer": distopt}
+        log = tmp_path / f"dp{dp}-{distopt}.log"
+        log.write_text("\n".join(_dump(**args) + step) + "\n")
+        oom = _oom(call("logs", {"log": str(log)})["result"])
+        assert oom["site"] == "optimizer_step"
+        assert ("--use-distributed-optimizer" in oom["fix"]) is suggested, (dp, distopt, oom["fix"])
+        assert ("DP 1" in oom["fix"]) is (dp == 1)

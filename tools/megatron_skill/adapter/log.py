@@ -10,6 +10,7 @@ what it can read from each line and counts the rest.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from typing import Any, Iterable
@@ -98,23 +99,6 @@ ARGS_READ = ("seq_length", "micro_batch_size", "global_batch_size", "world_size"
              "expert_model_parallel_size", "num_layers", "hidden_size", "num_attention_heads", "transformer_impl",
              "attention_backend", "fp8", "recompute_granularity", "sequence_parallel")
 
-# Where an out-of-memory error happened, read from the traceback's frames just above it: the
-# frame names what to change.
-OOM_SITES = [
-    ("unfused_attention", re.compile(r"baddbmm|dot_product_attention\.py|attention_scores|scaled_masked_softmax"),
-     "the S x S attention scores of unfused attention (Megatron's local DotProductAttention keeps them)",
-     "use flash / cuDNN attention: Transformer Engine with --attention-backend flash (or auto), or the skill's "
-     "entry script, whose local layers run torch SDPA ('launch.py render' writes it)"),
-    ("logits", re.compile(r"cross_entropy|output_layer|vocab_parallel|compute_language_model_loss|logits"),
-     "the output layer's logits or the cross-entropy over them",
-     "--cross-entropy-loss-fusion (TE) or the skill's fused output layer + cross-entropy, a smaller "
-     "--micro-batch-size, or more TP (the vocabulary is split over TP)"),
-    ("optimizer", re.compile(r"optimizer\.py|distrib_optimizer|\.step\(|adam", re.I),
-     "the optimizer's state (fp32 master weights and Adam moments)",
-     "--use-distributed-optimizer (shards it over data parallel), or more PP / EP"),
-]
-
-
 def _arg_value(text: str) -> Any:
     if text in ("True", "False"):
         return text == "True"
@@ -166,7 +150,7 @@ def parse(lines: Iterable[str]) -> dict[str, Any]:
             finished = True
         if SKILL_NOTE in line and "SDPA core attention" in line:
             arguments["skill_entry"] = True   # the skill's entry said which attention it runs
-        recent = (recent + [line])[-80:]
+        recent = (recent + [line])[-400:]
         m = MEMORY.search(line)
         if m:
             rank = int(m.group(1))
@@ -191,22 +175,220 @@ def parse(lines: Iterable[str]) -> dict[str, Any]:
                 failure = {"code": code, "line": n, "text": line.strip()[:300], "meaning": meaning, "fix": fix,
                            "ranks": [] if rank is None else [rank]}
                 if code == "out_of_memory":
-                    failure.update(_oom_site(recent))
+                    failure["frames"] = traceback_frames(recent)   # read once the arguments are known
                 failures.append(failure)
             elif rank is not None and rank not in seen["ranks"] and len(seen["ranks"]) < 64:
                 seen["ranks"].append(rank)
+    for failure in failures:
+        if failure["code"] == "out_of_memory":
+            failure.update(oom_advice(failure.pop("frames"), arguments))
     return {"iterations": [iterations[k] for k in sorted(iterations)], "memory": memory,
             "failures": failures, "unreadable_lines": unreadable, "arguments": arguments, "starts": dumps,
             "finished": finished, "last_time": last_stamp}
 
 
-def _oom_site(frames: list[str]) -> dict[str, str]:
-    """The innermost recognised frame of the traceback above an out-of-memory error."""
-    for line in reversed(frames):
-        for site, rx, meaning, fix in OOM_SITES:
-            if rx.search(line):
-                return {"site": site, "meaning": f"out of GPU memory in {meaning}", "fix": fix}
-    return {}
+# ---- out of memory: where, from the traceback's frames, and what fits the run -------------
+# A frame of a Python traceback, as torch's and Megatron's ranks print it (a rank prefix aside).
+FRAME = re.compile(r'File "(?P<path>[^"]+)", line (?P<line>\d+), in (?P<func>[\w<>.]+)')
+
+# Where an allocation failed, by the frames of the traceback above the error. Tried in this
+# order (the first site any frame names wins: a checkpoint load reaches the optimizer's code,
+# an output layer reaches a generic linear layer); activations is what is left of a forward
+# or backward through the layers. Each: its code, the frames that name it, what it holds, and
+# its fix where the log has no argument dump to fit the fix to.
+OOM_SITES = (
+    ("checkpoint_load", re.compile(r"checkpointing\.py|load_checkpoint|dist_checkpointing"),
+     "loading the checkpoint", "see the fixes for a load: a torch_dist checkpoint, --no-load-optim"),
+    ("optimizer_step", re.compile(r"torch/optim/|_multi_tensor_adam|_fused_adam|_foreach_|optimizer\.step\(|"
+                                  r"distrib_optimizer\.py|megatron/core/optimizer/"),
+     "the optimizer step (fp32 master weights, Adam moments and the step's temporaries)",
+     "--use-distributed-optimizer where DP > 1 and it is off (it shards over data parallel only, nothing at DP 1); "
+     "more PP or TP; a fused Adam (Transformer Engine's or apex's)"),
+    ("logits", re.compile(r"output_layer|cross_entropy|fused_head|vocab_parallel|compute_language_model_loss"),
+     "the output layer's logits or the cross-entropy over them",
+     "--cross-entropy-loss-fusion, or the skill's fused output layer + cross-entropy; a smaller --micro-batch-size; "
+     "more TP (the vocabulary is split over TP)"),
+    ("attention_scores", re.compile(r"dot_product_attention|core_attention|baddbmm|fused_softmax|"
+                                    r"scaled_masked_softmax|attention_scores|flash_attn"),
+     "core attention (with unfused attention, its S x S scores)",
+     "where attention is unfused (--transformer-impl local with Megatron's entry), flash / cuDNN attention: Transformer "
+     "Engine with --attention-backend flash, or the skill's entry script (torch SDPA); else a smaller "
+     "--micro-batch-size or selective recompute"),
+    ("activations", re.compile(r"megatron/core/(transformer|tensor_parallel|models)/|torch/autograd/|backward"),
+     "the activations of the layers, in the forward or the backward",
+     "lower --micro-batch-size, add recompute (--recompute-granularity selective or full), or raise TP/PP"),
+)
+
+
+def traceback_frames(lines: list[str]) -> list[str]:
+    """The frames of the last traceback in lines, innermost last: each frame's place and the
+    code line under it ("path:line in func | code")."""
+    start = max((i for i, ln in enumerate(lines) if "Traceback (most recent call last)" in ln), default=0)
+    frames: list[str] = []
+    for i in range(start, len(lines)):
+        m = FRAME.search(lines[i])
+        if m:
+            nxt = lines[i + 1] if i + 1 < len(lines) else ""
+            code = "" if FRAME.search(nxt) else re.sub(r"^(\[\w*rank\d+\]:)?\s*", "", nxt).strip()
+            frames.append(f"{m['path'].replace(chr(92), '/')}:{m['line']} in {m['func']} | {code}")
+    return frames
+
+
+def oom_site(frames: list[str]) -> tuple[str, str, str] | None:
+    """(site, what it holds, the innermost frame that names it), or None."""
+    for site, rx, meaning, _ in OOM_SITES:
+        frame = next((f for f in reversed(frames) if rx.search(f)), None)
+        if frame is not None:
+            return site, meaning, frame
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class RunFacts:
+    """What a run's argument dump says that decides which fix helps (None: no dump)."""
+    mbs: int
+    gbs: int | None
+    dp: int
+    tp: int
+    pp: int
+    cp: int
+    seq: int | None
+    heads: int | None
+    distributed_optimizer: bool
+    recompute: str | None
+    unfused_attention: bool
+    fused_cross_entropy: bool
+    sequence_parallel: bool
+
+    @classmethod
+    def from_args(cls, args: dict[str, Any]) -> "RunFacts | None":
+        if not args:
+            return None
+        from . import described   # the attention path, read as validate reads it
+
+        def n(key: str, default: int | None = 1) -> int | None:
+            v = args.get(key)
+            return v if isinstance(v, int) and not isinstance(v, bool) else default
+
+        tp, pp, cp = n("tensor_model_parallel_size"), n("pipeline_model_parallel_size"), n("context_parallel_size")
+        world = n("world_size", None)
+        dp = n("data_parallel_size", None) or (max(1, world // (tp * pp * cp)) if world else 1)
+        ns = described.Args(args)
+        return cls(mbs=n("micro_batch_size"), gbs=n("global_batch_size", None), dp=dp, tp=tp, pp=pp, cp=cp,
+                   seq=n("seq_length", None), heads=n("num_attention_heads", None),
+                   distributed_optimizer=args.get("use_distributed_optimizer") is True,
+                   recompute=args.get("recompute_granularity") if isinstance(args.get("recompute_granularity"), str)
+                   else None, unfused_attention=described.attention_path(ns)[0] == "unfused",
+                   fused_cross_entropy=bool(args.get("cross_entropy_loss_fusion") or args.get("skill_linear_cross_entropy")),
+                   sequence_parallel=args.get("sequence_parallel") is True)
+
+
+def _smaller_micro_batch(run: RunFacts, why: str) -> list[str]:
+    if run.mbs <= 1:
+        return []
+    keep = f": the global batch stays {run.gbs} with more gradient-accumulation steps" if run.gbs else ""
+    return [f"lower --micro-batch-size from {run.mbs} ({why}){keep}"]
+
+
+def _attention_fixes(run: RunFacts) -> list[str]:
+    if not run.unfused_attention:
+        return _smaller_micro_batch(run, "attention memory grows with it") + (
+            [f"--context-parallel-size 2 (splits the {run.seq}-token sequence)"] if (run.seq or 0) >= 8192 else [])
+    scores = ""
+    if run.heads and run.seq:
+        gib = run.mbs * run.heads / run.tp * run.seq ** 2 * 2 / 2 ** 30
+        scores = f" (one layer's scores: {run.mbs} x {run.heads // run.tp} heads x {run.seq}^2, about {gib:.1f} GiB)"
+    out = ["use attention that keeps no S x S scores: Transformer Engine's layers (--transformer-impl "
+           "transformer_engine --attention-backend flash or auto), or the skill's entry script (torch SDPA) with the "
+           f"local layers; this run's unfused DotProductAttention materialises them{scores}"]
+    out += _smaller_micro_batch(run, "the scores grow with it")
+    if run.recompute != "selective":
+        out.append("--recompute-granularity selective (core attention recomputed: no layer keeps its scores for the "
+                   "backward)")
+    return out
+
+
+def _logits_fixes(run: RunFacts) -> list[str]:
+    out = [] if run.fused_cross_entropy else [
+        "--cross-entropy-loss-fusion (no fp32 copy of the logits), or the skill's entry script with its fused output "
+        "layer + cross-entropy (--skill-linear-cross-entropy: the logits are never whole)"]
+    out += _smaller_micro_batch(run, "the logits are micro-batch x sequence x vocabulary")
+    if run.tp < 8:
+        out.append(f"raise --tensor-model-parallel-size from {run.tp} (the vocabulary, and the logits, split over TP)")
+    return out
+
+
+def _optimizer_fixes(run: RunFacts, frame: str) -> list[str]:
+    out = []
+    if "_foreach_" in frame or "_multi_tensor_adam" in frame:
+        out.append("the step died in torch's multi-tensor (foreach) Adam, whose temporaries are as large as a whole "
+                   "parameter group's moments: a fused Adam (Transformer Engine's or apex's, which Megatron takes "
+                   "when installed) steps in place")
+    if run.dp > 1 and not run.distributed_optimizer:
+        out.append(f"--use-distributed-optimizer (shards the master weights and moments over the {run.dp} "
+                   "data-parallel ranks)")
+    elif run.dp == 1:
+        had = "is on but " if run.distributed_optimizer else "would "
+        out.append(f"the distributed optimizer {had}shard{'s' if had.startswith('is') else ''} nothing at DP 1: "
+                   "run data-parallel replicas (more GPUs at the same TP x PP) to shard the optimizer state")
+    if run.distributed_optimizer:
+        out.append("--optimizer-cpu-offload --use-precision-aware-optimizer (the state and its step on the host)")
+    out.append(f"more GPUs for PP or TP (PP {run.pp} x TP {run.tp} now): each rank then steps fewer parameters")
+    return out
+
+
+def _activation_fixes(run: RunFacts) -> list[str]:
+    out = _smaller_micro_batch(run, "activations grow with it")
+    if run.recompute is None:
+        out.append("--recompute-granularity selective, or full with --recompute-method uniform")
+    elif run.recompute == "selective":
+        out.append("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1")
+    if run.tp > 1 and not run.sequence_parallel:
+        out.append("--sequence-parallel (splits the activations outside the TP regions over TP)")
+    if (run.seq or 0) >= 8192 and run.cp == 1:
+        out.append(f"--context-parallel-size 2 (splits the {run.seq}-token sequence)")
+    out.append(f"raise PP from {run.pp} (fewer layers, and their activations, on each rank)")
+    return out
+
+
+def _checkpoint_fixes(run: RunFacts | None) -> list[str]:
+    return ["the load ran out of memory before training started, so the layout's training memory is not the cause: "
+            "load a torch_dist checkpoint (--ckpt-format torch_dist, read shard by shard) rather than a legacy "
+            "torch one", "--no-load-optim where the optimizer state is not needed (the start of a fine-tune)",
+            "check that no other process holds memory on the GPU (nvidia-smi)"]
+
+
+def _generic_fixes(run: RunFacts | None) -> list[str]:
+    if run is None:
+        return ["lower --micro-batch-size, add recompute (--recompute-granularity selective or full), or raise TP/PP; "
+                "'launch.py plan' with the same model and GPUs predicts which layouts fit"]
+    return _activation_fixes(run) + (["--use-distributed-optimizer"] if run.dp > 1 and not run.distributed_optimizer
+                                     else [])
+
+
+def oom_advice(frames: list[str], args: dict[str, Any]) -> dict[str, Any]:
+    """Where an out-of-memory error happened (its traceback's frames) and the fixes that fit the
+    run's own arguments (its dump): never one it already has, never sharding at DP 1."""
+    run = RunFacts.from_args(args)
+    found = oom_site(frames)
+    out: dict[str, Any] = {}
+    if found is None:
+        fixes = _generic_fixes(run)
+    else:
+        site, meaning, frame = found
+        out.update(site=site, frame=frame, meaning=f"out of GPU memory in {meaning}")
+        without_dump = next(fix for code, _, _, fix in OOM_SITES if code == site)
+        by_site = {"checkpoint_load": lambda: _checkpoint_fixes(run), "optimizer_step": lambda: _optimizer_fixes(run, frame),
+                   "logits": lambda: _logits_fixes(run), "attention_scores": lambda: _attention_fixes(run),
+                   "activations": lambda: _activation_fixes(run)}
+        fixes = by_site[site]() if run is not None or site == "checkpoint_load" else [without_dump]
+    if run is not None:
+        out["run"] = {"micro_batch_size": run.mbs, "data_parallel_size": run.dp, "tensor_parallel_size": run.tp,
+                      "pipeline_parallel_size": run.pp, "distributed_optimizer": run.distributed_optimizer,
+                      "recompute": run.recompute, "unfused_attention": run.unfused_attention}
+    out["fixes"] = fixes
+    out["fix"] = "; ".join(fixes)
+    return out
 
 
 def summarize(parsed: dict[str, Any], seq_length: int | None = None, peak_tflops: float | None = None,

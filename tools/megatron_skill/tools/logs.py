@@ -83,7 +83,8 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
     fitting = (summary.get("prediction") or {}).get("plan")
     if fitting and any(f["code"] == "out_of_memory" for f in summary.get("failures", [])):
         hints.append(f"plan for this model on {fitting['num_gpus']} x {fitting['gpu']}: {fitting['label']} fits at "
-                     f"{fitting['peak_gib']} GiB ('launch.py plan' with the same model gives the arguments)")
+                     f"{fitting['peak_gib']} GiB ('launch.py plan' with the same model gives the arguments)"
+                     if "label" in fitting else f"plan for this model on these GPUs: {fitting['error']}")
     for a in summary.get("anomalies", []):
         if a["kind"] == "loss_spike":
             hints.append(f"loss spike at iteration {a['iteration']} ({a['before']:.3g} -> {a['loss']:.3g}): "
