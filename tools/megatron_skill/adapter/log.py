@@ -264,7 +264,7 @@ class RunFacts:
     def from_args(cls, args: dict[str, Any]) -> "RunFacts | None":
         if not args:
             return None
-        from . import described   # the attention path, read as validate reads it
+        from . import described  # the attention path, read as validate reads it
 
         def n(key: str, default: int | None = 1) -> int | None:
             v = args.get(key)
