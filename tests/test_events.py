@@ -554,18 +554,21 @@ def test_a_killed_run_emits_job_failed_and_resumes_once_with_its_loss_carrying_o
     killed_at = _checkpoint(runs)
     before = dict(_losses(run_dir / "logs" / "train.log"))
 
-    # The tool answers resume with the exact command; apply starts it.
+    # A plain SIGKILL: the tool answers resume with the exact command, for a person to allow.
     out = _on_event(failed, runs, apply=True, policy={"backoff_s": 0})["result"]
     (action,) = out["actions"]
-    assert action["kind"] == "resume" and action["allowed"] and action["applied"]["pid"]
+    assert action["kind"] == "resume" and action["needs_person"] and not action.get("applied")
     assert action["commands"] == [f"cd {tmp_path} && {sys.executable} {ROOT / 'tools' / 'launch.py'} train "
                                   f"--request {run_dir / 'request.json'}"]
+    # The user allows it: the same event with the approval starts it.
+    out = _on_event(failed, runs, apply=True, approve=["resume"], policy={"backoff_s": 0})["result"]
+    assert out["verdict"] == "handled" and out["actions"][0]["applied"]["pid"]
     # The same event again, and the same end reported by a second emitter: no second resume.
-    assert _on_event(failed, runs, apply=True, policy={"backoff_s": 0})["result"]["verdict"] == "duplicate"
+    assert _on_event(failed, runs, apply=True, approve=["resume"])["result"]["verdict"] == "duplicate"
     subprocess.run(EMIT + ["send", "--end", "--exit-code", "137", "--emitter", "scheduler", "--run-id", failed["run_id"],
                            "--job-id", failed["job"]["job_id"], "--run-dir", str(run_dir)], check=True, timeout=60)
     second = [e for e in receiver.events("job.failed") if e["emitter"] == "scheduler"][0]
-    assert _on_event(second, runs, apply=True, policy={"backoff_s": 0})["result"]["verdict"] == "duplicate"
+    assert _on_event(second, runs, apply=True, approve=["resume"])["result"]["verdict"] == "duplicate"
 
     state = _wait(lambda: (json.loads((run_dir / "state.json").read_text()).get("status") == "finished"
                            and json.loads((run_dir / "state.json").read_text())), 300, "the resumed run to finish")

@@ -6,9 +6,11 @@
                                                     # signal and known failure read from the log
     emit_event.py watch --log LOG --pid PID ...     # checkpoints, NaN / spikes, slowdowns, NCCL
                                                     # and node failures, stalls; exits with PID
+    emit_event.py flush --run-dir DIR               # deliver what the run's outbox still holds
 
 Every event is appended to RUN_DIR/events.jsonl; where MEGATRON_SKILL_EVENTS_URL is set it is
-POSTed there as {"source": "megatron-skill", "event": {...}}, with the bearer token in
+POSTed there as {"source": "megatron-skill", "event": {...}} (through RUN_DIR/events.outbox.jsonl,
+which later calls retry; a job.started from a process of its own), with the bearer token in
 MEGATRON_SKILL_EVENTS_TOKEN and signed with MEGATRON_SKILL_EVENTS_SECRET (or the file named by
 MEGATRON_SKILL_EVENTS_SECRET_FILE). The job's id comes from SLURM_JOB_ID or
 MEGATRON_SKILL_JOB_ID unless --job-id gives it. This program always exits 0: a receiver that
@@ -19,12 +21,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import socket
 import sys
 from pathlib import Path
 
 from megatron_skill.events import emit as emitter
 from megatron_skill.events import event as ev
+
+HOSTLIST = re.compile(r"[A-Za-z0-9][A-Za-z0-9._,\[\]-]{0,254}")  # schemas/event.json's job.nodes
 
 
 def _job(args: argparse.Namespace) -> dict:
@@ -34,7 +39,13 @@ def _job(args: argparse.Namespace) -> dict:
             "scheduler": args.scheduler or ("slurm" if slurm else "torchrun"),
             "attempt": int(env["SLURM_RESTART_COUNT"]) if env.get("SLURM_RESTART_COUNT", "").isdigit() else None,
             "host": socket.gethostname()[:255],
-            "nodes": [env["SLURM_JOB_NODELIST"][:255]] if env.get("SLURM_JOB_NODELIST") else None}
+            "nodes": _nodes(args.nodes or env.get("SLURM_JOB_NODELIST"))}
+
+
+def _nodes(hostlist: str | None) -> list[str] | None:
+    """The job's nodes as the scheduler writes them (gpu[03-04],cpu7), kept whole; anything else
+    (Slurm's "(null)" before the job has nodes) is left out."""
+    return [hostlist] if hostlist and HOSTLIST.fullmatch(hostlist) else None
 
 
 def _identity(args: argparse.Namespace) -> dict:
@@ -69,8 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
                        choices=["job", "watcher", "train", "scheduler", "monitor"])
         s.add_argument("--log")
         s.add_argument("--layout", help="the layout as a JSON object of integers (tp, pp, dp, mbs, ...)")
-        s.add_argument("--deadline-s", type=float, default=10.0, help="at most this long to deliver one event")
+        s.add_argument("--nodes", help="the job's nodes (Slurm's hostlist, e.g. gpu[03-04]); default SLURM_JOB_NODELIST")
+        s.add_argument("--deadline-s", type=float, default=emitter.DEADLINE_S,
+                       help="at most this long to deliver one event and those still waiting")
         s.add_argument("--print", action="store_true", help="print each event and its delivery on stdout")
+    flush = sub.add_parser("flush", help="deliver the events the run's outbox still holds")
+    flush.add_argument("--run-dir", required=True)
+    flush.add_argument("--deadline-s", type=float, default=emitter.DEADLINE_S)
     send, watch = sub.choices["send"], sub.choices["watch"]
     send.add_argument("--type", choices=sorted(ev_types()))
     send.add_argument("--end", action="store_true", help="the job ended: job.finished or job.failed by --exit-code")
@@ -88,6 +104,8 @@ def main(argv: list[str]) -> int:
     except SystemExit as e:  # a bad flag must not fail the job that calls this
         return 0 if e.code in (0, None) else _refuse("bad arguments")
     try:
+        if args.command == "flush":
+            return _flush(args)
         if args.command == "watch":
             emitter.watch(Path(args.log), args.pid, lambda kind, details: _send(args, kind, details),
                           stall_s=args.stall_s, poll_s=args.poll_s)
@@ -104,6 +122,15 @@ def main(argv: list[str]) -> int:
         _send(args, kind, details)
     except Exception as e:  # noqa: BLE001 -- never fail the job over an event
         return _refuse(f"{type(e).__name__}: {e}")
+    return 0
+
+
+def _flush(args: argparse.Namespace) -> int:
+    url = os.environ.get(ev.URL_ENV)
+    if url and Path(args.run_dir).is_dir():
+        for event_id, status in emitter.flush(Path(args.run_dir), url, os.environ.get(ev.TOKEN_ENV),
+                                              args.deadline_s).items():
+            print(f"emit: {event_id}: {status}", file=sys.stderr)
     return 0
 
 

@@ -1,7 +1,9 @@
 """The emitter side: record an event in the run directory and POST it where the environment says.
 
-Nothing here may slow or fail training: every POST has a short timeout and a total deadline,
-errors are reported on stderr and swallowed, and the caller always gets on.  Only the Python
+Nothing here may slow or fail training: every POST has a timeout and a total deadline, a job's
+start is delivered by a process of its own, errors are reported on stderr and swallowed, and the
+caller always gets on. What is not delivered stays in the run's outbox, and the next emitter call
+of the run tries it again (until it is an hour old: on-event would refuse it then).  Only the Python
 standard library is used (and the skill's log patterns), so the job's own Python runs it.
 """
 from __future__ import annotations
@@ -10,6 +12,7 @@ import json
 import os
 import re
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -20,6 +23,7 @@ from typing import Any
 
 from ..adapter import log as megatron_log
 from . import event as ev
+from .files import read_tail
 
 RECORD = "events.jsonl"  # in the run directory: every event the run's emitters made, one per line
 TAIL_LINES = 20
@@ -41,12 +45,26 @@ def record(run_dir: Path | None, event: dict[str, Any]) -> None:
         print(f"emit: cannot record the event in {run_dir}: {e.strerror}", file=sys.stderr)
 
 
-def post(event: dict[str, Any], url: str, token: str | None, deadline_s: float = 10.0, tries: int = 3) -> str:
-    """POST the event's body; 'delivered', or why not. Retries server errors and unreachable
-    receivers with a short back-off until tries or the deadline run out; a refusal (4xx) is not
-    retried. A receiver that accepts and never answers costs at most deadline_s."""
+# A Gateway admits a hook in 0.5 to 14 s (it starts an agent turn first): one try waits this long,
+# so that a slow admission is not cut off and sent again.
+TRY_TIMEOUT_S = 20.0
+DEADLINE_S = 30.0  # all tries of one event at a job's end, and of the events still waiting
+OUTBOX = "events.outbox.jsonl"  # in the run directory: events to deliver, and each one's outcome
+OUTBOX_MAX_AGE_S = 3600.0  # on-event refuses older events (policy.max_age_s): delivering them is moot
+BACKGROUND = ("job.started",)  # delivered by a process of its own: a job never waits at its start
+EMITTER = Path(__file__).resolve().parents[2] / "emit_event.py"
+
+
+def post(event: dict[str, Any], url: str, token: str | None, deadline_s: float = DEADLINE_S,
+         tries: int = 3) -> tuple[str, bool]:
+    """POST the event's body: ('delivered' or why not, whether that is final). The event id is
+    the Idempotency-Key, so a receiver answers a retry as the first try (OpenClaw gives it the
+    same run). Retries server errors and unreachable receivers with a short back-off until tries
+    or the deadline run out; a refusal (4xx) is final. A receiver that accepts and never answers
+    costs at most deadline_s."""
     data = json.dumps(ev.body(event), allow_nan=False).encode()
-    headers = {"Content-Type": "application/json", "User-Agent": "megatron-skill-events/1"}
+    headers = {"Content-Type": "application/json", "User-Agent": "megatron-skill-events/1",
+               "Idempotency-Key": event["event_id"]}
     if token:
         headers["Authorization"] = f"Bearer {token}"
     end = time.monotonic() + deadline_s
@@ -57,21 +75,95 @@ def post(event: dict[str, Any], url: str, token: str | None, deadline_s: float =
             break
         try:
             req = urllib.request.Request(url, data=data, headers=headers, method="POST")
-            with urllib.request.urlopen(req, timeout=min(5.0, left)) as resp:
-                return "delivered" if 200 <= resp.status < 300 else f"HTTP {resp.status}"
+            with urllib.request.urlopen(req, timeout=min(TRY_TIMEOUT_S, left)) as resp:
+                return ("delivered", True) if 200 <= resp.status < 300 else (f"HTTP {resp.status}", True)
         except urllib.error.HTTPError as e:
             why = f"HTTP {e.code}"
             if e.code < 500 and e.code != 429:
-                return why
+                return why, True
         except (urllib.error.URLError, OSError, ValueError) as e:
             why = str(getattr(e, "reason", e))
         time.sleep(max(0.0, min(0.5 * 2 ** attempt, end - time.monotonic())))
-    return why
+    return why, False
+
+
+# ---- the outbox: what is still to be delivered, kept across emitter calls ---------------------
+def _append(path: Path, record: dict[str, Any]) -> None:
+    """One line appended and flushed to disk (a crash right after still has it)."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        os.write(fd, (json.dumps(record, sort_keys=True, allow_nan=False) + "\n").encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def queue(run_dir: Path, event: dict[str, Any]) -> None:
+    _append(run_dir / OUTBOX, {"event": event})
+
+
+def waiting(run_dir: Path, now: float | None = None) -> list[dict[str, Any]]:
+    """The outbox's events with no outcome yet and younger than OUTBOX_MAX_AGE_S, oldest first."""
+    now = time.time() if now is None else now
+    try:
+        lines = (run_dir / OUTBOX).read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    queued, done = {}, set()
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # a line cut by a crash
+        if isinstance(record, dict) and isinstance(record.get("event"), dict):
+            queued.setdefault(record["event"].get("event_id"), record["event"])
+        elif isinstance(record, dict) and "done" in record:
+            done.add(record["done"])
+    return [e for i, e in queued.items() if i not in done and _young(e, now)]
+
+
+def _young(event: dict[str, Any], now: float) -> bool:
+    try:
+        return now - ev.parse_time(event["time"]) < OUTBOX_MAX_AGE_S
+    except (KeyError, TypeError, ValueError):
+        return False
+
+
+def flush(run_dir: Path, url: str, token: str | None, deadline_s: float = DEADLINE_S) -> dict[str, str]:
+    """Deliver what waits in the run's outbox, oldest first, within deadline_s; each outcome
+    (delivered, or refused) is appended. {event_id: status} for those tried. Another emitter
+    delivering from this outbox now leaves it to that one."""
+    import fcntl
+
+    end = time.monotonic() + deadline_s
+    tried: dict[str, str] = {}
+    with open(run_dir / (OUTBOX + ".lock"), "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return tried
+        for event in waiting(run_dir):
+            left = end - time.monotonic()
+            if left <= 0.05:
+                break
+            status, final = post(event, url, token, left)
+            tried[event["event_id"]] = status
+            if final:
+                _append(run_dir / OUTBOX, {"done": event["event_id"], "outcome": status})
+    return tried
+
+
+def _in_background(run_dir: Path, deadline_s: float) -> None:
+    """A process of its own delivers the outbox; this one goes on at once."""
+    subprocess.Popen([sys.executable, str(EMITTER), "flush", "--run-dir", str(run_dir), "--deadline-s",
+                      str(deadline_s)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                     stderr=subprocess.DEVNULL, start_new_session=True)
 
 
 def emit(event: dict[str, Any], run_dir: Path | None, env: dict[str, str] | None = None,
-         deadline_s: float = 10.0) -> dict[str, Any]:
-    """Sign, record and (where MEGATRON_SKILL_EVENTS_URL is set) POST one event."""
+         deadline_s: float = DEADLINE_S) -> dict[str, Any]:
+    """Sign, record and (where MEGATRON_SKILL_EVENTS_URL is set) deliver one event: through the
+    run's outbox, with the events earlier calls could not deliver; a start in the background."""
     env = os.environ if env is None else env
     secret = ev.secret_from_env(env)
     signed = ev.sign(event, secret)
@@ -79,10 +171,25 @@ def emit(event: dict[str, Any], run_dir: Path | None, env: dict[str, str] | None
         signed = ev.sign({**event, "details": {k: v for k, v in event["details"].items() if k != "log_tail"}}, secret)
     record(run_dir, signed)
     url = env.get(ev.URL_ENV)
-    status = post(signed, url, env.get(ev.TOKEN_ENV), deadline_s) if url else "no receiver (MEGATRON_SKILL_EVENTS_URL unset)"
-    if url:
-        print(f"emit: {signed['type']} {signed['event_id']}: {status}", file=sys.stderr)
+    if not url:
+        return {"event": signed, "delivery": "no receiver (MEGATRON_SKILL_EVENTS_URL unset)"}
+    status = _deliver(signed, Path(run_dir) if run_dir else None, url, env.get(ev.TOKEN_ENV), deadline_s)
+    print(f"emit: {signed['type']} {signed['event_id']}: {status}", file=sys.stderr)
     return {"event": signed, "delivery": status}
+
+
+def _deliver(signed: dict[str, Any], run_dir: Path | None, url: str, token: str | None, deadline_s: float) -> str:
+    if not run_dir or not run_dir.is_dir():
+        return post(signed, url, token, deadline_s)[0]
+    try:
+        queue(run_dir, signed)
+    except OSError as e:
+        print(f"emit: no outbox in {run_dir}: {e.strerror}; sending once", file=sys.stderr)
+        return post(signed, url, token, deadline_s)[0]
+    if signed["type"] in BACKGROUND:
+        _in_background(run_dir, deadline_s)
+        return "queued: delivering in the background"
+    return flush(run_dir, url, token, deadline_s).get(signed["event_id"], "queued: another emitter delivers it")
 
 
 # ---- what a job's end says --------------------------------------------------------------
@@ -98,10 +205,7 @@ def tail(log: Path | None, lines: int = TAIL_LINES) -> list[str]:
     if not log:
         return []
     try:
-        with open(log, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 64 * 1024))
-            text = f.read().decode("utf-8", errors="replace")
+        text = read_tail(log, 64 * 1024).decode("utf-8", errors="replace")
     except OSError:
         return []
     return [ln[:500] for ln in text.splitlines() if ln.strip()][-lines:]
