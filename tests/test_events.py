@@ -255,6 +255,20 @@ def test_a_later_node_failure_report_upgrades_a_kill_and_resumes_without_the_job
     assert out["actions"][0]["commands"] == [f"sbatch --chdir={sb} '--exclude=gpu[03-04]' {sb / 'launch.sbatch'}"]
 
 
+def test_the_watchers_nccl_report_gives_the_jobs_bare_end_its_cause(tmp_path, secret):
+    """The watcher saw the NCCL timeout while the job ran; the trap then reports a bare exit 1:
+    one incident, whose cause is the watcher's."""
+    run, marker = _marked_run(tmp_path)
+    assert _on_event(ev.sign(_event("job.started"), secret), tmp_path / "runs")["result"]["verdict"] == "noted"
+    seen = {**_event("node.failure", failure="nccl_timeout", message="collective timed out"), "emitter": "watcher"}
+    wait = _on_event(ev.sign(seen, secret), tmp_path / "runs")["result"]
+    assert wait["verdict"] == "noted" and wait["actions"][0]["kind"] == "wait"
+    end = _on_event(ev.sign(_event("job.failed", exit_code=1), secret), tmp_path / "runs", apply=True)["result"]
+    assert end["cause"] == "nccl_timeout" and end["incident"] == wait["incident"]
+    assert end["actions"][0]["kind"] == "resume" and end["actions"][0]["applied"]["pid"]
+    assert _starts(marker, 1) == 1
+
+
 def test_one_job_run_is_one_incident_whatever_reports_it():
     """Guards the incident key: every report of one job's end (trap, trigger, train, watcher)
     shares it, whatever its type; another job, or a stall, is another incident."""

@@ -314,16 +314,15 @@ def _take_report(event: dict[str, Any], key: str, run_dir: Path, ledger: Ledger,
     found = actions.facts(run, event, ctx)
     cause = actions.cause(event, found)
     quiet = _only_noted(event, cause, run, ledger, found)
-    known = ledger.incident(key)
-    ledger.note(event, "noted" if quiet else "reported", key)
-    record = ledger.report(key, event, cause if not quiet or kind == "node.failure" else None)
     if quiet:
-        if not known:  # a report that asks nothing opens no incident of its own
-            if kind != "node.failure":
-                del ledger.data["incidents"][key]
+        ledger.note(event, "noted", key)
+        if kind == "node.failure":  # its cause counts when the job's end arrives
+            ledger.report(key, event, cause)
         if not dry:
             ledger.save()
         return {"verdict": "noted", "cause": cause, "actions": [quiet], "facts": found}
+    ledger.note(event, "reported", key)
+    record = ledger.report(key, event, cause)
     best = _most_specific(record)
     if record["actions"] and not actions.more_specific(best, record.get("cause")):
         if not dry:
