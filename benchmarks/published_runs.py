@@ -4,9 +4,10 @@ what its publisher measured: the error in tokens/s per GPU (TFLOP/s per GPU wher
 published). plan's forecasts carry the error band of these rows (core/evidence.py).
 
     python benchmarks/published_runs.py          # prints the table and the summary
-    python benchmarks/published_runs.py --fit    # re-fits the three MoE constants of calibration.json
+    python benchmarks/published_runs.py --fit    # re-fits the four fitted constants of calibration.json
 
-The fit: ep_overlap_exposed, moe_dropless_us_per_token and moe_dropless_us_per_token_expert on a
+The fit, in two steps: gemm_te_fraction (the share of the measured GEMM rate TE's GEMMs reach in
+these multi-GPU runs) on the dense H100 runs; then ep_overlap_exposed, moe_dropless_us_per_token and moe_dropless_us_per_token_expert on a
 grid, against the MoE runs only (no dense row depends on them), keeping the triple with the
 smallest sum of squared errors. Rows padded to capacity without all-to-all overlap depend on none
 of the three: they check the rest of the model out of the fit.
@@ -21,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
 from megatron_skill.core import evidence, timing  # noqa: E402
 
+DENSE_GRID = [round(0.70 + 0.01 * i, 2) for i in range(31)]   # 0.70 .. 1.00
 GRID = {"moe_dropless_us_per_token": (0.0, 0.04, 0.08, 0.1, 0.12, 0.14, 0.16, 0.2, 0.3),
         "moe_dropless_us_per_token_expert": (0.0, 0.05, 0.1, 0.12, 0.14, 0.15, 0.16, 0.18, 0.2, 0.25),
         "ep_overlap_exposed": (0.1, 0.2, 0.3, 0.4, 0.5, 0.7, 1.0)}
@@ -28,6 +30,8 @@ GRID = {"moe_dropless_us_per_token": (0.0, 0.04, 0.08, 0.1, 0.12, 0.14, 0.16, 0.
 
 def summary(rows) -> dict:
     out = {}
+    incomplete = [r for r in rows if not r.get("layout_complete", True)]
+    rows = [r for r in rows if r.get("layout_complete", True)]   # the goal counts runs whose whole layout is known
     hopper = [r for r in rows if r["gpu"].startswith("h")]
     blackwell = [r for r in rows if not r["gpu"].startswith("h")]
     for name, kind in (("all", rows), ("dense", [r for r in rows if not r["moe"]]),
@@ -37,16 +41,42 @@ def summary(rows) -> dict:
         errors = [abs(r["error_pct"]) for r in kind]
         out[name] = {"runs": len(kind), "median_abs_error_pct": round(statistics.median(errors), 1),
                      "max_abs_error_pct": round(max(errors), 1)}
+    out["layout_incomplete"] = {"runs": len(incomplete), "errors_pct": [round(r["error_pct"], 1) for r in incomplete]}
     return out
 
 
+def _sse(errors, skip=None) -> float:
+    return sum(e * e for i, e in enumerate(errors) if i != skip)
+
+
+def fit_dense(cal: dict) -> dict:
+    """gemm_te_fraction over the dense H100 runs (no MoE constant touches them), and each of them
+    predicted by the fraction fitted without it."""
+    runs = [r for r in evidence.published_runs()
+            if r.get("moe") is None and r["gpu"] == "h100-sxm" and r.get("layout_complete", True)]
+    table = []
+    for value in DENSE_GRID:
+        cal["gemm_te_fraction"] = value
+        timing.clear_caches_keep_calibration()
+        table.append((value, [evidence.compare(r)["error_pct"] for r in runs]))
+    value, errors = min(table, key=lambda t: _sse(t[1]))
+    held_out = {f"{r['model']} {r['source']}": round(min(table, key=lambda t: _sse(t[1], i))[1][i], 1)
+                for i, r in enumerate(runs)}
+    cal["gemm_te_fraction"] = value
+    timing.clear_caches_keep_calibration()
+    return {"gemm_te_fraction": value, "errors_pct": [round(e, 1) for e in errors],
+            "leave_one_out_errors_pct": held_out}
+
+
 def fit() -> dict:
-    """The grid's best triple over the MoE runs, and each dropless run predicted by the triple
-    fitted without it (leave one out: how far the fit carries to a run it has not seen)."""
-    # the H100's MoE runs: the calibration they are costed with is the one the fit changes (the
+    """First the dense share of the GEMM rate (fit_dense), then the grid's best triple over the
+    MoE runs with it, and each dropless run predicted by the triple fitted without it (leave one
+    out: how far the fit carries to a run it has not seen)."""
+    # the H100's runs: the calibration they are costed with is the one the fit changes (the
     # Blackwell rows stay out of the fit: they check how far it carries to another GPU)
-    runs = [r for r in evidence.published_runs() if r.get("moe") is not None and r["gpu"] == "h100-sxm"]
     cal = timing.calibration("h100-sxm")
+    dense = fit_dense(cal)
+    runs = [r for r in evidence.published_runs() if r.get("moe") is not None and r["gpu"] == "h100-sxm"]
     table = []   # (values, errors of every run)
     for values in itertools.product(*GRID.values()):
         cal.update(zip(GRID, values))
@@ -59,7 +89,8 @@ def fit() -> dict:
     values, errors = best()
     fitted = [i for i, r in enumerate(runs) if r["moe"].get("capacity_factor") is None]   # the dropless ones
     held_out = {f"{runs[i]['model']} {runs[i]['source']}": round(best(skip=i)[1][i], 1) for i in fitted}
-    return {"best": values, "max_abs_error_pct": round(max(map(abs, errors)), 1),
+    return {"best": {"gemm_te_fraction": dense["gemm_te_fraction"], **values}, "dense": dense,
+            "max_abs_error_pct": round(max(map(abs, errors)), 1),
             "errors_pct": [round(e, 1) for e in errors], "runs": [f"{r['model']} {r['source']}" for r in runs],
             "leave_one_out_errors_pct": held_out}
 
@@ -73,6 +104,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         layout = r["layout"].replace("|", "\\|")   # a layout string's chunks, not table cells
+        if not r.get("layout_complete", True):
+            layout += " (layout incomplete)"
         print(f"| {r['model']} | {r['num_gpus']:,} {r['gpu']} | {r['precision']} | {layout} | "
               f"{r['published']:,} {r['metric']} | {r['predicted']:,.0f} | {r['error_pct']:+.1f} % | {r['source']} |")
     print()

@@ -79,18 +79,18 @@ def test_output_processor_runs_the_output_layers_forward_pre_hooks(monkeypatch):
 
     from megatron_skill.runtime.fused_head import output_processor
 
-    output_processor = partial(output_processor, chunk_tokens=4)  # 10 tokens: more than two chunks, fused
+    output_processor = partial(output_processor, chunk_tokens=4)  # 80 tokens in chunks of 4: fused
     layer = torch.nn.Linear(8, 11, bias=False)
     seen = []
     layer.register_forward_pre_hook(lambda module, args: seen.append(module))
-    hidden = torch.randn(5, 2, 8, requires_grad=True)
-    labels, mask = torch.randint(0, 11, (2, 5)), torch.ones(2, 5)
+    hidden = torch.randn(40, 2, 8, requires_grad=True)
+    labels, mask = torch.randint(0, 11, (2, 40)), torch.ones(2, 40)
     losses = output_processor(hidden_states=hidden, output_layer=layer, output_weight=None, labels=labels,
                               loss_mask=mask, config=SimpleNamespace(sequence_parallel=False),
                               compute_language_model_loss=None, scale_logits=None)
-    assert seen == [layer] and losses.shape == (2, 5)
+    assert seen == [layer] and losses.shape == (2, 40)
     ref = F.cross_entropy((hidden @ layer.weight.t()).transpose(0, 1).reshape(-1, 11), labels.reshape(-1),
-                          reduction="none").view(2, 5)
+                          reduction="none").view(2, 40)
     torch.testing.assert_close(losses, ref)
 
 
@@ -144,8 +144,8 @@ def test_fp8_layers_swap_in_only_for_the_dense_linears_and_fall_back_with_tp_com
 
 
 def test_small_micro_batches_take_megatrons_own_output_layer_and_loss():
-    """At two chunks or fewer the fp32 weight gradient of the fused path would outweigh the
-    logits it saves: Megatron's path runs (and the memory model says the same)."""
+    """Where the fused path's fp32 weight gradient would outweigh the logits it saves, Megatron's
+    path runs (core.memory.fused_head_runs: the memory model and step time say the same)."""
     from types import SimpleNamespace
 
     from megatron_skill.runtime.fused_head import output_processor

@@ -272,7 +272,8 @@ def test_every_calibration_figure_the_model_reads_exists_for_every_gpu():
     assert needed <= read, f"calibration.json has {sorted(needed - read)}, which the model never reads"
     for gpu in data["gpus"]:
         cal = calibration(gpu)
-        assert needed <= set(cal) and all(0 < cal[k] for k in needed), gpu
+        # a fitted figure may be 0 (the MoE fit found no per-token cost beyond the per-expert one)
+        assert needed <= set(cal) and all(0 <= cal[k] for k in needed), gpu
         assert "measured" in cal["status"] or "assumed" in cal["status"]
 
 

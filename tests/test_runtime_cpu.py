@@ -259,9 +259,10 @@ def test_fused_linear_cross_entropy_trains_like_megatrons_output_layer(tmp_path)
     the same losses over optimizer steps as Megatron's own output layer and loss on one rank."""
     one, two = tmp_path / "plain", tmp_path / "fused"
     one.mkdir(), two.mkdir()
-    kw = dict(train_iters=3, save_interval=None, global_batch_size=2, micro_batch_size=2)
+    kw = dict(train_iters=3, save_interval=None, global_batch_size=2, micro_batch_size=2, seq_length=256)
     plain = _run_loop(_config(one, **kw))
-    # 128-token micro-batches in 32-token chunks: four chunks, the fused path for real.
+    # 512-token micro-batches in 32-token chunks: the fused path keeps less than the logits, so it runs
+    # (core.memory.fused_head_runs).
     fused = _run_loop(_config(two, tp=2, fused_head=True, fused_head_chunk=32, **kw), nproc=2)
     for it in (1, 2, 3):
         assert fused[it] == pytest.approx(plain[it], rel=2e-4)

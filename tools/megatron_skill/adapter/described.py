@@ -135,7 +135,7 @@ def _pipeline_split(ns: Any, num_layers: int, pp: int) -> dict[str, Any]:
 def skill_entry(ns: Any) -> bool:
     """Whether the arguments are for the skill's entry script (its own flags are set)."""
     return any(getattr(ns, k, None) for k in ("skill_entry", "skill_linear_cross_entropy", "skill_fp8_linear",
-                                               "skill_compiled_rope", "skill_native_gqa"))
+                                               "skill_compiled_rope", "skill_native_gqa", "skill_fused_adam"))
 
 
 def transformer_engine(ns: Any) -> bool:
@@ -173,9 +173,17 @@ def memory_options(ns: Any, assumed: dict[str, str]) -> MemoryOptions:
                                                    and ns.megatron_fsdp_main_grads_dtype in ("bf16", "bfloat16"))
     modules = ns.recompute_modules or ["core_attn"]   # Megatron's default under selective
     moe = MoEOptions.from_args(ns)
+    # Without TE Megatron falls back to torch's AdamW (multi-tensor: a 4-byte temporary per
+    # parameter at the step) unless the skill's entry steps it fused; apex is not assumed.
+    fused_adam = te or bool(getattr(ns, "skill_fused_adam", False))
+    if not te:
+        assumed["optimizer"] = ("torch's fused AdamW (the skill's --skill-fused-adam)" if fused_adam else
+                                "torch's multi-tensor AdamW (Megatron's fallback without TE or apex): "
+                                "sqrt(exp_avg_sq) of the shard allocated at each step")
     return MemoryOptions(moe_routed_factor=moe.routed_factor(), router_score_bytes=moe.router_score_bytes(),
                          fused_head=bool(ns.skill_linear_cross_entropy) and not te,
                          fp8_linear=bool(ns.skill_fp8_linear) and not te, te_fp8=te,
                          fp8_params=bool(ns.fp8 and ns.fp8_param_gather and te), score_bytes=score_bytes,
                          grad_bytes=2 if bf16_grads else 4, fused_cross_entropy=bool(ns.cross_entropy_loss_fusion),
-                         fsdp_params=fsdp, recompute_modules=frozenset(modules))
+                         fsdp_params=fsdp, recompute_modules=frozenset(modules),
+                         adam_temp_bytes=0 if fused_adam else 4, local_clip=not te)

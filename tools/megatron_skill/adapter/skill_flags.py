@@ -20,6 +20,9 @@ def add_skill_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     g.add_argument("--skill-fp8-linear", action="store_true",
                    help="attention and MLP linear layers in FP8 (per-tensor current scaling, torch._scaled_mm) "
                         "without Transformer Engine; TP 1 layers (runtime/fp8_linear.py)")
+    g.add_argument("--skill-fused-adam", action="store_true",
+                   help="step torch's AdamW with its fused kernel where Megatron falls back to it (no Transformer "
+                        "Engine or apex): no 4-byte-per-parameter temporary at the step (runtime/fused_adam.py)")
     g.add_argument("--skill-sdpa-backend", choices=SDPA_BACKENDS, default="auto",
                    help="the torch SDPA kernel for core attention without Transformer Engine")
     g.add_argument("--skill-compiled-rope", action="store_true",

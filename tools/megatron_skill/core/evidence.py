@@ -66,7 +66,8 @@ def forecast(model: ModelConfig, gpu_key: str, lay: Layout, calibration_status: 
     """The error band of the published runs like this forecast (dense or MoE; on GPUs of the same
     architecture where any was checked), and where the forecast goes beyond them."""
     arch = get_gpu(gpu_key).arch
-    kind = [r for r in checked() if r["moe"] == model.is_moe]
+    # rows whose publisher left part of the layout unstated are shown, not used as evidence
+    kind = [r for r in checked() if r["moe"] == model.is_moe and r.get("layout_complete", True)]
     same_arch = [r for r in kind if get_gpu(r["gpu"]).arch == arch]
     band = same_arch or kind
     errors = [r["error_pct"] for r in band]
@@ -79,7 +80,8 @@ def forecast(model: ModelConfig, gpu_key: str, lay: Layout, calibration_status: 
         beyond.append(f"no checked run in {lay.precision}")
     if not calibration_status.startswith("measured"):
         beyond.append(f"{gpu_key}'s kernel rates are assumed, not measured (bench --calibrate measures them)")
-    fitted = "; the dropless cost and the all-to-all overlap are fitted to the H100 ones" if model.is_moe else ""
+    fitted = ("; the share of the GEMM rate TE reaches" + (", the dropless cost and the all-to-all overlap are"
+                                                            if model.is_moe else " is") + " fitted to the H100 ones")
     return {"error_band_pct": [min(errors), max(errors)], "checked_runs": len(band),
             "basis": f"{len(band)} published {'MoE' if model.is_moe else 'dense'} runs"
                      f"{' on ' + arch + ' GPUs' if same_arch else ''} costed with their own layouts "

@@ -52,6 +52,11 @@ class MemoryOptions:
     recompute_modules: frozenset[str] | None = None   # --recompute-modules under selective; None: the skill's set
     moe_routed_factor: float = 1.0      # token copies per expert over the balanced share (MoEOptions.routed_factor)
     router_score_bytes: int = FP32      # the router's saved scores per expert (MoEOptions.router_score_bytes)
+    adam_temp_bytes: int = 0            # per optimizer-shard parameter, allocated during the step: torch's
+    #                                     multi-tensor AdamW keeps sqrt(exp_avg_sq) of the whole shard (4 B);
+    #                                     TE's, apex's and torch's fused kernels update in place (0)
+    local_clip: bool = False            # Megatron's fallback gradient clipping (no TE or apex) scales each
+    #                                     gradient through a temporary copy: the largest one at the step
 
 
 def chunk_layers(model: ModelConfig, lay: Layout) -> tuple[tuple[int, ...], ...]:
@@ -216,12 +221,14 @@ class StageMemory:
     logits: float
     transient: float              # recompute buffers, largest temporary
     allowance: float              # outside the allocator: context, NCCL; plus fragmentation
+    step_transient: float = 0.0   # temporaries of the optimizer step (activations are freed by then)
 
     @property
     def allocated(self) -> float:
-        """What torch.cuda.max_memory_allocated should report."""
-        return (self.weights + self.gradients + self.optimizer + self.activations
-                + self.logits + self.transient)
+        """What torch.cuda.max_memory_allocated should report: the state, plus the larger of
+        what the forward and backward keep and what the optimizer step allocates."""
+        return (self.weights + self.gradients + self.optimizer
+                + max(self.activations + self.logits + self.transient, self.step_transient))
 
     @property
     def total(self) -> float:
@@ -234,6 +241,7 @@ class StageMemory:
                 "weights_gib": g(self.weights), "gradients_gib": g(self.gradients),
                 "optimizer_gib": g(self.optimizer), "activations_gib": g(self.activations),
                 "logits_gib": g(self.logits), "transient_gib": g(self.transient),
+                "optimizer_step_gib": g(self.step_transient),
                 "allocated_gib": g(self.allocated), "allowance_gib": g(self.allowance),
                 "total_gib": g(self.total)}
 
@@ -254,6 +262,17 @@ def param_split(model: ModelConfig, n_dense: int, n_moe: int) -> tuple[float, fl
 FUSED_HEAD_CHUNK = 4096
 
 
+def fused_head_runs(tokens: float, hidden: int, vocab: float, chunk: int = FUSED_HEAD_CHUNK) -> bool:
+    """Whether the skill's fused output layer + loss takes a micro-batch of `tokens` (on a rank
+    holding `vocab` rows of the output weight), or leaves it to Megatron's output layer and loss:
+    it takes it where it keeps less than Megatron's bf16 logits and their fp32 copy (one chunk's
+    logits, the fp32 weight gradient and the saved hidden states). One rule for the runtime
+    (runtime/fused_head.py), the memory model and the step time."""
+    megatron = tokens * vocab * (FP32 + BF16)
+    fused = min(tokens, chunk) * vocab * (FP32 + BF16) + vocab * hidden * FP32 + tokens * hidden * BF16
+    return fused < megatron
+
+
 def fp8_linear_saved_bytes(model: ModelConfig, lay: Layout) -> float:
     """Per token and dense layer, what the skill's FP8 linear layers (runtime/fp8_linear.py)
     change in the saved activations, against BF16: QKV's and FC1's inputs (the norms' outputs,
@@ -269,9 +288,10 @@ def fp8_linear_saved_bytes(model: ModelConfig, lay: Layout) -> float:
 def _state_bytes(model: ModelConfig, layers: tuple[int, ...], n_moe: int, first: bool, last: bool, pipelined: bool,
                  tp: int, ep: int, etp: int, dp_cp: int, expert_dp: int, distributed_optimizer: bool, precision: str,
                  padded_vocab: int, fp8_params: bool, fp8_linear: bool, grad_bytes: int,
-                 fsdp_params: bool) -> tuple[float, float, float, float]:
-    """(parameters, weight, gradient and optimizer bytes) of a rank: what the micro-batch and
-    the recompute do not change, cached across the layouts of a search that share it."""
+                 fsdp_params: bool) -> tuple[float, float, float, float, float]:
+    """(parameters, weight, gradient and optimizer bytes, optimizer-shard parameters) of a rank:
+    what the micro-batch and the recompute do not change, cached across the layouts of a search
+    that share it."""
     pattern = model.moe_pattern()
     tp_sharded, replicated, expert = param_split(model, len(layers) - n_moe, n_moe)
     h = model.hidden_size
@@ -318,8 +338,8 @@ def _state_bytes(model: ModelConfig, layers: tuple[int, ...], n_moe: int, first:
     # fp32 master weights and two Adam moments; with bf16 main gradients, the optimizer's fp32
     # copy of its gradient shard too
     per_param = 12 + (FP32 if grad_bytes < FP32 else 0)
-    optimizer = per_param * (dense_local / shard + expert_local / eshard)
-    return params, weights, gradients, optimizer
+    shard_params = dense_local / shard + expert_local / eshard
+    return params, weights, gradients, per_param * shard_params, shard_params
 
 
 @functools.lru_cache(maxsize=65536)
@@ -342,7 +362,7 @@ def stage_memory(model: ModelConfig, lay: Layout, rank: int, padded_vocab: int,
     first, last = rank == 0, rank == lay.pp - 1
     n_moe = moe_layers_among(model, layers)
     h = model.hidden_size
-    params, weights, gradients, optimizer = _state_bytes(
+    params, weights, gradients, optimizer, shard_params = _state_bytes(
         model, layers, n_moe, first, last, lay.pp > 1, lay.tp, lay.ep, lay.etp, lay.dp * lay.cp, lay.expert_dp,
         lay.distributed_optimizer, lay.precision, padded_vocab, opts.fp8_params, opts.fp8_linear, opts.grad_bytes,
         opts.fsdp_params)
@@ -388,7 +408,7 @@ def stage_memory(model: ModelConfig, lay: Layout, rank: int, padded_vocab: int,
         sp = lay.sequence_parallel or lay.tp == 1
         activations += tokens * 2 * BF16 * h / (lay.tp if sp else 1)  # final norm in and out
         v = padded_vocab / lay.tp
-        if opts.fused_head and not model.mtp_num_layers and tokens > 2 * FUSED_HEAD_CHUNK:
+        if opts.fused_head and not model.mtp_num_layers and fused_head_runs(tokens, h, v):
             # One chunk's fp32 logits and bf16 gradient at a time; the fp32 weight gradient the
             # forward accumulates (in place: addmm writes the GEMM's fp32 accumulator into it);
             # the hidden-state gradient kept for the backward.
@@ -400,12 +420,29 @@ def stage_memory(model: ModelConfig, lay: Layout, rank: int, padded_vocab: int,
         else:
             # fp32 copy of the logits kept for the backward, plus the bf16 logits alive while it is made.
             logits = tokens * v * (FP32 + BF16) * (1 + (model.mtp_num_layers or 0))
+    step_transient = opts.adam_temp_bytes * shard_params
+    if opts.local_clip:
+        # the largest gradient of the rank (the embedding's or the output layer's where it lives
+        # here, else a layer's largest matrix), its optimizer shard, scaled into a temporary
+        largest = max(padded_vocab * h / lay.tp if first or last else 0.0, _largest_layer_matrix(model, lay))
+        step_transient += FP32 * min(largest, shard_params)
     groups = sum(x > 1 for x in (lay.tp, lay.pp, lay.cp, lay.dp, lay.ep))
-    dynamic = activations + logits + transient
+    dynamic = max(activations + logits + transient, step_transient)
     allowance = (CONTEXT_GIB + NCCL_GIB_PER_GROUP * groups) * GIB + FRAGMENTATION * dynamic
     return StageMemory(rank=rank, layers=len(layers), params=params, weights=weights,
                        gradients=gradients, optimizer=optimizer, activations=activations,
-                       logits=logits, transient=transient, allowance=allowance)
+                       logits=logits, transient=transient, allowance=allowance, step_transient=step_transient)
+
+
+def _largest_layer_matrix(model: ModelConfig, lay: Layout) -> float:
+    """Elements of the largest weight matrix of one layer on a rank: the gated MLP's first one,
+    QKV, or an expert's."""
+    h = model.hidden_size
+    up = 2 if model.gated else 1
+    qkv = (model.num_attention_heads + 2 * model.query_groups) * model.head_dim * h / lay.tp
+    mlp = up * model.ffn_hidden_size * h / lay.tp
+    expert = up * model.expert_ffn * h / lay.etp if model.is_moe else 0.0
+    return max(qkv, mlp, expert)
 
 
 def peak(report: dict[str, StageMemory], kind: str = "total") -> float:

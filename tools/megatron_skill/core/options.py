@@ -12,7 +12,7 @@ from typing import Any
 
 from .defaults import schema_defaults
 from .layout import Layout
-from .memory import MemoryOptions
+from .memory import FP32, MemoryOptions
 from .moe import MoEOptions
 
 
@@ -24,6 +24,7 @@ class RuntimeOptions:
     sdpa_backend: str               # auto | cudnn | flash | efficient | math
     fused_wgrad_accumulation: bool  # weight gradients added into main_grad by their GEMM
     fp8_linear: bool                # the skill's FP8 linear layers (no TE)
+    fused_adam: bool = True         # torch's fused AdamW where Megatron falls back to torch's optimizer
     te: bool = True                 # Transformer Engine's layers run (then none of the above does)
     moe: MoEOptions = MoEOptions()  # how the MoE layers run (Megatron's MoE flags; core/moe.py)
 
@@ -56,7 +57,8 @@ class RuntimeOptions:
         return MemoryOptions(fused_head=self.fused_head, fp8_linear=self.fp8_local(lay), te_fp8=self.te,
                              recompute_modules=self.moe.selective_modules(),
                              moe_routed_factor=self.moe.routed_factor(),
-                             router_score_bytes=self.moe.router_score_bytes())
+                             router_score_bytes=self.moe.router_score_bytes(),
+                             adam_temp_bytes=0 if self.te or self.fused_adam else FP32, local_clip=not self.te)
 
     def entry_flags(self) -> list[str]:
         """The skill entry script's own flags for these paths (adapter/skill_flags.py)."""
@@ -65,6 +67,8 @@ class RuntimeOptions:
             a.append("--skill-linear-cross-entropy")
         if self.fp8_linear:
             a.append("--skill-fp8-linear")
+        if self.fused_adam:
+            a.append("--skill-fused-adam")
         if self.compiled_rope:
             a.append("--skill-compiled-rope")
         if self.native_gqa:

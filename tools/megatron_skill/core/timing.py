@@ -17,11 +17,19 @@ from typing import Any
 from . import flops
 from .catalog import CATALOG_DIR, GPUSpec
 from .layout import Layout
-from .memory import BF16, FP32, moe_layers_among, param_split, rank_layers, ranks_to_check
+from .memory import BF16, FP32, fused_head_runs, moe_layers_among, param_split, rank_layers, ranks_to_check
 from .model import ModelConfig
 from .moe import MoEOptions
 
 DEFAULT_MOE = MoEOptions()
+# Bytes Megatron's vocab-parallel cross-entropy moves per logit, counted pass by pass in its
+# code: the bf16 logits read and written in fp32 (6), the max (4), logits minus max in place (8),
+# exp (8), their sum (4), softmax in place (8), backward: the gradient scaled in place (8) and
+# written back in bf16 (6). The H100 profile of the Qwen2.5-1.5B shape (mbs 2: Megatron's path)
+# spent 377 ms on these kernels where 52 B at the calibrated HBM rate gives 347 ms.
+MEGATRON_LOSS_BYTES_PER_LOGIT = 52
+# The skill's fused head (runtime/fused_head.py, compiled kernels): fp32 logits written, read twice.
+FUSED_LOSS_BYTES_PER_LOGIT = 2 * FP32 + BF16
 
 
 @functools.lru_cache(maxsize=None)
@@ -70,7 +78,9 @@ class _Rates:
         self.cal = cal
         fp8 = precision == "fp8" and gpu.fp8_dense_tflops
         peak = (gpu.fp8_dense_tflops if fp8 else gpu.bf16_dense_tflops) * 1e12
-        self.gemm_rate = peak * (cal["gemm_fp8"] if fp8 else cal["gemm_bf16"])
+        # The kernel rate bench --calibrate measures on one GPU; inside a multi-GPU run on TE's
+        # layers the GEMMs reach a fitted share of it (gemm_te_fraction, fitted to published runs).
+        self.gemm_rate = peak * (cal["gemm_fp8"] if fp8 else cal["gemm_bf16"]) * (cal["gemm_te_fraction"] if te else 1.0)
         self.attn_rate = gpu.bf16_dense_tflops * 1e12 * (cal["attention_te"] if te else cal["attention"])
         self.attn_measured = {} if te else cal.get("attention_tflops", {})
         self.hbm = gpu.hbm_gbps * 1e9 * cal["hbm"]
@@ -339,6 +349,8 @@ def step_time(model: ModelConfig, lay: Layout, gpu: GPUSpec, padded_vocab: int, 
     sp = lay.sequence_parallel or t == 1
     node = gpu.nvlink_domain
 
+    # the fused head takes the micro-batch only where it keeps less memory (the runtime's rule)
+    head_fused = fused_head and not model.mtp_num_layers and fused_head_runs(tokens, h, padded_vocab / t)
     per_layer = _layer_times(model, gpu, te, fp8_linear, lay.tp, lay.cp, lay.ep, lay.etp, lay.mbs, s, sp,
                              lay.precision, moe)
 
@@ -359,13 +371,11 @@ def step_time(model: ModelConfig, lay: Layout, gpu: GPUSpec, padded_vocab: int, 
                 r.recompute += n_moe * per_layer["moe_forward"][0]
         if rank == lay.pp - 1:  # output layer and the loss over the (padded) vocabulary
             r.gemm += rates.gemm(tokens, padded_vocab / t, h) * (1 + (model.mtp_num_layers or 0))
-            # Megatron's loss: bf16 logits, an fp32 copy, softmax and its gradient (~4 fp32
-            # passes); the fused head's compiled kernels: fp32 logits written, read twice.
-            per_entry = 2 * FP32 + BF16 if fused_head else BF16 + 4 * FP32
+            per_entry = FUSED_LOSS_BYTES_PER_LOGIT if head_fused else MEGATRON_LOSS_BYTES_PER_LOGIT
             r.loss += rates.memory_bound(tokens * padded_vocab / t * per_entry)
         # main_grad += bf16 gradient: fp32 read and write, bf16 read; a mixed-dtype kernel, so
         # slower than the HBM roofline by a calibrated factor.
-        unfused = _unfused_grad_params(model, lay, rank, n_dense, n_moe, padded_vocab, te, fused_head,
+        unfused = _unfused_grad_params(model, lay, rank, n_dense, n_moe, padded_vocab, te, head_fused,
                                        fp8_linear, fused_wgrad)
         r.grad_accum = rates.cal["grad_accum_factor"] * rates.memory_bound(unfused * (2 * FP32 + BF16))
         return r, len(layers)
@@ -417,6 +427,8 @@ def step_time(model: ModelConfig, lay: Layout, gpu: GPUSpec, padded_vocab: int, 
     opt_params = dense_local / shard + expert_local / eshard
     st.optimizer = rates.memory_bound(opt_params * (3 * 2 * FP32 + FP32 + BF16) + (dense_local + expert_local) * FP32)
     n_layers = max(len(rank_layers(model, lay, r)) for r in ranks)
-    st.host = m * (lay.vp * rates.cal["host_overhead_ms_per_microbatch"]
-                   + n_layers * rates.cal["layer_overhead_ms"]) * 1e-3
+    # Megatron's local layers launch a few dozen kernels a layer; the GPU waits on the host for
+    # part of them (calibrated per GPU); TE's fused layers launch far fewer.
+    per_layer = rates.cal["layer_overhead_ms"] if te else rates.cal["layer_overhead_local_ms"]
+    st.host = m * (lay.vp * rates.cal["host_overhead_ms_per_microbatch"] + n_layers * per_layer) * 1e-3
     return st

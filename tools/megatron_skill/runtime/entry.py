@@ -182,7 +182,8 @@ def runtime_options(args) -> RuntimeOptions:
     return RuntimeOptions(linear_cross_entropy=args.skill_linear_cross_entropy, compiled_rope=args.skill_compiled_rope,
                           native_gqa=args.skill_native_gqa, sdpa_backend=args.skill_sdpa_backend,
                           fused_wgrad_accumulation=args.gradient_accumulation_fusion,
-                          fp8_linear=args.skill_fp8_linear, te=args.transformer_impl != "local")
+                          fp8_linear=args.skill_fp8_linear, fused_adam=args.skill_fused_adam,
+                          te=args.transformer_impl != "local")
 
 
 def main() -> None:
@@ -213,6 +214,9 @@ def main() -> None:
         fixes.append("SDPA reads grouped key/value heads itself (enable_gqa)")
     if opts.sdpa_backend != "auto":
         fixes.append(f"SDPA backend: {opts.sdpa_backend}")
+    adam = patches.by_name("optimizer: torch's fused AdamW")
+    if opts.fused_adam and adam.apply():
+        fixes.append(adam.name)
     wgrad = patches.by_name("gradient-accumulation fusion")
     if args.gradient_accumulation_fusion and wgrad.apply():
         fixes.append(wgrad.name)

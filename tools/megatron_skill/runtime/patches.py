@@ -97,7 +97,7 @@ def _in_range(have: str, spec: tuple) -> bool:
 
 def registry() -> list[Patch]:
     """Every patch the runtime may install, in the order the entry script applies them."""
-    from . import compat, fused_rope, gpu_profile, wgrad_accum
+    from . import compat, fused_adam, fused_rope, gpu_profile, wgrad_accum
 
     return [
         Patch("dataset helpers: the prebuilt helpers_cpp, no make", "megatron.core.datasets.utils:compile_helpers",
@@ -112,6 +112,9 @@ def registry() -> list[Patch]:
               compat.patch_checkpoint_without_output, parameters=("self", "fp8")),
         Patch("gradient-accumulation fusion: weight gradients added into fp32 main_grad by torch.addmm",
               "megatron.core.tensor_parallel.layers:_grad_accum_fusion_available", wgrad_accum.install),
+        Patch("optimizer: torch's fused AdamW where Megatron falls back to torch's optimizer",
+              "megatron.core.optimizer:USING_PYTORCH_OPTIMIZER", fused_adam.install,
+              requires=("torch.optim.optimizer:register_optimizer_step_pre_hook",)),
         Patch("RoPE: Megatron's unfused function, torch.compile'd",
               "megatron.core.models.common.embeddings.rope_utils:_apply_rotary_pos_emb_bshd", fused_rope.install,
               parameters=("t", "freqs")),

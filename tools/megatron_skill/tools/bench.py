@@ -20,7 +20,7 @@ from ..contract import Context, Tool, invoke, request_fields
 from ..core.catalog import get_gpu, gpu_by_device_name
 from ..core.flops import padded_vocab_size
 from ..core.layout import Layout
-from ..core.memory import GIB, peak, stage_memory
+from ..core.memory import GIB, fused_head_runs, peak, stage_memory
 from ..core.options import RuntimeOptions
 from ..core.planner import error_pct, predict
 from ..core.resolve import resolve_model
@@ -144,10 +144,13 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
     opts = RuntimeOptions.from_request(req.get("runtime"), te=te, moe=req.get("moe"))
     pred = predict(model, gpu, lay, padded_vocab_size(model.vocab_size, lay.tp), opts)
     pred_alloc = peak(pred.memory, "allocated") / GIB
+    padded = padded_vocab_size(model.vocab_size, lay.tp)
+    head = "fused" if opts.fused_head and not model.mtp_num_layers and fused_head_runs(
+        lay.mbs * lay.seq_length / lay.cp, model.hidden_size, padded / lay.tp) else "megatron"
     out = {
         "run_id": run_id, "run_dir": result["run_dir"], "gpu": gpu.key, "num_gpus": world,
         "model": model.summary(), "label": lay.label(), "layout": lay_json,
-        "runtime": None if te else opts.to_json(),
+        "runtime": None if te else opts.to_json(), "output_head": head,
         "measured": {"iter_ms": round(iter_ms, 1), "tokens_per_s": round(tokens), "tokens_per_s_per_gpu": round(tokens / world),
                      "tflops_per_gpu": round(tflops, 1), "mfu": round(tflops / gpu.bf16_dense_tflops, 4),
                      "max_allocated_gib": round(max_alloc, 2),

@@ -1,0 +1,122 @@
+"""What the H100 measurements of 2026-12-06 taught the planner, each as a check that fails on the
+code before them: the optimizer step's temporaries (a 3B FP8 run ran out of memory there), the
+fused head's memory rule and the cost of Megatron's own loss (the 3B and Qwen2.5-1.5B shapes ran
+it), the memory outside PyTorch's pool, torch's fused AdamW as the runtime steps it, and the H100
+calibration reproduced from its stored measurements."""
+import json
+import sys
+
+import pytest
+from conftest import ROOT, require_modules
+
+from megatron_skill.core.catalog import get_gpu
+from megatron_skill.core.flops import padded_vocab_size
+from megatron_skill.core.layout import Layout
+from megatron_skill.core.memory import GIB, fused_head_runs, memory_report, peak
+from megatron_skill.core.options import RuntimeOptions
+from megatron_skill.core.planner import predict, search
+from megatron_skill.core.resolve import resolve_model
+from megatron_skill.core.timing import MEGATRON_LOSS_BYTES_PER_LOGIT, calibration
+
+H100 = get_gpu("h100-sxm")
+REQUESTS = ROOT / "benchmarks" / "requests"
+MODEL_3B = resolve_model(json.loads((REQUESTS / "llama-3b-shape-bf16.json").read_text()))
+QWEN = resolve_model({"hf_config": str(REQUESTS / "hf" / "qwen2.5-1.5b" / "config.json")})
+# the planner's first 3B FP8 layout before: it ran out of memory on the H100 twice
+OOM_LAYOUT = Layout(tp=1, pp=1, dp=1, mbs=1, gbs=16, seq_length=4096, precision="fp8", recompute="selective")
+
+
+def _local(**runtime) -> RuntimeOptions:
+    return RuntimeOptions.from_request(runtime, te=False)
+
+
+def _stage(model, lay, opts):
+    return memory_report(model, lay, padded_vocab_size(model.vocab_size, lay.tp), opts.memory(lay))["last_stage"]
+
+
+def test_torchs_multi_tensor_adam_keeps_a_four_byte_temporary_per_parameter_at_the_step():
+    foreach = _stage(MODEL_3B, OOM_LAYOUT, _local(fused_adam=False))
+    fused = _stage(MODEL_3B, OOM_LAYOUT, _local())
+    # sqrt(exp_avg_sq) of the whole shard (DP 1: every parameter), plus the largest gradient's
+    # scaled copy (Megatron's clipping without TE or apex): the embedding, 128256 x 3072 in fp32
+    clip = 4 * 128256 * 3072
+    assert foreach.step_transient == pytest.approx(4 * foreach.params + clip)
+    assert fused.step_transient == pytest.approx(clip)
+    # the step's temporaries outweigh the activations there: they set the peak
+    assert foreach.allocated == pytest.approx(foreach.weights + foreach.gradients + foreach.optimizer
+                                              + foreach.step_transient)
+    assert foreach.allocated / GIB > H100.memory_gib    # it ran out of memory in _foreach_sqrt
+
+
+def test_no_3b_fp8_layout_fits_one_h100_under_torchs_multi_tensor_adam():
+    result = search(MODEL_3B, H100, 1, 4096, 16, ["fp8"], None, 0.0, _local(fused_adam=False))
+    assert not result.candidates
+
+
+def test_the_layout_that_ran_out_of_memory_is_refused_with_the_memory_outside_pytorch():
+    # at the out-of-memory error: 75.45 GiB allocated, 2.8 GiB outside PyTorch's pool, 1.96 GiB asked
+    total = peak(memory_report(MODEL_3B, OOM_LAYOUT, 128256, _local().memory(OOM_LAYOUT)))
+    assert total > H100.memory_bytes
+
+
+@pytest.mark.parametrize("tokens,hidden,vocab,fused", [
+    (8192, 1536, 151936, True),     # Qwen2.5-1.5B at mbs 2: Megatron's path ran, and cost 12 % of the step
+    (16384, 2048, 128256, True),    # the 1B shape at mbs 4
+    (4096, 3072, 128256, False),    # the 3B shape at mbs 1: the fp32 weight gradient outweighs the logits
+])
+def test_the_fused_head_takes_a_micro_batch_where_it_keeps_less_memory(tokens, hidden, vocab, fused):
+    assert fused_head_runs(tokens, hidden, vocab) is fused
+
+
+def test_megatrons_own_loss_is_charged_where_the_fused_head_leaves_the_micro_batch_to_it():
+    lay = Layout(tp=1, pp=1, dp=1, mbs=1, gbs=16, seq_length=4096)
+    c = predict(MODEL_3B, H100, lay, 128256, _local())
+    rate = H100.hbm_gbps * 1e9 * calibration("h100-sxm")["hbm"]
+    assert c.time.loss == pytest.approx(16 * 4096 * 128256 * MEGATRON_LOSS_BYTES_PER_LOGIT / rate)
+    fused = predict(QWEN, H100, Layout(tp=1, pp=1, dp=1, mbs=4, gbs=32, seq_length=4096), 151936, _local())
+    assert fused.time.loss < 0.2 * 8 * 16384 * 151936 * MEGATRON_LOSS_BYTES_PER_LOGIT / rate
+
+
+def test_the_h100_calibration_is_the_fit_of_its_stored_measurements():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import fit_calibration
+
+    results = ROOT / "references" / "results" / "h100-2026-12-06" / "calibration"
+    calib = json.loads((results / "calibrate.json").read_text())["result"]
+    runs = [r for r in fit_calibration.load_runs(results) if r["profile"]]
+    assert len(runs) == 5
+    defaults = json.loads((ROOT / "tools" / "megatron_skill" / "core" / "catalog" / "calibration.json").read_text())
+    fitted = fit_calibration.fit(runs, {**defaults["default"], **calib["catalog_entry"]})
+    entry = defaults["gpus"]["h100-sxm"]
+    assert {k: entry[k] for k in fitted} == fitted, "re-fit: python benchmarks/fit_calibration.py ... --store"
+    assert {k: entry[k] for k in calib["catalog_entry"]} == calib["catalog_entry"]
+
+
+def test_the_fused_adam_hook_steps_torchs_fused_kernel_like_the_multi_tensor_one():
+    require_modules("torch")
+    import torch
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    from megatron_skill.runtime import fused_adam
+
+    torch.manual_seed(0)
+    ref = [torch.nn.Parameter(torch.randn(64, 32)), torch.nn.Parameter(torch.randn(32))]
+    mine = [torch.nn.Parameter(p.detach().clone()) for p in ref]
+    opt_ref = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1, foreach=True)
+    opt = torch.optim.AdamW(mine, lr=1e-2, weight_decay=0.1)
+    handle = register_optimizer_step_pre_hook(fused_adam._to_fused)
+    try:
+        for step in range(3):
+            grads = [torch.randn_like(p) for p in ref]
+            for p, q, g in zip(ref, mine, grads):
+                p.grad, q.grad = g.clone(), g.clone()
+            if step == 1:   # a checkpoint load leaves the step counter a float64 CPU tensor
+                opt.state[mine[0]]["step"] = opt.state[mine[0]]["step"].double()
+            opt_ref.step()
+            opt.step()
+    finally:
+        handle.remove()
+    assert all(g["fused"] and not g["foreach"] for g in opt.param_groups)
+    assert opt.state[mine[0]]["step"].dtype == torch.float32
+    for p, q in zip(ref, mine):
+        torch.testing.assert_close(q, p)
