@@ -342,12 +342,19 @@ def _epilog(tool: str, schema: dict) -> str:
 
 
 def _read_request(source: str) -> Any:
+    """The request of --request: a regular file (never a FIFO or a device, which could wait or
+    never end) or stdin, of bounded size, UTF-8 and strict JSON."""
+    from . import files
+
+    if source == "-":
+        data = sys.stdin.buffer.read(files.JSON_LIMIT + 1)
+        if len(data) > files.JSON_LIMIT:
+            raise ToolError("bad_request", f"the request on stdin is larger than {files.JSON_LIMIT:,} bytes",
+                            where="--request", fix="give one JSON request")
+        text = files.decode(data, "the request on stdin", where="--request")
+    else:
+        text = files.read_text(source, where="--request", what="request file")
     where = "stdin" if source == "-" else source
-    try:
-        text = sys.stdin.read() if source == "-" else Path(source).read_text()
-    except OSError as e:
-        raise ToolError("not_found", f"cannot read the request file: {e.strerror}", where="--request",
-                        fix="give a readable JSON file, or - for stdin") from None
     return parse_json(text, where="--request", name=f"the request in {where}")
 
 
