@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import re
 from pathlib import Path
 from typing import Any
@@ -306,6 +305,10 @@ def build_spec(name: str, fields: dict[str, Any], where: str = "model") -> Model
             raise ToolError("bad_model", f"{key} must be one of {list(choices)}, got {values[key]!r}",
                             where=f"{where}.{key}", fix=f"choose one of {list(choices)}")
     spec = ModelConfig(name=name, **values)
+    if not spec.multi_latent_attention and spec.kv_channels is None and spec.hidden_size % spec.num_attention_heads:
+        raise ToolError("bad_model", f"hidden_size {spec.hidden_size} is not a multiple of num_attention_heads "
+                        f"{spec.num_attention_heads}: the heads would not split it evenly", where=f"{where}.num_attention_heads",
+                        fix="use a number of heads that divides hidden_size, or give kv_channels (the head size)")
     if not spec.multi_latent_attention and spec.num_attention_heads % spec.query_groups:
         raise ToolError("bad_model", "num_attention_heads must be a multiple of num_query_groups",
                         where=f"{where}.num_query_groups", fix="use a divisor of num_attention_heads")
@@ -320,21 +323,14 @@ def build_spec(name: str, fields: dict[str, Any], where: str = "model") -> Model
 # ---- Hugging Face config.json --------------------------------------------------------
 def from_hf_config(path: str | Path) -> ModelConfig:
     """Read a local Hugging Face config.json (Llama, Mixtral, Qwen2/3, Qwen3-MoE, DeepSeek-V3)."""
-    p = Path(path)
-    if p.is_dir():
-        p = p / "config.json"
+    from .. import files
+
     where = "hf_config"
-    try:
-        cfg = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise ToolError("not_found", f"no config.json at {str(p)!r}", where=where,
-                        fix="give the path of a local Hugging Face model folder or its config.json") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ToolError("bad_model", f"{p.name} is not valid JSON: {e}", where=where,
-                        fix="give an unmodified Hugging Face config.json") from None
-    if not isinstance(cfg, dict):
-        raise ToolError("bad_model", "config.json must hold a JSON object", where=where,
-                        fix="give an unmodified Hugging Face config.json")
+    p = Path(path)
+    if files.kind_of(p) == "folder":
+        p = p / "config.json"
+    cfg = files.read_json_object(p, where=where, what="Hugging Face config.json", code="bad_model")
+    check_rope_fields(cfg, where)
     mtype = cfg.get("model_type")
     readers = {"llama": _hf_llama, "mistral": _hf_llama, "mixtral": _hf_llama, "qwen2": _hf_llama,
                "qwen3": _hf_llama, "qwen2_moe": _hf_llama, "qwen3_moe": _hf_llama,
@@ -390,6 +386,17 @@ def _hf_llama(cfg: dict) -> dict:
         if cfg.get("shared_expert_intermediate_size"):
             fields["moe_shared_expert_intermediate_size"] = cfg["shared_expert_intermediate_size"]
     return fields
+
+
+def check_rope_fields(cfg: dict, where: str) -> None:
+    """RoPE's settings are an object or absent: anything else (a list, a number) would otherwise be
+    read as no scaling at all, and the model trained at the wrong positions."""
+    for key in ("rope_scaling", "rope_parameters"):
+        value = cfg.get(key)
+        if value is not None and not isinstance(value, dict):
+            raise ToolError("bad_model", f"config.json's {key} is a JSON {type(value).__name__}, not an object",
+                            where=f"{where}.{key}", fix=f"give {key} as an object (rope_type, factor, ...) or null, "
+                            "as transformers writes it")
 
 
 def rope_parameters(cfg: dict) -> dict:
