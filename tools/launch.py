@@ -18,7 +18,10 @@ PLANNING = ("jinja2", "jsonschema")
 TRAINING = PLANNING + ("numpy", "torch", "megatron.core")
 # What each tool cannot run without; render and validate run Megatron's own parser where it is
 # installed (without it they check against the stored flag manifest and say so).
-NEEDS = {"train": TRAINING, "bench": TRAINING, "prepare-data": TRAINING}
+CONVERSION = TRAINING + ("safetensors",)
+NEEDS = {"train": TRAINING, "bench": TRAINING, "prepare-data": TRAINING,
+         # a dry run too: it reads the safetensors headers and Megatron's checkpoint metadata
+         "import-hf": CONVERSION, "export-hf": CONVERSION}
 PREFERS = {"render": TRAINING, "validate": TRAINING, "doctor": TRAINING}
 
 
