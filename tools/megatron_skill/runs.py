@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from . import files
 from .errors import ToolError
 from .locks import Busy, FileLock, write_atomic
 
@@ -14,10 +15,8 @@ STATE = "state.json"
 
 
 def read_state(run_dir: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads((run_dir / STATE).read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
+    """The run's state, or None where there is none (or what is there is not one of ours)."""
+    return files.read_record(run_dir / STATE)
 
 
 def write_state(run_dir: Path, **fields: Any) -> dict[str, Any]:
@@ -27,10 +26,10 @@ def write_state(run_dir: Path, **fields: Any) -> dict[str, Any]:
 
 
 def latest_checkpoint(ckpt_dir: Path) -> int | None:
-    try:
-        return int((ckpt_dir / "latest_checkpointed_iteration.txt").read_text().strip())
-    except (FileNotFoundError, ValueError):
-        return None
+    """The iteration of the run's last checkpoint; None without one (or with a tracker that is not
+    Megatron's, or says release: a run's own checkpoints have iterations)."""
+    it = files.read_tracker(ckpt_dir)
+    return it if isinstance(it, int) else None
 
 
 class RunLock(FileLock):

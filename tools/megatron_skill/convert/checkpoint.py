@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-TRACKER = "latest_checkpointed_iteration.txt"
+TRACKER = "latest_checkpointed_iteration.txt"  # files.TRACKER (this file also runs as a script: no imports here)
 RELEASE = "release"
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
@@ -29,18 +29,33 @@ DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 def iteration_dir(root: Path) -> Path:
     """The folder holding one checkpoint's files: the tracker's choice under a checkpoint root,
     or the folder itself when it is one."""
+    from .. import files
+
     root = Path(root)
-    tracker = root / TRACKER
-    if tracker.is_file():
-        it = tracker.read_text().strip()
-        return root / (RELEASE if it == RELEASE else f"iter_{int(it):07d}")
-    return root
+    it = files.read_tracker(root)
+    if it is None:
+        return root
+    return root / (RELEASE if it == RELEASE else f"iter_{it:07d}")
+
+
+def check_tracker(root: Path, where: str) -> None:
+    """A tracker in root that is not one (a forged or damaged file) is an error, not a wrong folder."""
+    from .. import files
+    from ..errors import ToolError
+
+    if files.has_tracker(root) and files.read_tracker(root) is None:
+        raise ToolError("bad_request", f"{Path(root) / TRACKER} holds neither an iteration number nor 'release': "
+                        "it is not a Megatron checkpoint tracker", where=where,
+                        fix="give a checkpoint folder as Megatron or import-hf wrote it (its tracker holds one "
+                            "iteration number, or release), or one iteration's folder")
 
 
 def kind(folder: Path) -> str | None:
     """'torch_dist', 'legacy' (per-rank .pt files) or None."""
+    from .. import files
+
     meta = folder / "metadata.json"  # megatron-core 0.19 keeps the common state inside the .distcp files
-    if meta.is_file() and '"torch_dist"' in meta.read_text(errors="replace"):
+    if (files.read_record(meta) or {}).get("sharded_backend") == "torch_dist":
         return "torch_dist"
     if any(folder.glob("mp_rank_*")) or any(folder.glob("mp_rank_*.pt")):
         return "legacy"

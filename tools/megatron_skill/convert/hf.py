@@ -271,12 +271,33 @@ def stage_name(name: str, first_layer: int, first_expert: int = 0) -> str:
 
 
 # ---- reading a Hugging Face folder, and filling a model's own piece --------------------------
+def weight_map(folder) -> dict[str, str] | None:
+    """model.safetensors.index.json's weight_map (tensor name: shard file), or None for a folder
+    with one model.safetensors; a ToolError for a folder with neither or a damaged index."""
+    from pathlib import Path
+
+    from .. import files
+    from ..errors import ToolError
+
+    index = Path(folder) / "model.safetensors.index.json"
+    if files.kind_of(index) == "missing":
+        if files.kind_of(Path(folder) / "model.safetensors") != "missing":
+            return None
+        raise ToolError("not_found", f"no model.safetensors or model.safetensors.index.json in {folder}",
+                        where="/hf_model", fix="give a local Hugging Face model folder saved with safetensors "
+                        "(a .bin-only folder: load and save it again with safe_serialization)")
+    mapping = files.read_json_object(index, "/hf_model", "safetensors index", code="bad_model").get("weight_map")
+    if not isinstance(mapping, dict) or not all(isinstance(v, str) and v for v in mapping.values()):
+        raise ToolError("bad_model", f"{index} is not a safetensors index (no weight_map of file names)",
+                        where="/hf_model", fix="give the folder as saved by save_pretrained")
+    return mapping
+
+
 def hf_reader(folder) -> Callable[[str], Any]:
     """get(name) for a local Hugging Face folder's safetensors (one file, or shards named by
     model.safetensors.index.json), each tensor read when asked. The file is opened for each read
     and closed after it: its memory-mapped pages leave with it, so nothing more is held than the
     tensor being converted."""
-    import json
     from pathlib import Path
 
     from safetensors import safe_open
@@ -284,14 +305,8 @@ def hf_reader(folder) -> Callable[[str], Any]:
     from ..errors import ToolError
 
     folder = Path(folder)
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        where = json.loads(index.read_text())["weight_map"]
-    elif (folder / "model.safetensors").is_file():
-        where = None
-    else:
-        raise ToolError("not_found", f"no model.safetensors or model.safetensors.index.json in {folder}",
-                        where="/hf_model", fix="give a local Hugging Face model folder saved with safetensors")
+    where = weight_map(folder)
+
     def get(name: str):
         file = where.get(name) if where is not None else "model.safetensors"
         if file is None:
@@ -390,7 +405,6 @@ def check_weights(folder, model) -> dict[str, Any]:
     """Every tensor the conversion reads is in the folder's safetensors with the shape config.json
     implies; the shards the index names exist. Reads headers only. Returns the files, their
     bytes, the tensors' dtype and the names the conversion leaves unused."""
-    import json
     from pathlib import Path
 
     from safetensors import safe_open
@@ -398,22 +412,12 @@ def check_weights(folder, model) -> dict[str, Any]:
     from ..errors import ToolError
 
     folder = Path(folder)
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError, AttributeError, TypeError):
-            raise ToolError("bad_model", f"{index} is not a safetensors index (no weight_map)", where="/hf_model",
-                            fix="give the folder as saved by save_pretrained") from None
-    elif (folder / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
-        raise ToolError("not_found", f"no model.safetensors or model.safetensors.index.json in {folder}",
-                        where="/hf_model", fix="give a local Hugging Face model folder saved with safetensors "
-                        "(a .bin-only folder: load and save it again with safe_serialization)")
+    index = weight_map(folder)
+    files = ["model.safetensors"] if index is None else sorted(set(index.values()))
     missing = [f for f in files if not (folder / f).is_file()]
     if missing:
-        raise ToolError("not_found", f"{len(missing)} shard(s) the index names are missing: {missing[:3]}",
+        raise ToolError("not_found", f"{len(missing)} shard(s) the index names are missing (or not regular "
+                        f"files): {missing[:3]}",
                         where="/hf_model", fix="copy every shard of the checkpoint into the folder")
     have: dict[str, tuple[tuple[int, ...], str]] = {}
     for f in files:

@@ -36,6 +36,7 @@ def describe(path: str, model, tp: int, need_local: bool) -> dict[str, Any]:
     rows = padded_vocab_size(model.vocab_size, 1)  # what the skill's imports hold
     info: dict[str, Any] = {"path": path, "checked": False, "tokenizer": None}
     if root.is_dir():
+        checkpoint.check_tracker(root, WHERE)
         folder = checkpoint.iteration_dir(root)
         if checkpoint.kind(folder) != "torch_dist":
             raise ToolError("not_found", f"{path} holds no torch_dist checkpoint (Megatron's --pretrained-checkpoint "

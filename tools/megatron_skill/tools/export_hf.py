@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .. import files
 from ..contract import Context, Tool
 from ..convert import checkpoint, output
 from ..errors import ToolError
@@ -28,10 +29,8 @@ def _source(req: dict) -> dict[str, Any]:
     from ..core.model import from_hf_config
     from ..core.resolve import resolve_model
 
-    root = Path(req["checkpoint"])
-    if not root.is_dir():
-        raise ToolError("not_found", f"no folder {root}", where="/checkpoint",
-                        fix="give a checkpoint folder (an import's output or a run's checkpoints folder)")
+    root = files.folder(req["checkpoint"], "/checkpoint", "checkpoint folder")
+    checkpoint.check_tracker(root, "/checkpoint")
     folder = checkpoint.iteration_dir(root)
     what = checkpoint.kind(folder) if folder.is_dir() else None
     if what is None:
@@ -42,25 +41,20 @@ def _source(req: dict) -> dict[str, Any]:
     stored = None
     if record.get("tool") == "import-hf":
         hf_dir, stored = root / "hf", record["result"].get("dtype")
-    run_request = None
-    for cand in (root.parent / "request.json", root.parent.parent / "request.json"):
-        if cand.is_file():
-            run_request = json.loads(cand.read_text())
-            break
+    run_request, unread = _run_request(root)
     if req.get("model") is not None or req.get("hf_config") is not None:
         model = resolve_model(req)
         if req.get("hf_config") is not None:
-            p = Path(req["hf_config"])
-            hf_dir = p if p.is_dir() else p.parent
+            hf_dir = _config_folder(req["hf_config"])
     elif hf_dir is not None:
         model = from_hf_config(hf_dir)
     elif run_request is not None:
         model = resolve_model(run_request)
         if run_request.get("hf_config"):
-            p = Path(run_request["hf_config"])
-            hf_dir = p if p.is_dir() else p.parent
+            hf_dir = _config_folder(run_request["hf_config"])
     else:
-        raise ToolError("bad_request", f"nothing beside {root} says which model it holds", where="/model",
+        raise ToolError("bad_request", f"nothing beside {root} says which model it holds"
+                        + (f" ({unread} is not a train request)" if unread else ""), where="/model",
                         fix="give model or hf_config (the model the checkpoint was trained as)")
     tokenizer_dir = hf_dir
     if run_request is not None:
@@ -75,20 +69,44 @@ def _source(req: dict) -> dict[str, Any]:
             "tokenizer_dir": tokenizer_dir, "dtype": dtype, "layout": layout}
 
 
+def _run_request(root: Path) -> tuple[dict[str, Any] | None, Path | None]:
+    """The train request recorded by the run a checkpoint folder belongs to (RUN_DIR/request.json,
+    beside or above it), checked as train checks a request; else None, and the file that was there
+    but is not such a record (not JSON, not an object, a model of the wrong type)."""
+    from ..contract import validate_request
+
+    for cand in (root.parent / "request.json", root.parent.parent / "request.json"):
+        if files.kind_of(cand) == "missing":
+            continue
+        record = files.read_record(cand)
+        try:
+            return (validate_request("train", record), None) if record is not None else (None, cand)
+        except ToolError:
+            return None, cand
+    return None, None
+
+
+def _config_folder(path: str) -> Path:
+    """The folder of an hf_config (a folder, or its config.json)."""
+    p = Path(path)
+    return p if files.kind_of(p) == "folder" else p.parent
+
+
 def run(req: dict, ctx: Context) -> dict[str, Any]:
     from ..convert import hf as conv
 
     src = _source(req)
     model = src["model"]
-    if src["hf_dir"] is not None and (src["hf_dir"] / "config.json").is_file():
-        config = json.loads((src["hf_dir"] / "config.json").read_text())
+    if src["hf_dir"] is not None and files.kind_of(src["hf_dir"] / "config.json") != "missing":
+        config = files.read_json_object(src["hf_dir"] / "config.json", "/hf_config", "config.json", code="bad_model")
         conv.check_config(config, where="/hf_config")
     else:
         config = conv.hf_config_for(model)
     config["torch_dtype"] = config["dtype"] = TORCH_DTYPES[src["dtype"]]
-    out = Path(req["output"]).absolute()
+    out = output.check(Path(req["output"]).absolute())
     rid = ctx.request_id
-    done = output.already(out, "export-hf", rid, req["overwrite"], ctx)
+    inputs = _inputs(src)
+    done = output.already(out, "export-hf", rid, req["overwrite"], ctx, inputs)
     if done is not None:
         return done
     summary = {"output": str(out), "checkpoint": str(src["folder"]), "checkpoint_format": src["kind"],
@@ -99,12 +117,19 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
             f"write config.json ({'the original' if src['hf_dir'] else 'written for ' + config['model_type']}), "
             f"safetensors shards of at most {req['max_shard_gib']} GiB in {src['dtype']}, and the tokenizer files, "
             f"in a hidden folder beside {out}, then rename it to {out}"]}
-    with output.claim(out, "export-hf", rid, req["overwrite"], ctx) as done:
-        return done if done is not None else _export(req, src, model, config, summary, out, rid, ctx)
+    with output.claim(out, "export-hf", rid, req["overwrite"], ctx, inputs) as done:
+        return done if done is not None else _export(req, src, model, config, summary, out, rid, ctx, inputs)
+
+
+def _inputs(src: dict[str, Any]) -> dict[str, list[int]]:
+    """The fingerprint of what an export reads: the checkpoint's files, config.json, the tokenizer's."""
+    ckpt = [p for p in Path(src["folder"]).rglob("*")] if src["folder"].is_dir() else []
+    extra = [d / f for d in {src["hf_dir"], src["tokenizer_dir"]} - {None} for f in COMPANION_FILES]
+    return files.fingerprint(ckpt + extra)
 
 
 def _export(req: dict, src: dict, model, config: dict, summary: dict, out: Path, rid: str,
-            ctx: Context) -> dict[str, Any]:
+            ctx: Context, inputs: dict[str, list[int]]) -> dict[str, Any]:
     """Load the checkpoint, write the Hugging Face folder beside out and put it in place (the
     caller holds the output's lock)."""
     from ..convert import hf as conv
@@ -169,7 +194,7 @@ def _export(req: dict, src: dict, model, config: dict, summary: dict, out: Path,
         result = {**summary, "files": names, "tensors": len(weight_map), "bytes_written": total,
                   "tokenizer_files": sorted(copied), "seconds": round(time.time() - started, 1),
                   "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
-        output.publish(tmp, out, "export-hf", rid, req, result)
+        output.publish(tmp, out, "export-hf", rid, req, result, inputs)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .. import files
 from ..contract import Context, Tool
 from ..convert import checkpoint, output
 from ..errors import ToolError
@@ -37,18 +38,11 @@ def inspect(req: dict) -> dict[str, Any]:
     from ..convert import hf as conv
     from ..core.model import from_hf_config
 
-    folder = Path(req["hf_model"])
-    if not (folder / "config.json").is_file():
+    folder = files.folder(req["hf_model"], "/hf_model", "Hugging Face model folder")
+    if files.kind_of(folder / "config.json") == "missing":
         raise ToolError("not_found", f"no config.json in {folder}", where="/hf_model",
                         fix="give a local Hugging Face model folder (nothing is downloaded)")
-    try:
-        cfg = json.loads((folder / "config.json").read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ToolError("bad_model", f"config.json is not JSON: {e}", where="/hf_model",
-                        fix="give the config.json that came with the weights") from None
-    if not isinstance(cfg, dict):
-        raise ToolError("bad_model", "config.json must hold an object", where="/hf_model",
-                        fix="give the config.json that came with the weights")
+    cfg = files.read_json_object(folder / "config.json", "/hf_model", "config.json", code="bad_model")
     family = conv.check_config(cfg)
     model = from_hf_config(folder)
     lay = req["layout"]
@@ -76,14 +70,21 @@ def inspect(req: dict) -> dict[str, Any]:
         notes.append(f"config.json's sliding_window is {window}: Megatron's layers attend over the whole sequence, "
                      f"which is the same model for sequences up to {window} tokens")
     return {"folder": folder, "family": family, "model": model, "weights": weights, "dtype": dtype,
-            "tp": tp, "pp": pp, "ep": ep, "notes": notes}
+            "tp": tp, "pp": pp, "ep": ep, "notes": notes, "inputs": inputs_of(folder, weights["files"])}
+
+
+def inputs_of(folder: Path, weight_files: list[str]) -> dict[str, list[int]]:
+    """The fingerprint (sizes, modification times) of every file an import reads: a recorded result
+    is given again only while it matches."""
+    names = [*weight_files, "model.safetensors.index.json", *COMPANION_FILES]
+    return files.fingerprint([folder / n for n in names])
 
 
 def run(req: dict, ctx: Context) -> dict[str, Any]:
     info = inspect(req)
-    out = Path(req["output"]).absolute()
+    out = output.check(Path(req["output"]).absolute())
     rid = ctx.request_id
-    done = output.already(out, "import-hf", rid, req["overwrite"], ctx)
+    done = output.already(out, "import-hf", rid, req["overwrite"], ctx, info["inputs"])
     if done is not None:
         return done
     workers = info["tp"] * info["pp"] * info["ep"]
@@ -109,7 +110,7 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
         raise ToolError("environment", f"the conversion needs torch, megatron-core, safetensors and psutil: {e}",
                         where="/hf_model", fix="run tools/setup.sh") from None
     started = time.time()
-    with output.claim(out, "import-hf", rid, req["overwrite"], ctx) as done:
+    with output.claim(out, "import-hf", rid, req["overwrite"], ctx, info["inputs"]) as done:
         return done if done is not None else _convert(req, info, summary, out, rid, ctx, started)
 
 
@@ -150,7 +151,7 @@ def _convert(req: dict, info: dict, summary: dict, out: Path, rid: str, ctx: Con
                                  **({"training": {"tokenizer_model": tokenizer}} if tokenizer else {})},
                   "megatron_args": ["--pretrained-checkpoint", str(out), "--ckpt-format", "torch_dist",
                                     "--no-load-optim", "--no-load-rng"]}
-        output.publish(tmp, out, "import-hf", rid, req, result)
+        output.publish(tmp, out, "import-hf", rid, req, result, info["inputs"])
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
