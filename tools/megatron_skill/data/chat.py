@@ -49,14 +49,17 @@ def messages_of(obj: dict) -> list[dict[str, str]] | str:
 def template_of(folder: Path) -> tuple[str, dict[str, str]]:
     """A Hugging Face tokenizer folder's chat template and its special tokens' text; ValueError
     when it has none."""
+    from .. import files
+
     cfg_path = folder / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+    cfg = (files.read_json_object(cfg_path, "/tokenizer", "tokenizer_config.json")
+           if files.kind_of(cfg_path) != "missing" else {})
     template = cfg.get("chat_template")
     if isinstance(template, list):  # named templates: the default one
         template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
                         None)
-    if not template and (folder / "chat_template.jinja").is_file():
-        template = (folder / "chat_template.jinja").read_text()
+    if not template and files.kind_of(folder / "chat_template.jinja") != "missing":
+        template = files.read_text(folder / "chat_template.jinja", "/tokenizer", "chat template")
     if not isinstance(template, str) or not template:
         raise ValueError(f"{folder} has no chat template (tokenizer_config.json's chat_template or "
                          "chat_template.jinja)")

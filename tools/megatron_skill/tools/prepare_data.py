@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import os
+import re
 import time
+import zlib
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Any, Iterator
 
+from .. import files as guarded
 from ..contract import Context, Tool
 from ..errors import ToolError
 from ..locks import Busy, FileLock, write_atomic
@@ -60,21 +64,29 @@ class HFTokenizer:
     no hub); end of document is the tokenizer's EOS (or EOD) token."""
     EOS_NAMES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "<|eot_id|>", "[SEP]", "<|im_end|>")
 
-    def __init__(self, path: str):
+    def __init__(self, file: Path):
         from tokenizers import Tokenizer
 
-        p = Path(path)
-        self.file = p / "tokenizer.json" if p.is_dir() else p
-        self.tok = Tokenizer.from_file(str(self.file))
+        self.file = file
+        text = guarded.read_text(file, "/tokenizer", "tokenizer.json", limit=guarded.TOKENIZER_LIMIT)
+        try:
+            self.tok = Tokenizer.from_str(text)
+        except Exception as e:  # noqa: BLE001 -- the tokenizers library raises its own error types
+            raise ToolError("bad_request", f"{file} is not a tokenizer.json the tokenizers library reads: {e}",
+                            where="/tokenizer", fix="give the tokenizer.json saved with the model") from None
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
-        self.eod_id = self._eos(p if p.is_dir() else p.parent)
+        self.eod_id = self._eos(file.parent)
 
     def _eos(self, folder: Path) -> int:
         cfg = folder / "tokenizer_config.json"
         names = list(self.EOS_NAMES)
-        if cfg.exists():
-            eos = json.loads(cfg.read_text()).get("eos_token")
+        if guarded.kind_of(cfg) != "missing":
+            eos = guarded.read_json_object(cfg, "/tokenizer", "tokenizer_config.json").get("eos_token")
             eos = eos.get("content") if isinstance(eos, dict) else eos
+            if eos is not None and not isinstance(eos, str):
+                raise ToolError("bad_request", f"{cfg}'s eos_token is a JSON {type(eos).__name__}, not the token's "
+                                "text", where="/tokenizer", fix='give eos_token as text (e.g. "</s>") or as '
+                                '{"content": "</s>"}, as transformers writes it')
             if eos:
                 names.insert(0, eos)
         for name in names:
@@ -117,8 +129,9 @@ class HFTokenizer:
 def load_tokenizer(spec: str):
     if spec == "byte":
         return ByteTokenizer()
-    p = Path(spec)
-    if not (p / "tokenizer.json").exists() and not (p.is_file() and p.name.endswith(".json")):
+    p = guarded.check_names(spec, "/tokenizer")
+    file = p / "tokenizer.json" if guarded.kind_of(p) == "folder" else p
+    if guarded.kind_of(file) == "missing" or not file.name.endswith(".json"):
         raise ToolError("not_found", f"no tokenizer.json at {spec}", where="/tokenizer",
                         fix="give a local folder holding tokenizer.json (nothing is downloaded), or 'byte'")
     try:
@@ -126,7 +139,7 @@ def load_tokenizer(spec: str):
     except ImportError:
         raise ToolError("environment", "the 'tokenizers' package is not installed", where="/tokenizer",
                         fix="pip install tokenizers (tools/setup.sh does), or use tokenizer 'byte'") from None
-    return HFTokenizer(spec)
+    return HFTokenizer(file)
 
 
 # ---- workers ------------------------------------------------------------------------
@@ -183,14 +196,16 @@ def _encode_batch(batch: list[tuple[str, int, bytes]]) -> list[tuple[str, int, A
     return out
 
 
-def _batches(paths: list[str], counts: dict[str, int]) -> Iterator[list[tuple[str, int, bytes]]]:
+def _batches(paths: list[str], counts: dict[str, int],
+             problems: list[ToolError]) -> Iterator[list[tuple[str, int, bytes]]]:
     """Lines as bytes: each is decoded by a worker, so a line that is not UTF-8 is reported
-    as a bad line instead of being silently altered."""
+    as a bad line instead of being silently altered. An input that cannot be read to its end (a
+    truncated or corrupt .gz) ends the batches and is put in problems: this generator runs in the
+    pool's feeder thread, which cannot carry the error itself."""
     batch: list[tuple[str, int, bytes]] = []
-    for path in paths:
-        opener = gzip.open if path.endswith(".gz") else open
-        with opener(path, "rb") as f:
-            for lineno, line in enumerate(f, 1):
+    for i, path in enumerate(paths):
+        try:
+            for lineno, line in _lines(path, f"/input/{i}"):
                 if not line.strip():
                     counts["blank"] += 1
                     continue
@@ -198,8 +213,23 @@ def _batches(paths: list[str], counts: dict[str, int]) -> Iterator[list[tuple[st
                 if len(batch) == BATCH_LINES:
                     yield batch
                     batch = []
+        except ToolError as e:
+            problems.append(e)
+            return
     if batch:
         yield batch
+
+
+def _lines(path: str, where: str) -> Iterator[tuple[int, bytes]]:
+    """(line number, line) of one input file, a regular file read through gzip when it ends in
+    .gz; a ToolError for a compressed stream that is cut short or damaged."""
+    with guarded.open_stream(path, where, "input file") as raw:
+        f = gzip.GzipFile(fileobj=raw, mode="rb") if path.endswith(".gz") else raw
+        try:
+            yield from enumerate(f, 1)
+        except (EOFError, zlib.error, gzip.BadGzipFile) as e:
+            raise ToolError("bad_request", f"{path} is not a whole gzip file ({e or type(e).__name__})", where=where,
+                            fix="give the complete .gz file (or the JSONL uncompressed)") from None
 
 
 def _encode_chat(obj: dict, tok, np, dtype) -> Any:
@@ -229,6 +259,25 @@ MASK_SUFFIX = "_lossmask"  # the same as runtime/masked_dataset.py's (which impo
 GLOB_CHARS = set("*?[]")
 
 
+# A run's temporaries are PREFIX's own names with a token of the run (pid-hex) between a leading dot
+# and .tmp; the record's is written atomically once more (locks.write_atomic adds .PID.tmp), as is
+# the journal. Only these names are ever removed as leftovers, and only beside the prefix.
+TOKEN = r"\d+-[0-9a-f]+"
+OWN_NAME_ROOM = 48  # what the longest of these names adds to the prefix's name
+DATASET_KINDS = ("bin", "idx", "json", "mask_bin", "mask_idx")
+
+
+def _temp_name(files: dict[str, Path], kind: str) -> re.Pattern:
+    return re.compile(re.escape(f".{files[kind].name}.") + TOKEN + re.escape(".tmp"))
+
+
+def _leftover_names(files: dict[str, Path]) -> list[re.Pattern]:
+    """The names of what a killed run of this prefix can leave behind besides its journal's temporaries."""
+    return [*(_temp_name(files, k) for k in DATASET_KINDS),
+            re.compile(re.escape(f"..{files['json'].name}.") + TOKEN + r"\.tmp\.\d+\.tmp"),
+            re.compile(re.escape(f".{files['journal'].name}.") + r"\d+\.tmp")]
+
+
 def _paths(prefix: Path) -> dict[str, Path]:
     """The dataset's three files, and the two of the tool's own beside them: a lock (kept,
     never written) and the journal of a run in progress (removed when it ends)."""
@@ -243,9 +292,7 @@ def _paths(prefix: Path) -> dict[str, Path]:
 
 def _check(req: dict) -> Path:
     for i, p in enumerate(req["input"]):
-        if not Path(p).is_file():
-            raise ToolError("not_found", f"input file {p} does not exist", where=f"/input/{i}",
-                            fix="give existing JSONL files")
+        guarded.regular_file(p, f"/input/{i}", "input file")
     raw = req["output_prefix"]
     prefix = Path(raw)
     if raw.endswith(("/", "/.", "/..")) or prefix.name in ("", ".", "..") or prefix.is_dir():
@@ -255,11 +302,8 @@ def _check(req: dict) -> Path:
     if GLOB_CHARS & set(prefix.name):
         raise ToolError("bad_request", f"output_prefix {raw!r} holds a glob character (* ? [ ])",
                         where="/output_prefix", fix="choose a prefix of letters, digits, '-', '_' and '.'")
-    parent = prefix.resolve().parent
-    for folder in (parent, *parent.parents):
-        if folder.exists() and not folder.is_dir():
-            raise ToolError("bad_request", f"{folder} is a file, not a folder", where="/output_prefix",
-                            fix="choose an output_prefix inside a folder")
+    guarded.check_names(prefix, "/output_prefix", room=OWN_NAME_ROOM)
+    guarded.output_folder(prefix.absolute().parent, "/output_prefix", "folder of the output_prefix")
     workers = req.get("workers")
     if workers is not None and workers > (os.cpu_count() or 1):
         raise ToolError("bad_request", f"workers {workers} is more than the {os.cpu_count()} CPUs here",
@@ -279,13 +323,10 @@ def _file_facts(files: dict[str, Path]) -> dict[str, Any]:
 def _read_record(files: dict[str, Path]) -> tuple[dict[str, Any] | None, str]:
     """(PREFIX.json's record, 'ok') when it was written by this tool and describes the .bin and
     .idx beside it; else (None or the record, why not: 'missing', 'foreign', 'stale')."""
-    try:
-        record = json.loads(files["json"].read_text())
-    except FileNotFoundError:
+    if guarded.kind_of(files["json"]) == "missing":
         return None, "missing"
-    except (OSError, ValueError):
-        return None, "foreign"
-    if not isinstance(record, dict) or record.get("made_by") != MADE_BY:
+    record = guarded.read_record(files["json"])
+    if record is None or record.get("made_by") != MADE_BY:
         return None, "foreign"
     try:
         facts = _file_facts(files)
@@ -298,19 +339,44 @@ def _recover(files: dict[str, Path]) -> None:
     """Finish or undo what a killed run left, from its journal (under the lock, so that run is
     gone): a run that was committing is rolled forward; one that was writing has its
     temporaries removed. Only the exact names the journal recorded are touched."""
-    try:
-        journal = json.loads(files["journal"].read_text())
-        temps = {k: Path(v) for k, v in journal["temps"].items()}
-    except FileNotFoundError:
-        return
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        files["journal"].unlink(missing_ok=True)  # unreadable: it names nothing we may touch
-        return
-    if journal.get("phase") == "committing":
-        _commit(files, temps)
-    for t in temps.values():
-        t.unlink(missing_ok=True)
-    files["journal"].unlink(missing_ok=True)
+    if guarded.kind_of(files["journal"]) != "missing":
+        journal = _read_journal(files)
+        if journal is not None:
+            if journal["phase"] == "committing":
+                _commit(files, journal["temps"])
+            for t in journal["temps"].values():
+                t.unlink(missing_ok=True)
+        files["journal"].unlink(missing_ok=True)  # done with, or names nothing we may touch
+    _remove_leftovers(files)
+
+
+def _read_journal(files: dict[str, Path]) -> dict[str, Any] | None:
+    """The journal of a killed run, when every name it holds is one of this tool's temporaries
+    for this prefix, in the prefix's folder; None for anything else (unreadable, or naming
+    another file: a journal never makes the tool move or remove a file that is not its own)."""
+    journal = guarded.read_record(files["journal"])
+    if journal is None or journal.get("phase") not in ("writing", "committing"):
+        return None
+    named = journal.get("temps")
+    if not isinstance(named, dict) or not named or not set(named) <= set(DATASET_KINDS):
+        return None
+    temps = {}
+    for kind, value in named.items():
+        path = Path(value) if isinstance(value, str) else None
+        if path is None or path.parent != files[kind].parent or not _temp_name(files, kind).fullmatch(path.name):
+            return None
+        temps[kind] = path
+    return {"phase": journal["phase"], "temps": temps}
+
+
+def _remove_leftovers(files: dict[str, Path]) -> None:
+    """Remove what killed runs of this prefix left under the tool's own temporary names (the
+    caller holds the prefix's lock: no run of it is writing them now)."""
+    patterns = _leftover_names(files)
+    for entry in os.scandir(files["bin"].parent):
+        if entry.name.startswith(".") and entry.name.endswith(".tmp") and any(
+                p.fullmatch(entry.name) for p in patterns) and entry.is_file(follow_symlinks=False):
+            Path(entry.path).unlink(missing_ok=True)
 
 
 def _commit(files: dict[str, Path], temps: dict[str, Path]) -> None:
@@ -379,8 +445,11 @@ def _decide(req: dict, files: dict[str, Path], rid: str, ctx: Context, dry_run: 
     record, status = _read_record(files)
     complete = files["bin"].exists() and files["idx"].exists()
     if status == "ok" and complete and record.get("request_id") == rid:  # type: ignore[union-attr]
-        ctx.progress(f"prepare-data: {files['bin'].with_suffix('')} was made by this same request; nothing to do")
-        return {**record["result"], "already_done": True}  # type: ignore[index]
+        if record.get("inputs", _inputs(req)) == _inputs(req):  # type: ignore[union-attr]
+            ctx.progress(f"prepare-data: {files['bin'].with_suffix('')} was made by this same request; nothing to do")
+            return {**record["result"], "already_done": True}  # type: ignore[index]
+        ctx.progress(f"prepare-data: the input changed since {files['bin'].with_suffix('')} was made; making it again")
+        return None  # this request's own dataset, from inputs that changed since: made again
     if status == "foreign":
         raise ToolError("conflict", f"{files['json']} exists and was not written by prepare-data",
                         where="/output_prefix", fix="choose another output_prefix (that file is left as it is)")
@@ -391,13 +460,20 @@ def _decide(req: dict, files: dict[str, Path], rid: str, ctx: Context, dry_run: 
     return None
 
 
+def _inputs(req: dict) -> dict[str, list[int]]:
+    """The input files' sizes and modification times: the recorded result stands while they hold."""
+    return guarded.fingerprint([Path(p) for p in req["input"]])
+
+
 def _build(req, ctx, tokenizer, files, workers, rid, dtype, IndexedDatasetBuilder, np, torch) -> dict[str, Any]:
     token = f"{os.getpid()}-{os.urandom(4).hex()}"
     chat = req["format"] == "chat"
     kinds = ("bin", "idx", "json") + (("mask_bin", "mask_idx") if chat else ())
     temps = {k: files[k].with_name(f".{files[k].name}.{token}.tmp") for k in kinds}
     _write_journal(files, temps, "writing")  # first: whatever is made next can be found and removed
+    inputs = _inputs(req)  # before reading them: a change while the run reads is seen by the next
     counts = {"blank": 0}
+    problems: list[ToolError] = []
     docs_in = docs_out = tokens = 0
     bad: list[dict[str, Any]] = []
     started = last = time.time()
@@ -408,7 +484,7 @@ def _build(req, ctx, tokenizer, files, workers, rid, dtype, IndexedDatasetBuilde
         pool = get_context("spawn").Pool(workers, _init_worker, (req["tokenizer"], req["text_key"],
                                                                   req["append_eod"], np.dtype(dtype).name, chat))
         with pool:
-            for results in pool.imap(_encode_batch, _batches(req["input"], counts)):
+            for results in pool.imap(_encode_batch, _batches(req["input"], counts, problems)):
                 for name, lineno, item in results:
                     docs_in += 1
                     if isinstance(item, str):
@@ -431,6 +507,8 @@ def _build(req, ctx, tokenizer, files, workers, rid, dtype, IndexedDatasetBuilde
                     last = time.time()
                     ctx.progress(f"prepare-data: {docs_in:,} documents, {tokens:,} tokens "
                                  f"({docs_in / (last - started):,.0f} docs/s)")
+        if problems:
+            raise problems[0]
         builder.finalize(str(temps["idx"]))
         if chat:
             masks.finalize(str(temps["mask_idx"]))
@@ -448,12 +526,12 @@ def _build(req, ctx, tokenizer, files, workers, rid, dtype, IndexedDatasetBuilde
                   "training": training}
         facts = _file_facts({"bin": temps["bin"], "idx": temps["idx"]})
         write_atomic(temps["json"], json.dumps({"made_by": MADE_BY, "request_id": rid, "request": req,
-                                                "files": facts, "result": result}, indent=1))
+                                                "files": facts, "inputs": inputs, "result": result}, indent=1))
         _write_journal(files, temps, "committing")  # from here on the dataset is done: roll forward
         _commit(files, temps)
         files["journal"].unlink(missing_ok=True)
     except BaseException:
-        if json.loads(files["journal"].read_text()).get("phase") != "committing":
+        if (guarded.read_record(files["journal"]) or {}).get("phase") != "committing":
             for t in temps.values():
                 t.unlink(missing_ok=True)
             files["journal"].unlink(missing_ok=True)
@@ -468,6 +546,7 @@ def check_datasets(training: dict[str, Any]) -> None:
     reported here, not by a rank inside torchrun minutes later."""
     for i, entry in enumerate(training.get("data_path") or []):
         if is_weight(entry):
+            check_weight(entry, where=f"/training/data_path/{i}")
             continue
         missing = [ext for ext in (".bin", ".idx") if not Path(entry + ext).is_file()]
         if missing:
@@ -475,6 +554,16 @@ def check_datasets(training: dict[str, Any]) -> None:
                             where=f"/training/data_path/{i}",
                             fix="give the prefix of an indexed dataset (PREFIX.bin and PREFIX.idx); "
                                 "launch.py prepare-data makes one from JSONL")
+
+
+def check_weight(entry: str, where: str) -> None:
+    """A blend weight is a finite number above 0 (Megatron normalises the weights to sum to 1: a
+    negative or NaN one would make a nonsense blend, or divide by zero)."""
+    weight = float(entry)
+    if not (math.isfinite(weight) and weight > 0):
+        raise ToolError("bad_request", f"data_path weight {entry!r} is not a number above 0", where=where,
+                        fix="give each dataset a weight above 0 before its prefix ('0.3 PREFIX_A 0.7 PREFIX_B'), "
+                            "or no weights (a dataset named like a number: write it as ./NAME)")
 
 
 def is_weight(entry: str) -> bool:
