@@ -14,6 +14,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
+from .. import files
 from ..adapter import arguments as megatron_args
 from ..adapter import flags as megatron_flags
 from ..contract import ROOT, Context, Tool, invoke
@@ -65,6 +66,18 @@ def _quote(value: object) -> str:
 def _path(value: str) -> str:
     """A path argparse cannot mistake for a flag: './-x', not '-x'."""
     return "./" + value if value.startswith("-") else value
+
+
+def _job_path(req: dict, key: str) -> str | None:
+    """A path of the job's machine as the script writes it: quoted, so a leading ~ would stay a
+    folder named ~ (bash expands it only bare), and the home folder here is not the job's."""
+    value = req.get(key)
+    if value is not None and value.startswith("~"):
+        raise ToolError("bad_request", f"{key} {value!r} starts with ~, which the script's quoted paths do not "
+                        "expand (the job would write into a folder named ~)", where=f"/{key}",
+                        fix=f"give {key} as an absolute path on the machine the job runs on"
+                            + (", or leave it out (runs/RUN_ID in the folder the job starts in)" if key == "run_dir" else ""))
+    return value
 
 
 def _environment():
@@ -267,6 +280,7 @@ def build(req: dict, ctx: Context) -> dict[str, Any]:
     gpus_here = 1 if fake is not None else min(per_node, n_gpus)
     run_id = req.get("run_id") or ctx.request_id
     out_dir = Path(req.get("output_dir") or default_runs_root() / run_id)
+    files.output_folder(out_dir, "/output_dir")
     k8s = {**schema_defaults("kubernetes"), **(req.get("kubernetes") or {})} if launcher == "kubernetes" else None
     if req.get("kubernetes") and not k8s:
         raise ToolError("bad_request", "kubernetes options belong to launcher kubernetes", where="/kubernetes",
@@ -276,7 +290,7 @@ def build(req: dict, ctx: Context) -> dict[str, Any]:
                "skill_home": f"{k8s['mount_path']}/megatron-core-training", **req}
     # Without a run_dir the job's own working folder holds it (runs/RUN_ID there): the script
     # carries no path of the machine that rendered it.
-    run_dir = req.get("run_dir") or RUN_DIR_MARK
+    run_dir = _job_path(req, "run_dir") or RUN_DIR_MARK
     training = match_tokenizer(with_training_defaults(model, req["training"]),
                                model.vocab_size)
     training.setdefault("vocab_size", model.vocab_size)
@@ -320,7 +334,7 @@ def build(req: dict, ctx: Context) -> dict[str, Any]:
     context = {
         "run_id": run_id, "label": lay.label(), "model_name": model.name, "gpu": gpu.key, "num_gpus": n_gpus,
         "nodes": nodes, "gpus_per_node": gpus_here, "run_dir": run_dir, "python": req["python"],
-        "skill_home": req.get("skill_home") or "", "skill_home_default": _home_relative_skill(),
+        "skill_home": _job_path(req, "skill_home") or "", "skill_home_default": _home_relative_skill(),
         "megatron_lm": req.get("megatron_lm"), "container": container,
         "fp8_local_note": _fp8_local_note(lay), "data_checks": _data_checks(training),
         "data_from_env": not training.get("data_path") and not training.get("mock_data"),
@@ -418,6 +432,14 @@ def with_plan(req: dict, ctx: Context) -> dict:
     return out
 
 
+def _head(path: Path) -> str:
+    """The start of a script already at path ('' for what is not a regular UTF-8 file: not ours)."""
+    try:
+        return files.read_text(path, "/output_dir", "launch script")[:2000]
+    except ToolError:
+        return ""
+
+
 def run(req: dict, ctx: Context) -> dict[str, Any]:
     req = with_plan(req, ctx)
     out = build(req, ctx)
@@ -432,7 +454,7 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
                      for p in (req.get("training") or {}).get("data_path") or [] if Path(p + MASK_SUFFIX + ".idx").is_file()]
     if warnings:
         out["warnings"] = warnings
-    if path.exists() and RENDERED_MARK not in path.read_text(errors="replace")[:2000]:
+    if files.kind_of(path) != "missing" and RENDERED_MARK not in _head(path):
         raise ToolError("conflict", f"{path} exists and was not written by render", where="/output_dir",
                         fix="choose another output_dir (the file is left as it is)")
     if ctx.dry_run:
@@ -440,7 +462,7 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
         out["actions"] = [f"mkdir -p {path.parent}", f"write {path} ({len(text)} bytes, mode {out['files'][0]['mode']})"]
         out["files"][0]["content"] = text
         return out
-    path.parent.mkdir(parents=True, exist_ok=True)
+    files.make_folder(path.parent, "/output_dir")
     write_atomic(path, text, mode=0o644 if out["launcher"] == "kubernetes" else 0o755)  # never half a script
     ctx.progress(f"render: wrote {path} ({out['label']})")
     return out

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .. import files
 from ..adapter import log as megatron_log
 from ..contract import Context, Tool, invoke, request_fields
 from ..core.catalog import gpu_by_device_name
@@ -46,7 +47,7 @@ def _progress_line(rec: dict, started: float, seq: int | None) -> str:
     parts = [f"iter {it}/{total}"]
     if "loss" in rec:
         parts.append(f"loss {rec['loss']:.4f}")
-    if "iter_ms" in rec and rec.get("global_batch_size") and seq:
+    if rec.get("iter_ms") and rec.get("global_batch_size") and seq:  # 0 ms: a log line too coarse to say
         parts.append(f"{rec['global_batch_size'] * seq / (rec['iter_ms'] / 1e3):,.0f} tokens/s")
         eta = (total - it) * rec["iter_ms"] / 1e3
         parts.append(f"ETA {int(eta // 60)}m{int(eta % 60):02d}s")
@@ -139,17 +140,12 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
                             "training.tokenizer_model, or training.mock_data true for Megatron's mock data (trials, "
                             "benchmarks)")
     run_id = ctx.request_id
-    runs_root = Path(req["runs_root"])
-    if runs_root.exists() and not runs_root.is_dir():
-        raise ToolError("bad_request", f"runs_root {runs_root} is a file, not a folder", where="/runs_root",
-                        fix="give a folder (it is made when missing)")
-    run_dir = (runs_root / run_id).resolve()
+    runs_root = files.output_folder(req["runs_root"], "/runs_root", "runs_root folder")
+    run_dir = files.output_folder(runs_root / run_id, "/runs_root", "run folder").resolve()
     check_datasets(req["training"])
     if req["training"].get("pretrained"):  # the job runs here, in its run folder: a folder here, made absolute
-        start = Path(req["training"]["pretrained"]).absolute()
-        if not start.is_dir():
-            raise ToolError("not_found", f"no checkpoint folder {start}", where="/training/pretrained",
-                            fix="give the output folder of import-hf (or a run's checkpoints folder)")
+        start = files.folder(Path(req["training"]["pretrained"]).absolute(), "/training/pretrained",
+                             "checkpoint folder")
         req = {**req, "training": {**req["training"], "pretrained": str(start)}}
     if backend == "cpu":
         from .train_cpu import plan_cpu_run
@@ -168,7 +164,7 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
                 "layout": plan.get("layout"), "prediction": plan.get("prediction"),
                 **({"pretrained": plan["pretrained"]} if plan.get("pretrained") else {})}
 
-    run_dir.mkdir(parents=True, exist_ok=True)
+    files.make_folder(run_dir, "/runs_root", "run folder")
     lock = RunLock(run_dir).acquire()  # conflict while another process runs this request
     events = None
     try:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,11 @@ def plan_cpu_run(req: dict, run_dir: Path, run_id: str) -> dict[str, Any]:
     layout = req.get("layout") or {}
     tp, pp = layout.get("tp", 1), layout.get("pp", 1)
     procs = req.get("num_gpus") or 1
+    cores = os.cpu_count() or 1
+    if procs > cores:
+        raise ToolError("bad_request", f"a CPU run of {procs} processes on {cores} cores: each process of the CPU "
+                        "loop is one rank, and more ranks than cores only wait on each other", where="/num_gpus",
+                        fix=f"give num_gpus (the CPU run's processes) of at most {cores}, or run on GPUs")
     if procs % (tp * pp) or model.num_attention_heads % tp or model.query_groups % tp:
         raise ToolError("bad_request", f"TP {tp} x PP {pp} does not divide the processes ({procs}), or TP the heads",
                         where="/layout/tp", fix="use a TP that divides the heads and TP x PP that divides the processes")
