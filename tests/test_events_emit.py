@@ -11,12 +11,18 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT
-from test_events import EMIT, TOKEN, Receiver, _event, _on_event, _run_dir, _wait, secret  # noqa: F401
+from test_events import EMIT, SECRET, TOKEN, Receiver, _on_event, _run_dir
 
 from megatron_skill.events import emit as emitter
 from megatron_skill.events import event as ev
 
 TRIGGER = ROOT / "tools" / "slurm_job_end.sh"
+
+
+@pytest.fixture
+def secret(monkeypatch):
+    monkeypatch.setenv(ev.SECRET_ENV, SECRET)
+    return SECRET.encode()
 
 
 @pytest.fixture

@@ -7,13 +7,20 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from conftest import ROOT
-from test_events import _cpu_run, _event, _iteration, _marked_run, _on_event, _run_dir, _starts, secret  # noqa: F401
+from test_events import SECRET, _cpu_run, _event, _iteration, _marked_run, _on_event, _run_dir, _starts
 
 from megatron_skill import contract
 from megatron_skill.events import event as ev
 
 LAUNCH = [sys.executable, str(ROOT / "tools" / "launch.py")]
+
+
+@pytest.fixture
+def secret(monkeypatch):
+    monkeypatch.setenv(ev.SECRET_ENV, SECRET)
+    return SECRET.encode()
 
 
 # ---- the policy, by cause and by action --------------------------------------------------------

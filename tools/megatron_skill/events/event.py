@@ -13,7 +13,6 @@ import hmac
 import json
 import os
 import uuid
-from pathlib import Path
 from typing import Any
 
 from .files import read_bounded

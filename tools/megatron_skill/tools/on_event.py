@@ -21,7 +21,7 @@ from ..errors import ToolError
 from ..events import actions
 from ..events import event as ev
 from ..events.files import TooLarge, read_bounded
-from ..events.ledger import RELAUNCHING, Ledger, folder
+from ..events.ledger import RELAUNCHING, Ledger
 from ..runs import RunLock
 
 MAX_FILE_BYTES = 64 * 1024
