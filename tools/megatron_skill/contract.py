@@ -347,11 +347,12 @@ def _read_request(source: str) -> Any:
     from . import files
 
     if source == "-":
-        data = sys.stdin.buffer.read(files.JSON_LIMIT + 1)
+        binary = getattr(sys.stdin, "buffer", None)  # none where stdin is a text stream of Python's (embedded use)
+        data = (binary or sys.stdin).read(files.JSON_LIMIT + 1)
         if len(data) > files.JSON_LIMIT:
             raise ToolError("bad_request", f"the request on stdin is larger than {files.JSON_LIMIT:,} bytes",
                             where="--request", fix="give one JSON request")
-        text = files.decode(data, "the request on stdin", where="--request")
+        text = files.decode(data, "the request on stdin", where="--request") if binary else data
     else:
         text = files.read_text(source, where="--request", what="request file")
     where = "stdin" if source == "-" else source
