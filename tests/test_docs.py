@@ -208,7 +208,7 @@ def test_every_figure_of_ours_in_benchmarks_names_its_command_and_result_file():
         if not has_figures:
             continue
         title = sec.splitlines()[0]
-        assert re.search(r"python (tools|benchmarks)/\w+\.py|run_benchmarks\.sh", sec), title
+        assert re.search(r"python (tools|benchmarks)/\w+\.py|bash benchmarks/\w+\.sh|run_benchmarks\.sh", sec), title
         assert re.search(r"results/|levers/", sec), title
     for ref in set(re.findall(r"`(results/[\w./-]+\.(?:json|log))`", text)):
         assert (ROOT / "references" / ref).exists(), ref
@@ -233,7 +233,7 @@ def test_errors_of_the_past_do_not_come_back():
 
 # Flags in the prose that are not Megatron's or a launcher's: pip's, skillsaw's and the lab scripts'
 # (benchmarks/run_levers.py --set, --iters; benchmarks/published_runs.py --fit).
-OTHER_PROGRAMS = {"--no-build-isolation", "--set", "--iters", "--strict", "--fit"}
+OTHER_PROGRAMS = {"--no-build-isolation", "--set", "--iters", "--strict", "--fit", "--store"}
 
 
 def test_every_flag_in_inline_code_is_real_or_named_obsolete():
