@@ -303,3 +303,13 @@ def test_sharding_is_suggested_only_where_it_shards(tmp_path):
         assert oom["site"] == "optimizer_step"
         assert ("--use-distributed-optimizer" in oom["fix"]) is suggested, (dp, distopt, oom["fix"])
         assert ("DP 1" in oom["fix"]) is (dp == 1)
+
+
+def test_a_zero_millisecond_iteration_has_no_rate_and_raises_nothing(tmp_path):
+    lines = [_line(i).replace("elapsed time per iteration (ms): ", "elapsed time per iteration (ms): 0.0 | x: ", 1)
+             for i in range(1, 6)]
+    s = megatron_log.summarize(megatron_log.parse(lines), seq_length=4096)
+    assert s["iter_ms_median"] == 0.0 and "tokens_per_s" not in s
+    log = tmp_path / "zero.log"
+    log.write_text("\n".join(lines) + "\n")
+    assert call("logs", {"log": str(log)})["ok"]

@@ -416,7 +416,7 @@ def summarize(parsed: dict[str, Any], seq_length: int | None = None, peak_tflops
         ms = sorted(times)[len(times) // 2]
         out["iter_ms_median"] = round(ms, 1)
         gbs = its[-1].get("global_batch_size")
-        if gbs and seq_length:
+        if gbs and seq_length and ms > 0:   # a 0 ms iteration (a log printed too coarsely) has no rate
             out["tokens_per_s"] = round(gbs * seq_length / (ms / 1e3), 1)
     tf = [r["tflops_per_gpu"] for r in steady if "tflops_per_gpu" in r]
     if tf:
