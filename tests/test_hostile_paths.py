@@ -113,6 +113,9 @@ def test_output_folders_that_cannot_be_folders_are_bad_requests(hostile):
         err = _user_error(call("train", {"model": "tiny-gpt", "backend": "cpu", "runs_root": path,
                                          "dry_run": True}))
         assert err["where"] == "/runs_root", err
+        for request in ({"calibrate": True}, {"model": "tiny-gpt"}):   # bench says it itself, dry or not
+            err = _user_error(call("bench", {**request, "runs_root": path, "dry_run": True}))
+            assert err["where"] == "/runs_root", err
     err = _user_error(call("render", {"model": "tiny-gpt", "num_gpus": 1, "gpu": "h100-sxm",
                                       "output_dir": str(hostile["below_file"].parent)}))
     assert "is a file" in err["message"]

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..adapter import log as megatron_log
+from .. import files
 from ..contract import Context, Tool, invoke, request_fields
 from ..core.catalog import get_gpu, gpu_by_device_name
 from ..core.flops import padded_vocab_size
@@ -91,7 +92,9 @@ def store_calibration(gpu, entry: dict, date: str) -> str:
 
 def run(req: dict, ctx: Context) -> dict[str, Any]:
     run_id = ctx.request_id
-    out_dir = (Path(req["runs_root"]) / run_id).resolve()
+    # a runs_root that is a file, lies below one or loops is the request's error, said here
+    out_dir = files.output_folder(files.output_folder(req["runs_root"], "/runs_root", "runs_root folder") / run_id,
+                                  "/runs_root", "run folder").resolve()
     if req["calibrate"]:
         if ctx.dry_run:
             return {"dry_run": True, "actions": ["measure GEMM / attention / HBM", f"write {out_dir}/calibration.json"]
