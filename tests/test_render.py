@@ -420,7 +420,7 @@ def test_plan_to_an_ngc_slurm_script_that_needs_only_image_data_and_tokenizer_ru
         script = Path(out["result"]["files"][0]["path"])
         text = script.read_text()
         assert str(ROOT) not in text and str(tmp_path) not in text  # no path of the machine that rendered it
-        assert "nvcr.io/nvidia/pytorch:26.01-py3" in text and out["result"]["layout"] == plan["result"]["plans"][0]["layout"]
+        assert "nvcr.io#nvidia/pytorch:26.01-py3" in text and out["result"]["layout"] == plan["result"]["plans"][0]["layout"]
         script.write_text(text.replace('"${CONTAINER[@]}" ', ""))
         proc = subprocess.run(["sbatch", "--wait", "--nodes=1", f"--chdir={work}", str(script)], capture_output=True,
                               text=True, timeout=900, env={**env, "MASTER_PORT": str(port)})
@@ -505,3 +505,28 @@ def test_validate_reads_a_hand_written_pytorchjob_and_megatron_judges_its_comman
     assert out["world_size"] == 32 and out["script"]["manifest"]["replicas"] == 4  # 4 pods x nprocPerNode 8
     assert not out["valid"] and [e["code"] for e in out["errors"]] == ["megatron_validate_args"]
     assert "fp16" in out["errors"][0]["message"]  # --fp16-lm-cross-entropy with --bf16: Megatron's own refusal
+
+
+def test_the_container_image_is_written_as_its_runtime_reads_it(tmp_path):
+    """Pyxis/enroot read REGISTRY#IMAGE:TAG (a '/' after the host would send them to Docker Hub),
+    Apptainer docker://REGISTRY/IMAGE:TAG or a .sif file; the default image and a user's image alike."""
+    res, text = _render(tmp_path / "pyxis", model="llama3-8b", num_gpus=16, launcher="slurm",
+                        container={"runtime": "pyxis"})
+    assert "CONTAINER_IMAGE=${CONTAINER_IMAGE:-'nvcr.io#nvidia/pytorch:26.01-py3'}" in text
+    assert "nvcr.io/nvidia" not in text
+    assert res["container"] == {"runtime": "pyxis", "image": "nvcr.io#nvidia/pytorch:26.01-py3",
+                                "image_given": "nvcr.io/nvidia/pytorch:26.01-py3"}
+    _, text = _render(tmp_path / "sqsh", model="llama3-8b", num_gpus=16, launcher="slurm",
+                      container={"runtime": "pyxis", "image": "images/pytorch.sqsh"})
+    assert "CONTAINER_IMAGE=${CONTAINER_IMAGE:-./images/pytorch.sqsh}" in text
+    _, text = _render(tmp_path / "apptainer", model="llama3-8b", num_gpus=16, launcher="slurm",
+                      container={"runtime": "apptainer", "image": "nvcr.io#nvidia/pytorch:26.01-py3"})
+    assert "CONTAINER_IMAGE=${CONTAINER_IMAGE:-docker://nvcr.io/nvidia/pytorch:26.01-py3}" in text
+    _shellcheck(tmp_path / "apptainer" / "out" / "launch.sbatch")
+    bad = call("render", {"model": "llama3-8b", "num_gpus": 16, "launcher": "slurm", "output_dir": str(tmp_path / "x"),
+                          "container": {"runtime": "pyxis", "image": "/shared/pytorch.sif"}})
+    assert not bad["ok"] and bad["error"]["code"] == "bad_request" and bad["error"]["where"] == "/container/image"
+    assert "enroot import" in bad["error"]["fix"] and not (tmp_path / "x" / "launch.sbatch").exists()
+    _, manifest = _render(tmp_path / "k8s", model="llama3-8b", num_gpus=16, launcher="kubernetes",
+                          kubernetes={"image": "docker://nvcr.io/nvidia/pytorch:26.01-py3"})
+    assert 'image: "nvcr.io/nvidia/pytorch:26.01-py3"' in manifest

@@ -17,6 +17,7 @@ from typing import Any
 from .. import files
 from ..adapter import arguments as megatron_args
 from ..adapter import flags as megatron_flags
+from ..adapter import images
 from ..contract import ROOT, Context, Tool, invoke
 from ..convert import pretrained
 from ..core.defaults import schema_defaults
@@ -157,7 +158,9 @@ def _container(req: dict, launcher: str) -> dict | None:
     if launcher != "slurm":
         raise ToolError("bad_request", f"containers are rendered for Slurm job steps, not for {launcher}",
                         where="/container", fix="use launcher slurm, or start the torchrun script inside the container")
-    return {"mounts": [], **spec, "command": "singularity" if spec["runtime"] == "singularity" else "apptainer"}
+    return {"mounts": [], **spec, "given_image": spec["image"],
+            "image": images.for_runtime(spec["image"], spec["runtime"], where="/container/image"),
+            "command": "singularity" if spec["runtime"] == "singularity" else "apptainer"}
 
 
 def _home_relative_skill() -> str:
@@ -285,6 +288,8 @@ def build(req: dict, ctx: Context) -> dict[str, Any]:
     if req.get("kubernetes") and not k8s:
         raise ToolError("bad_request", "kubernetes options belong to launcher kubernetes", where="/kubernetes",
                         fix="use launcher kubernetes, or leave kubernetes out")
+    if k8s:
+        k8s["image"] = images.for_runtime(k8s["image"], "kubernetes", where="/kubernetes/image")
     if k8s:  # every pod sees the claim: the run directory and the skill's folder live there
         req = {"run_dir": f"{k8s['mount_path']}/runs/{run_id}",
                "skill_home": f"{k8s['mount_path']}/megatron-core-training", **req}
@@ -374,6 +379,8 @@ def build(req: dict, ctx: Context) -> dict[str, Any]:
         "command": run_cmd,
         **({"fake_rank": fake} if fake is not None else {}),
         **({"pretrained": start} if start else {}),
+        **({"container": {"runtime": container["runtime"], "image": container["image"],
+                          "image_given": container["given_image"]}} if container else {}),
         "_text": text,
     }
 
