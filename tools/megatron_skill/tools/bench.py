@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..adapter import log as megatron_log
 from .. import files
+from ..adapter import log as megatron_log
 from ..contract import Context, Tool, invoke, request_fields
 from ..core.catalog import get_gpu, gpu_by_device_name
 from ..core.flops import padded_vocab_size
