@@ -146,9 +146,10 @@ def store(gpu: str, entry: dict, calib: dict) -> None:
     data = json.loads(path.read_text())
     cur = data["gpus"].setdefault(gpu, {})
     cur.update(entry)
-    cur["status"] = (f"measured on one {calib['calibration']['gpu']} ({calib['calibration']['date']}): gemm_bf16, gemm_fp8, hbm and attention_tflops "
-                     f"by 'bench --calibrate'; {', '.join(FITTED)} fitted to kernel profiles of the planner's first "
-                     f"layouts of the single-GPU benchmark requests (benchmarks/calibrate_card.sh, "
+    measured = calib["calibration"]
+    cur["status"] = (f"measured on one {measured['gpu']} ({measured['date']}): gemm_bf16, gemm_fp8, hbm and "
+                     f"attention_tflops by 'bench --calibrate'; {', '.join(FITTED)} fitted to kernel profiles of "
+                     f"the planner's first layouts of the single-GPU benchmark requests (benchmarks/calibrate_card.sh, "
                      f"benchmarks/fit_calibration.py; leave-one-out errors in references/benchmarks.md). The rest "
                      f"from 'default'")
     path.write_text(json.dumps(data, indent=2) + "\n")

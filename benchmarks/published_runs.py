@@ -7,9 +7,10 @@ published). plan's forecasts carry the error band of these rows (core/evidence.p
     python benchmarks/published_runs.py --fit    # re-fits the four fitted constants of calibration.json
 
 The fit, in two steps: gemm_te_fraction (the share of the measured GEMM rate TE's GEMMs reach in
-these multi-GPU runs) on the dense H100 runs; then ep_overlap_exposed, moe_dropless_us_per_token and moe_dropless_us_per_token_expert on a
-grid, against the MoE runs only (no dense row depends on them), keeping the triple with the
-smallest sum of squared errors. Rows padded to capacity without all-to-all overlap depend on none
+these multi-GPU runs) on the dense H100 runs whose whole layout is published; then
+ep_overlap_exposed, moe_dropless_us_per_token and moe_dropless_us_per_token_expert on a grid,
+against the MoE runs only (no dense row depends on them), keeping the triple with the smallest sum
+of squared errors. Rows padded to capacity without all-to-all overlap depend on none
 of the three: they check the rest of the model out of the fit.
 """
 import itertools

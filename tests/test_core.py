@@ -7,6 +7,7 @@ import pytest
 
 from megatron_skill.core.catalog import get_gpu, get_model
 from megatron_skill.core.layout import RULES, Layout, broken_rules, check_layout
+from megatron_skill.core.megatron_options import MegatronOptions
 from megatron_skill.core.memory import memory_report, peak
 from megatron_skill.core.model import build_spec
 from megatron_skill.core.moe import MoEOptions
@@ -61,6 +62,7 @@ BREAKS = {
     "moe_overlap_needs_vp": (MIXTRAL, dataclasses.replace(MOE_GOOD, vp=1), H100, 8, True, OVERLAP),
     "moe_overlap_recompute": (MIXTRAL, dataclasses.replace(MOE_GOOD, recompute="full", recompute_layers=1), H100, 8,
                               True, OVERLAP),
+    "fp8_param_gather_needs_te_fp8": (LLAMA8B, GOOD, H100, 8, True, None, MegatronOptions(fp8_param_gather=True)),
 }
 
 

@@ -11,6 +11,7 @@ import argparse
 from typing import Any
 
 from ..core.layout import Layout, pipeline_layout_chunks
+from ..core.megatron_options import MegatronOptions
 from ..core.memory import MemoryOptions, unfused_score_bytes
 from ..core.model import ModelConfig, build_spec
 from ..core.moe import MoEOptions
@@ -167,10 +168,7 @@ def memory_options(ns: Any, assumed: dict[str, str]) -> MemoryOptions:
         assumed["attention"] += (f" ({score_bytes:g} bytes per head and score kept: softmax in "
                                  f"{'fp32' if fp32 else 'bf16'}, attention dropout {'on' if dropout else 'off'})")
     te = transformer_engine(ns)
-    fsdp = bool(ns.use_megatron_fsdp) and (ns.data_parallel_sharding_strategy or "optim_grads_params") \
-        == "optim_grads_params"
-    bf16_grads = bool(ns.grad_reduce_in_bf16) or (bool(ns.use_megatron_fsdp)
-                                                   and ns.megatron_fsdp_main_grads_dtype in ("bf16", "bfloat16"))
+    megatron = MegatronOptions.from_args(ns)
     modules = ns.recompute_modules or ["core_attn"]   # Megatron's default under selective
     moe = MoEOptions.from_args(ns)
     # Without TE Megatron falls back to torch's AdamW (multi-tensor: a 4-byte temporary per
@@ -183,7 +181,8 @@ def memory_options(ns: Any, assumed: dict[str, str]) -> MemoryOptions:
     return MemoryOptions(moe_routed_factor=moe.routed_factor(), router_score_bytes=moe.router_score_bytes(),
                          fused_head=bool(ns.skill_linear_cross_entropy) and not te,
                          fp8_linear=bool(ns.skill_fp8_linear) and not te, te_fp8=te,
-                         fp8_params=bool(ns.fp8 and ns.fp8_param_gather and te), score_bytes=score_bytes,
-                         grad_bytes=2 if bf16_grads else 4, fused_cross_entropy=bool(ns.cross_entropy_loss_fusion),
-                         fsdp_params=fsdp, recompute_modules=frozenset(modules),
+                         fp8_params=bool(ns.fp8) and megatron.fp8_param_gather and te, score_bytes=score_bytes,
+                         grad_bytes=2 if megatron.grad_reduce_in_bf16 else 4,
+                         fused_cross_entropy=megatron.cross_entropy_fusion,
+                         fsdp_params=megatron.fsdp, recompute_modules=frozenset(modules),
                          adam_temp_bytes=0 if fused_adam else 4, local_clip=not te)

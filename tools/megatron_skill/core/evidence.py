@@ -16,7 +16,6 @@ from .catalog import CATALOG_DIR, get_gpu, get_model
 from .flops import padded_vocab_size
 from .layout import Layout, check_layout
 from .model import ModelConfig
-from .moe import MoEOptions
 from .options import RuntimeOptions
 
 
@@ -44,10 +43,11 @@ def compare(run: dict[str, Any]) -> dict[str, Any]:
 
     model, gpu = get_model(run["model"]), get_gpu(run["gpu"])
     lay = run_layout(run, model)
-    rule = check_layout(lay, model, gpu, run["num_gpus"], True, MoEOptions.from_request(run.get("moe")))
+    # the MoE and Megatron options the run's recipe set
+    opts = RuntimeOptions.from_request(None, moe=run.get("moe"), megatron=run.get("megatron_options"))
+    rule = check_layout(lay, model, gpu, run["num_gpus"], True, opts.moe, opts.megatron)
     if rule:   # a published run is a layout Megatron ran: one the rule book refuses is a catalog error
         raise ValueError(f"published run {run['model']} ({run['source']}): its layout breaks {rule}")
-    opts = RuntimeOptions.from_request(None, moe=run.get("moe"))   # the MoE options the run's recipe set
     c = predict(model, gpu, lay, padded_vocab_size(model.vocab_size, lay.tp), opts)
     if run.get("tokens_per_s_per_gpu"):
         predicted, measured, metric = c.tokens_per_s / lay.world_size, run["tokens_per_s_per_gpu"], "tokens/s/GPU"

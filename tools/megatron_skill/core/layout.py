@@ -11,6 +11,7 @@ import re
 from typing import Any, Iterator
 
 from .catalog import GPUSpec
+from .megatron_options import MegatronOptions
 from .model import ModelConfig
 from .moe import MoEOptions
 
@@ -231,6 +232,8 @@ RULES = {
     "moe_overlap_recompute": "overlapping the expert all-to-all (overlap_ep_comm) excludes full recompute and "
                              "the recompute of whole MoE layers ('moe' in the MoE recompute)",
     "moe_flex_needs_te": "the flex dispatcher (DeepEP / HybridEP) runs with Transformer Engine's MoE layers",
+    "fp8_param_gather_needs_te_fp8": "gathering FP8 weights (fp8_param_gather) needs precision fp8 on Transformer "
+                                     "Engine's layers, with the distributed optimizer or Megatron-FSDP",
 }
 
 
@@ -282,6 +285,13 @@ def moe_rules(lay: Layout, model: ModelConfig, moe: MoEOptions, te: bool) -> Ite
             yield "moe_overlap_recompute"
 
 
+def options_rules(lay: Layout, megatron: MegatronOptions, te: bool) -> Iterator[str]:
+    """Megatron's checks of its memory and communication options against the layout."""
+    if megatron.fp8_param_gather and not (te and lay.precision == "fp8"
+                                          and (lay.distributed_optimizer or megatron.fsdp)):
+        yield "fp8_param_gather_needs_te_fp8"
+
+
 def pipeline_rules(lay: Layout, model: ModelConfig) -> Iterator[str]:
     pp_broken = None
     if lay.pipeline_split == "layout":
@@ -317,7 +327,7 @@ def precision_rules(lay: Layout, gpu: GPUSpec) -> Iterator[str]:
 
 
 def broken_rules(lay: Layout, model: ModelConfig, gpu: GPUSpec, n_gpus: int, te: bool = True,
-                 moe: MoEOptions | None = None) -> Iterator[str]:
+                 moe: MoEOptions | None = None, megatron: MegatronOptions | None = None) -> Iterator[str]:
     """The names of the rules the layout breaks, in the order they are checked; te: whether the
     job's layers are Transformer Engine's, moe: how its MoE layers run (plan, render, validate and
     train ask the same question here)."""
@@ -340,9 +350,10 @@ def broken_rules(lay: Layout, model: ModelConfig, gpu: GPUSpec, n_gpus: int, te:
     if model.position_embedding_type == "learned_absolute" and lay.seq_length > model.max_position_embeddings:
         yield "seq_positions"
     yield from moe_rules(lay, model, moe or MoEOptions(), te)
+    yield from options_rules(lay, megatron or MegatronOptions(), te)
 
 
 def check_layout(lay: Layout, model: ModelConfig, gpu: GPUSpec, n_gpus: int, te: bool = True,
-                 moe: MoEOptions | None = None) -> str | None:
+                 moe: MoEOptions | None = None, megatron: MegatronOptions | None = None) -> str | None:
     """The name of the first rule the layout breaks, or None."""
-    return next(broken_rules(lay, model, gpu, n_gpus, te, moe), None)
+    return next(broken_rules(lay, model, gpu, n_gpus, te, moe, megatron), None)

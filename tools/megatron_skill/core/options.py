@@ -12,7 +12,8 @@ from typing import Any
 
 from .defaults import schema_defaults
 from .layout import Layout
-from .memory import FP32, MemoryOptions
+from .megatron_options import MegatronOptions
+from .memory import BF16, FP32, MemoryOptions
 from .moe import MoEOptions
 
 
@@ -27,14 +28,16 @@ class RuntimeOptions:
     fused_adam: bool = True         # torch's fused AdamW where Megatron falls back to torch's optimizer
     te: bool = True                 # Transformer Engine's layers run (then none of the above does)
     moe: MoEOptions = MoEOptions()  # how the MoE layers run (Megatron's MoE flags; core/moe.py)
+    megatron: MegatronOptions = MegatronOptions()   # Megatron's memory and communication options
 
     @classmethod
-    def from_request(cls, runtime: dict[str, Any] | None, te: bool = True,
-                     moe: dict[str, Any] | None = None) -> "RuntimeOptions":
-        return cls(**{**schema_defaults("runtime"), **(runtime or {})}, te=te, moe=MoEOptions.from_request(moe))
+    def from_request(cls, runtime: dict[str, Any] | None, te: bool = True, moe: dict[str, Any] | None = None,
+                     megatron: dict[str, Any] | None = None) -> "RuntimeOptions":
+        return cls(**{**schema_defaults("runtime"), **(runtime or {})}, te=te, moe=MoEOptions.from_request(moe),
+                   megatron=MegatronOptions.from_request(megatron))
 
     def to_json(self) -> dict[str, Any]:
-        return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("te", "moe")}
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("te", "moe", "megatron")}
 
     @property
     def fused_head(self) -> bool:
@@ -58,7 +61,11 @@ class RuntimeOptions:
                              recompute_modules=self.moe.selective_modules(),
                              moe_routed_factor=self.moe.routed_factor(),
                              router_score_bytes=self.moe.router_score_bytes(),
-                             adam_temp_bytes=0 if self.te or self.fused_adam else FP32, local_clip=not self.te)
+                             adam_temp_bytes=0 if self.te or self.fused_adam else FP32, local_clip=not self.te,
+                             grad_bytes=BF16 if self.megatron.grad_reduce_in_bf16 else FP32,
+                             fp8_params=self.megatron.fp8_param_gather and self.te and lay.precision == "fp8",
+                             fsdp_params=self.megatron.fsdp,
+                             fused_cross_entropy=self.megatron.cross_entropy_fusion and not self.fused_head)
 
     def entry_flags(self) -> list[str]:
         """The skill entry script's own flags for these paths (adapter/skill_flags.py)."""

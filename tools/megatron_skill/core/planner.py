@@ -241,7 +241,7 @@ def _search_stage(model: ModelConfig, gpu: GPUSpec, n_gpus: int, lay: Layout, c:
                                                distributed_optimizer=c.get("distributed_optimizer", True))
                     if lay.tp > 1 and (c.get("sequence_parallel") is False or (model.qk_layernorm and not opts.te)):
                         cand = cand.but(sequence_parallel=False)
-                    rule = check_layout(cand, model, gpu, n_gpus, opts.te, opts.moe)
+                    rule = check_layout(cand, model, gpu, n_gpus, opts.te, opts.moe, opts.megatron)
                     if rule:
                         rej.add(rule, cand.label())
                         continue
@@ -326,7 +326,7 @@ def predict(model: ModelConfig, gpu: GPUSpec, lay: Layout, padded: int, opts: Ru
     opts = opts or RuntimeOptions.from_request(None)
     mem = mem or memory_report(model, lay, padded, opts.memory(lay))
     t = step_time(model, lay, gpu, padded, opts.te, fused_head=opts.fused_head, fp8_linear=opts.fp8_local(lay),
-                  fused_wgrad=opts.fused_wgrad, moe=opts.moe)
+                  fused_wgrad=opts.fused_wgrad, moe=opts.moe, megatron=opts.megatron)
     step = t.total
     tokens = lay.gbs * lay.seq_length
     model_flops = training_flops(model, lay.seq_length, lay.gbs, padded)

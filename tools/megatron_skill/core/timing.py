@@ -17,7 +17,8 @@ from typing import Any
 from . import flops
 from .catalog import CATALOG_DIR, GPUSpec
 from .layout import Layout
-from .memory import BF16, FP32, fused_head_runs, moe_layers_among, param_split, rank_layers, ranks_to_check
+from .megatron_options import MegatronOptions
+from .memory import BF16, FP8, FP32, fused_head_runs, moe_layers_among, param_split, rank_layers, ranks_to_check
 from .model import ModelConfig
 from .moe import MoEOptions
 
@@ -30,6 +31,10 @@ DEFAULT_MOE = MoEOptions()
 MEGATRON_LOSS_BYTES_PER_LOGIT = 52
 # The skill's fused head (runtime/fused_head.py, compiled kernels): fp32 logits written, read twice.
 FUSED_LOSS_BYTES_PER_LOGIT = 2 * FP32 + BF16
+# Megatron's --cross-entropy-loss-fusion: the bf16 logits read forward, read and their gradient
+# written backward, in place (counted, not measured).
+FUSED_CE_BYTES_PER_LOGIT = 3 * BF16
+DEFAULT_MEGATRON = MegatronOptions()
 
 
 @functools.lru_cache(maxsize=None)
@@ -340,7 +345,7 @@ def _layer_times(model: ModelConfig, gpu: GPUSpec, te: bool, fp8_linear: bool, t
 
 def step_time(model: ModelConfig, lay: Layout, gpu: GPUSpec, padded_vocab: int, te: bool = True,
               fused_head: bool = False, fp8_linear: bool = False, fused_wgrad: bool = True,
-              moe: MoEOptions = DEFAULT_MOE) -> StepTime:
+              moe: MoEOptions = DEFAULT_MOE, megatron: MegatronOptions = DEFAULT_MEGATRON) -> StepTime:
     # Without TE, FP8 is the skill's own linear layers (fp8_linear; precision fp8 asks for them
     # too): attention and MLP GEMMs at the FP8 rate, plus their casts; the rest stays BF16.
     rates = _Rates(gpu, lay.precision if te else "bf16", te)
@@ -371,7 +376,8 @@ def step_time(model: ModelConfig, lay: Layout, gpu: GPUSpec, padded_vocab: int, 
                 r.recompute += n_moe * per_layer["moe_forward"][0]
         if rank == lay.pp - 1:  # output layer and the loss over the (padded) vocabulary
             r.gemm += rates.gemm(tokens, padded_vocab / t, h) * (1 + (model.mtp_num_layers or 0))
-            per_entry = FUSED_LOSS_BYTES_PER_LOGIT if head_fused else MEGATRON_LOSS_BYTES_PER_LOGIT
+            per_entry = (FUSED_LOSS_BYTES_PER_LOGIT if head_fused else
+                         FUSED_CE_BYTES_PER_LOGIT if megatron.cross_entropy_fusion else MEGATRON_LOSS_BYTES_PER_LOGIT)
             r.loss += rates.memory_bound(tokens * padded_vocab / t * per_entry)
         # main_grad += bf16 gradient: fp32 read and write, bf16 read; a mixed-dtype kernel, so
         # slower than the HBM roofline by a calibrated factor.
@@ -393,7 +399,8 @@ def step_time(model: ModelConfig, lay: Layout, gpu: GPUSpec, padded_vocab: int, 
         per_mb = 2 * lay.vp * (p2p / (rates.nvlink if fast else rates.network) + rates.latency)
         st.pp_comm = m * per_mb * (rates.cal["pp_comm_interleaved_exposed"] if lay.vp > 1 else 1.0)
 
-    # Data parallel: reduce-scatter fp32 gradients, all-gather bf16 weights (or one all-reduce).
+    # Data parallel: reduce-scatter the gradients (fp32, or bf16 with --grad-reduce-in-bf16),
+    # all-gather the weights (bf16, or FP8 with --fp8-param-gather), or one all-reduce.
     # Megatron starts them bucket by bucket during the last micro-batch's backward and the
     # next step's first forward, so only what outlasts one micro-batch shows.
     first = rank_layers(model, lay, 0)
@@ -405,25 +412,34 @@ def step_time(model: ModelConfig, lay: Layout, gpu: GPUSpec, padded_vocab: int, 
     dp_group = lay.dp * lay.cp
     dp_fast = lay.tp * dp_group <= node
     edp_fast = lay.etp * lay.ep * lay.expert_dp <= node
-    if lay.distributed_optimizer:
-        rs = rates.collective(FP32 * dense_local, dp_group, dp_fast, "ag") + \
-            rates.collective(FP32 * expert_local, lay.expert_dp, edp_fast, "ag")
-        ag = rates.collective(BF16 * dense_local, dp_group, dp_fast, "ag") + \
-            rates.collective(BF16 * expert_local, lay.expert_dp, edp_fast, "ag")
+    grad = BF16 if megatron.grad_reduce_in_bf16 else FP32
+    weight = FP8 if megatron.fp8_param_gather and te and lay.precision == "fp8" else BF16
+    if lay.distributed_optimizer or megatron.fsdp:
+        rs = rates.collective(grad * dense_local, dp_group, dp_fast, "ag") + \
+            rates.collective(grad * expert_local, lay.expert_dp, edp_fast, "ag")
+        ag = rates.collective(weight * dense_local, dp_group, dp_fast, "ag") + \
+            rates.collective(weight * expert_local, lay.expert_dp, edp_fast, "ag")
     else:
-        rs = rates.collective(FP32 * dense_local, dp_group, dp_fast, "ar") + \
-            rates.collective(FP32 * expert_local, lay.expert_dp, edp_fast, "ar")
+        rs = rates.collective(grad * dense_local, dp_group, dp_fast, "ar") + \
+            rates.collective(grad * expert_local, lay.expert_dp, edp_fast, "ar")
         ag = 0.0
-    # The reduce-scatter hides behind the backward passes of the pipeline's cool-down (the last
-    # micro-batch, plus the bubble's (PP-1)/VP slots), the gather behind the next warm-up.
-    window = busiest.total * (1 + (lay.pp - 1) / lay.vp)
     least = rates.cal["dp_min_exposed"]
-    st.dp_comm_exposed = max(least * rs, rs - rates.cal["dp_reduce_window"] * window) + \
-        max(least * ag, ag - rates.cal["dp_gather_window"] * window)
+    if megatron.fsdp:
+        # Megatron-FSDP gathers each layer's weights before its forward and again before its
+        # backward, and reduce-scatters its gradients as they are made, in every micro-batch:
+        # each micro-batch's traffic hides behind that micro-batch's compute, layer by layer.
+        per_mb = 2 * ag + rs
+        st.dp_comm_exposed = m * max(least * per_mb, per_mb - busiest.total)
+    else:
+        # The reduce-scatter hides behind the backward passes of the pipeline's cool-down (the last
+        # micro-batch, plus the bubble's (PP-1)/VP slots), the gather behind the next warm-up.
+        window = busiest.total * (1 + (lay.pp - 1) / lay.vp)
+        st.dp_comm_exposed = max(least * rs, rs - rates.cal["dp_reduce_window"] * window) + \
+            max(least * ag, ag - rates.cal["dp_gather_window"] * window)
 
     # Adam over this rank's shard: fp32 master, two moments, the gradient, the bf16 weight.
-    shard = dp_group if lay.distributed_optimizer else 1
-    eshard = lay.expert_dp if lay.distributed_optimizer else 1
+    shard = dp_group if lay.distributed_optimizer or megatron.fsdp else 1
+    eshard = lay.expert_dp if lay.distributed_optimizer or megatron.fsdp else 1
     opt_params = dense_local / shard + expert_local / eshard
     st.optimizer = rates.memory_bound(opt_params * (3 * 2 * FP32 + FP32 + BF16) + (dense_local + expert_local) * FP32)
     n_layers = max(len(rank_layers(model, lay, r)) for r in ranks)

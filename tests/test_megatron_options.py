@@ -1,0 +1,88 @@
+"""Megatron's memory and communication options beyond the layout (core/megatron_options.py), as
+NVIDIA's recipes set them: each costed in memory and step time, refused by the rule book where
+Megatron refuses it, written as flags Megatron's own parser takes, and read back from them."""
+import dataclasses
+
+import pytest
+from conftest import require_modules
+
+from megatron_skill.core.catalog import get_gpu, get_model
+from megatron_skill.core.layout import Layout, check_layout
+from megatron_skill.core.megatron_options import MegatronOptions
+from megatron_skill.core.memory import memory_report
+from megatron_skill.core.options import RuntimeOptions
+from megatron_skill.core.planner import predict
+
+H100 = get_gpu("h100-sxm")
+LLAMA8B = get_model("llama3-8b")
+DP8 = Layout(tp=1, pp=1, dp=8, mbs=1, gbs=128, seq_length=8192, precision="fp8")
+
+
+def _opts(**megatron):
+    return RuntimeOptions.from_request(None, megatron=megatron)
+
+
+def _first(lay, **megatron):
+    return memory_report(LLAMA8B, lay, 128256, _opts(**megatron).memory(lay))["last_stage"]
+
+
+def test_bf16_gradient_reduction_halves_the_main_gradients_and_the_reduce_scatter():
+    base, bf16 = _first(DP8), _first(DP8, grad_reduce_in_bf16=True)
+    assert bf16.gradients == pytest.approx(base.gradients / 2)
+    lay = dataclasses.replace(DP8, gbs=8)   # one micro-batch: the reduce-scatter outlasts its window
+    t32 = predict(LLAMA8B, H100, lay, 128256, _opts()).time.dp_comm_exposed
+    t16 = predict(LLAMA8B, H100, lay, 128256, _opts(grad_reduce_in_bf16=True)).time.dp_comm_exposed
+    assert 0 < t16 < t32
+
+
+def test_fp8_parameter_gather_keeps_the_gemm_weights_in_fp8_only():
+    base, fp8 = _first(DP8), _first(DP8, fp8_param_gather=True)
+    assert fp8.weights < base.weights / 2    # bf16 weights plus TE's FP8 copies -> FP8 alone
+
+
+def test_megatron_fsdp_shards_weights_and_gradients_and_gathers_them_each_micro_batch():
+    base, fsdp = _first(DP8), _first(DP8, fsdp=True)
+    assert fsdp.weights < base.weights / 4 and fsdp.gradients < base.gradients / 4
+    # NVIDIA's Llama 3 8B FP8 run on eight H100s is Megatron-FSDP: without it the layout cannot fit
+    assert base.total > H100.memory_bytes > fsdp.total
+    # the weights gathered twice and the gradients reduced in every one of the 16 micro-batches,
+    # not once a step: more exposed traffic than the distributed optimizer's
+    fsdp_t = predict(LLAMA8B, H100, DP8, 128256, _opts(fsdp=True)).time.dp_comm_exposed
+    assert fsdp_t > 4 * predict(LLAMA8B, H100, DP8, 128256, _opts()).time.dp_comm_exposed
+
+
+def test_the_fused_cross_entropy_keeps_no_fp32_copy_of_the_logits_and_costs_less():
+    last = dataclasses.replace(DP8, precision="bf16")
+    plain = memory_report(LLAMA8B, last, 128256, _opts().memory(last))["last_stage"]
+    fused = memory_report(LLAMA8B, last, 128256, _opts(cross_entropy_fusion=True).memory(last))["last_stage"]
+    assert fused.logits < plain.logits
+    slow = predict(LLAMA8B, H100, last, 128256, _opts()).time.loss
+    fast = predict(LLAMA8B, H100, last, 128256, _opts(cross_entropy_fusion=True)).time.loss
+    assert fast < slow / 5
+
+
+def test_fp8_parameter_gather_needs_te_fp8_and_a_sharded_optimizer():
+    gather = MegatronOptions(fp8_param_gather=True)
+    assert check_layout(DP8, LLAMA8B, H100, 8, True, megatron=gather) is None
+    assert check_layout(dataclasses.replace(DP8, precision="bf16"), LLAMA8B, H100, 8, True,
+                        megatron=gather) == "fp8_param_gather_needs_te_fp8"
+    assert check_layout(DP8, LLAMA8B, H100, 8, False, megatron=gather) == "fp8_param_gather_needs_te_fp8"
+    no_distopt = dataclasses.replace(DP8, distributed_optimizer=False)
+    assert check_layout(no_distopt, LLAMA8B, H100, 8, True, megatron=gather) == "fp8_param_gather_needs_te_fp8"
+    assert check_layout(no_distopt, LLAMA8B, H100, 8, True,
+                        megatron=MegatronOptions(fp8_param_gather=True, fsdp=True)) is None
+
+
+def test_the_flags_pass_megatrons_parser_and_read_back_as_the_same_options():
+    require_modules("megatron.training")
+    from megatron_skill.adapter import arguments
+    from megatron_skill.adapter import parser as megatron_parser
+
+    every = MegatronOptions(grad_reduce_in_bf16=True, fp8_param_gather=True, fsdp=True, cross_entropy_fusion=True)
+    argv = (arguments.model_args(LLAMA8B, 8192) + arguments.layout_args(DP8, LLAMA8B, H100) + every.flags()
+            + ["--transformer-impl", "transformer_engine"])
+    ns = megatron_parser.parse(argv, world_size=8, env={})   # FSDP wants CUDA_DEVICE_MAX_CONNECTIONS unset
+    assert MegatronOptions.from_args(ns) == every
+    assert MegatronOptions.from_args(megatron_parser.parse(argv[: -len(every.flags()) - 2]
+                                                           + ["--transformer-impl", "transformer_engine"],
+                                                           world_size=8, env={})) == MegatronOptions()
