@@ -43,6 +43,9 @@ def summary(rows) -> dict:
         out[name] = {"runs": len(kind), "median_abs_error_pct": round(statistics.median(errors), 1),
                      "max_abs_error_pct": round(max(errors), 1)}
     out["layout_incomplete"] = {"runs": len(incomplete), "errors_pct": [round(r["error_pct"], 1) for r in incomplete]}
+    # a published layout ran: the memory model refusing one is a defect of the model (or of the
+    # options the row records)
+    out["refused_for_memory"] = sum(not r["fits"] for r in rows)
     return out
 
 
@@ -101,14 +104,15 @@ def main() -> None:
         print(json.dumps(fit(), indent=1))
         return
     rows = evidence.checked()
-    print("| model | GPUs | precision | layout | published | predicted | error | source |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| model | GPUs | precision | layout | published | predicted | error | peak GiB predicted | source |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         layout = r["layout"].replace("|", "\\|")   # a layout string's chunks, not table cells
         if not r.get("layout_complete", True):
             layout += " (layout incomplete)"
         print(f"| {r['model']} | {r['num_gpus']:,} {r['gpu']} | {r['precision']} | {layout} | "
-              f"{r['published']:,} {r['metric']} | {r['predicted']:,.0f} | {r['error_pct']:+.1f} % | {r['source']} |")
+              f"{r['published']:,} {r['metric']} | {r['predicted']:,.0f} | {r['error_pct']:+.1f} % | "
+              f"{r['peak_gib']:.1f}{'' if r['fits'] else ' (more than the GPU)'} | {r['source']} |")
     print()
     print(json.dumps(summary(rows)))
 

@@ -54,7 +54,8 @@ def compare(run: dict[str, Any]) -> dict[str, Any]:
     else:
         predicted, measured, metric = c.tflops_per_gpu, run["tflops_per_gpu"], "TFLOP/s/GPU"
     return {"layout": lay.label(), "metric": metric, "published": measured, "predicted": predicted,
-            "error_pct": error_pct(predicted, measured), "moe": model.is_moe}
+            "error_pct": error_pct(predicted, measured), "moe": model.is_moe, "peak_gib": c.peak_gib,
+            "fits": c.peak_gib <= gpu.memory_gib}
 
 
 @functools.lru_cache(maxsize=1)
