@@ -424,7 +424,7 @@ def stage_memory(model: ModelConfig, lay: Layout, rank: int, padded_vocab: int,
     if opts.local_clip:
         # the largest gradient of the rank (the embedding's or the output layer's where it lives
         # here, else a layer's largest matrix), its optimizer shard, scaled into a temporary
-        largest = max(padded_vocab * h / lay.tp if first or last else 0.0, _largest_layer_matrix(model, lay))
+        largest = max(padded_vocab * h / lay.tp if first or last else 0.0, _largest_layer_matrix(model, lay.tp, lay.etp))
         step_transient += FP32 * min(largest, shard_params)
     groups = sum(x > 1 for x in (lay.tp, lay.pp, lay.cp, lay.dp, lay.ep))
     dynamic = max(activations + logits + transient, step_transient)
@@ -434,14 +434,15 @@ def stage_memory(model: ModelConfig, lay: Layout, rank: int, padded_vocab: int,
                        logits=logits, transient=transient, allowance=allowance, step_transient=step_transient)
 
 
-def _largest_layer_matrix(model: ModelConfig, lay: Layout) -> float:
+@functools.lru_cache(maxsize=4096)
+def _largest_layer_matrix(model: ModelConfig, tp: int, etp: int) -> float:
     """Elements of the largest weight matrix of one layer on a rank: the gated MLP's first one,
     QKV, or an expert's."""
     h = model.hidden_size
     up = 2 if model.gated else 1
-    qkv = (model.num_attention_heads + 2 * model.query_groups) * model.head_dim * h / lay.tp
-    mlp = up * model.ffn_hidden_size * h / lay.tp
-    expert = up * model.expert_ffn * h / lay.etp if model.is_moe else 0.0
+    qkv = (model.num_attention_heads + 2 * model.query_groups) * model.head_dim * h / tp
+    mlp = up * model.ffn_hidden_size * h / tp
+    expert = up * model.expert_ffn * h / etp if model.is_moe else 0.0
     return max(qkv, mlp, expert)
 
 
