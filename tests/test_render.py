@@ -530,3 +530,60 @@ def test_the_container_image_is_written_as_its_runtime_reads_it(tmp_path):
     _, manifest = _render(tmp_path / "k8s", model="llama3-8b", num_gpus=16, launcher="kubernetes",
                           kubernetes={"image": "docker://nvcr.io/nvidia/pytorch:26.01-py3"})
     assert 'image: "nvcr.io/nvidia/pytorch:26.01-py3"' in manifest
+
+
+def test_a_run_from_pretrained_weights_gets_fine_tuning_defaults_and_a_warning_for_a_pretraining_rate(tmp_path):
+    """No lr with training.pretrained: the from_pretrained row of training_defaults.json (NVIDIA's
+    full-parameter fine-tuning: 5e-6, cosine to 0, 50 warm-up steps), not the from-scratch 3e-4."""
+    def flags(res):
+        argv = res["megatron_args"]
+        return {f: argv[argv.index(f) + 1] for f in ("--lr", "--min-lr", "--lr-warmup-iters", "--lr-decay-style")}
+
+    base = {"model": "llama3-8b", "num_gpus": 8, "dry_run": True}
+    scratch = call("render", {**base, "training": {"mock_data": True}})["result"]
+    assert flags(scratch) == {"--lr": "0.0003", "--min-lr": "3e-05", "--lr-warmup-iters": "100",
+                              "--lr-decay-style": "cosine"}
+    tuned = call("render", {**base, "training": {"mock_data": True, "pretrained": "/ckpt/llama3-8b"}})["result"]
+    assert flags(tuned) == {"--lr": "5e-06", "--min-lr": "0.0", "--lr-warmup-iters": "50", "--lr-decay-style": "cosine"}
+    assert not any("pre-training rate" in w for w in tuned.get("warnings", []))
+    short = call("render", {**base, "training": {"mock_data": True, "pretrained": "/ckpt/x", "train_iters": 200}})
+    assert flags(short["result"])["--lr-warmup-iters"] == "20"  # a tenth of a short run
+    loud = call("render", {**base, "training": {"mock_data": True, "pretrained": "/ckpt/x", "lr": 3e-4}})["result"]
+    assert any("training.lr 0.0003 is a pre-training rate" in w for w in loud["warnings"])
+    quiet = call("render", {**base, "training": {"mock_data": True, "pretrained": "/ckpt/x", "lr": 1e-5}})["result"]
+    assert not any("pre-training rate" in w for w in quiet.get("warnings", []))
+    assert flags(quiet)["--lr"] == "1e-05" and flags(quiet)["--min-lr"] == "0.0"
+    # from scratch a given 3e-4 is the recipe: no warning
+    plain = call("render", {**base, "training": {"mock_data": True, "lr": 3e-4}})["result"]
+    assert not any("pre-training rate" in w for w in plain.get("warnings", []))
+
+
+def test_the_first_start_from_pretrained_weights_loads_weights_only_and_a_restart_resumes_everything(tmp_path):
+    """--finetune --no-load-optim --no-load-rng while the run has no checkpoint of its own (Megatron's
+    tracker file, which train reads to tell a resume too); none of them once it has one."""
+    run_dir, ckpt = tmp_path / "run", tmp_path / "import"
+    res, text = _render(tmp_path, model="llama3.2-1b", num_gpus=1, seq_length=1024, global_batch_size=8,
+                        run_dir=str(run_dir), python=sys.executable, skill_home=str(ROOT),
+                        training={"mock_data": True, "pretrained": str(ckpt)})
+    loading = res["pretrained"]["loading"]
+    assert loading["first_start_args"] == ["--finetune", "--no-load-optim", "--no-load-rng"]
+    assert loading["resume_args"] == []
+    assert loading["first_start_while_missing"] == f"{run_dir}/checkpoints/latest_checkpointed_iteration.txt"
+    assert "--finetune" not in res["megatron_args"]  # never unconditionally: it would restart a resume at 0
+    _shellcheck(res["files"][0]["path"])
+    ckpt.mkdir()
+    env = {**os.environ, "MEGATRON_SKILL_ENTRY": str(ROOT / "tests" / "argv_probe.py"), "OMP_NUM_THREADS": "1",
+           "MEGATRON_SKILL_EMIT": "/nonexistent"}
+
+    def argv():
+        proc = subprocess.run(["bash", res["files"][0]["path"]], env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        return json.loads((run_dir / "probe-0.json").read_text())["argv"]
+
+    first = argv()
+    assert {"--finetune", "--no-load-optim", "--no-load-rng"} <= set(first)
+    assert first[first.index("--pretrained-checkpoint") + 1] == str(ckpt)
+    (run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("100")
+    resumed = argv()
+    assert not {"--finetune", "--no-load-optim", "--no-load-rng"} & set(resumed)
+    assert resumed[resumed.index("--load") + 1] == str(run_dir / "checkpoints")

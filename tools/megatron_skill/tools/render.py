@@ -26,12 +26,14 @@ from ..core.layout import RULES, Layout, check_layout
 from ..core.moe import MoEOptions
 from ..core.options import RuntimeOptions
 from ..core.planner import predict, rank, search
+from ..core import catalog
 from ..core.resolve import (
     DEFAULT_TRAIN_ITERS,
     default_global_batch,
     default_seq_length,
     resolve_cluster,
     resolve_model,
+    training_defaults,
     with_training_defaults,
 )
 from ..errors import ToolError
@@ -230,6 +232,60 @@ def _check_values(req: dict) -> None:
                             fix="use letters, digits and _ (not starting with a digit)")
 
 
+# The first start from pretrained weights: the weights only, iteration 0, a fresh optimizer and
+# RNG. Megatron does the same by itself when --load holds no checkpoint and
+# --pretrained-checkpoint is given; the script says it in flags, and only while the run has no
+# checkpoint of its own (a resume must load the optimizer, the RNG and the iteration).
+FIRST_START_ARGS = ["--finetune", "--no-load-optim", "--no-load-rng"]
+CHECKPOINT_TRACKER = "latest_checkpointed_iteration.txt"  # Megatron's (and train's) sign of a checkpoint
+
+
+def with_pretrained_defaults(model, training: dict) -> dict:
+    """A run from pretrained weights: the rate, its floor and the warm-up of the from_pretrained row
+    (training_defaults.json) where the request gives none; the rest as for any run."""
+    row = catalog._load("training_defaults.json")["from_pretrained"]
+    defaults = training_defaults(model, training["train_iters"])
+    defaults.update(lr=row["lr"], min_lr=row["min_lr"],
+                    lr_warmup_iters=min(row["warmup_iters"], training["train_iters"] // 10))
+    if "lr" in training and "min_lr" not in training:
+        defaults["min_lr"] = training["lr"] * row["min_lr"] / row["lr"]
+    return {**defaults, **training}
+
+
+def training_settings(model, training: dict) -> dict:
+    """The request's training fields over the defaults for a run from scratch or from pretrained weights."""
+    if training.get("pretrained"):
+        return with_pretrained_defaults(model, training)
+    return with_training_defaults(model, training)
+
+
+def pretraining_rate_warning(model, training: dict) -> str | None:
+    """A warning for a run from pretrained weights given a learning rate at or above the floor a
+    from-scratch run of this size decays to: a rate that moves the weights as early pre-training
+    did, and can undo what the checkpoint learned."""
+    if not training.get("pretrained") or "lr" not in training:
+        return None
+    scratch = training_defaults(model, training["train_iters"])
+    if training["lr"] < scratch["min_lr"]:
+        return None
+    row = catalog._load("training_defaults.json")["from_pretrained"]
+    return (f"training.lr {training['lr']:g} is a pre-training rate for a model of this size (from scratch: peak "
+            f"{scratch['lr']:g}, decayed to {scratch['min_lr']:g}); a run from pretrained weights usually takes "
+            f"far less (full-parameter fine-tuning in NVIDIA's recipes: {row['lr']:g}); leave lr out for that "
+            "default, or keep it if you mean to re-warm the model on a large new corpus")
+
+
+def _start_description(training: dict) -> dict:
+    """What the script loads on its first start and on a restart, in the answer's words."""
+    tracker = f"{training['save']}/{CHECKPOINT_TRACKER}" if training.get("checkpoint", True) else None
+    return {"first_start_args": FIRST_START_ARGS, "resume_args": [],
+            "first_start_while_missing": megatron_args.JOB_VARIABLE.sub(r"$\1", tracker) if tracker else None,
+            "rule": "the script adds first_start_args (weights only, iteration 0, fresh optimizer and RNG) while the "
+                    "run has no checkpoint of its own; once it has saved, a restart resumes from that checkpoint "
+                    "with its optimizer, RNG and iteration" if tracker else
+                    "checkpoint false: every start is a first start from the pretrained weights"}
+
+
 def fake_rank(value: int | str, lay: Layout) -> int:
     """The global rank a fake_rank request names.  Megatron orders ranks tp-cp-ep-dp-pp (PP
     outermost), so rank 0 and the first rank of the last stage are TP and DP rank 0, the
@@ -296,8 +352,8 @@ def build(req: dict, ctx: Context) -> dict[str, Any]:
     # Without a run_dir the job's own working folder holds it (runs/RUN_ID there): the script
     # carries no path of the machine that rendered it.
     run_dir = _job_path(req, "run_dir") or RUN_DIR_MARK
-    training = match_tokenizer(with_training_defaults(model, req["training"]),
-                               model.vocab_size)
+    training = match_tokenizer(training_settings(model, req["training"]), model.vocab_size)
+    notes = [w for w in (pretraining_rate_warning(model, req["training"]),) if w]
     training.setdefault("vocab_size", model.vocab_size)
     start = None
     if training.get("pretrained"):
@@ -330,6 +386,10 @@ def build(req: dict, ctx: Context) -> dict[str, Any]:
     parser_check = megatron_flags.check(common_argv + ["--transformer-impl", "local"] + local_flags,
                                         world_size=lay.world_size)
     megatron_flags.check(common_argv + ["--transformer-impl", "transformer_engine"] + te_args, world_size=lay.world_size)
+    if start:  # the first start's loading flags parse too
+        megatron_flags.check(common_argv + FIRST_START_ARGS + ["--transformer-impl", "local"] + local_flags,
+                             world_size=lay.world_size)
+        start = {**start, "loading": _start_description(training)}
     env = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if (lay.tp > 1 or lay.cp > 1) else {}
     env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     env.update(req.get("env") or {})
@@ -349,6 +409,9 @@ def build(req: dict, ctx: Context) -> dict[str, Any]:
         "peak_gib": f"{cand.peak_gib:.1f}", "tokens_per_s": f"{cand.tokens_per_s:,.0f}",
         "mfu": f"{cand.mfu:.3f}", "slurm": slurm, "script_name": SCRIPT_NAMES[launcher],
         "fake_rank": fake, "world_size": lay.world_size,
+        "first_start_args": FIRST_START_ARGS if start else [],
+        "checkpoint_tracker": (_quote(training["save"] + "/" + CHECKPOINT_TRACKER)
+                               if start and training.get("checkpoint", True) else ""),
         "request_id": ctx.request_id or run_id,
         # tools/slurm_job_end.sh (a Slurm trigger) finds the run here (without a path: WorkDir/runs/RUN_ID).
         "slurm_comment": f"megatron-skill:{run_id}" + (f":{run_dir}" if SLURM_PATH.match(run_dir) else ""),
@@ -379,6 +442,7 @@ def build(req: dict, ctx: Context) -> dict[str, Any]:
         "command": run_cmd,
         **({"fake_rank": fake} if fake is not None else {}),
         **({"pretrained": start} if start else {}),
+        "_notes": notes,
         **({"container": {"runtime": container["runtime"], "image": container["image"],
                           "image_given": container["given_image"]}} if container else {}),
         "_text": text,
@@ -451,10 +515,11 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
     req = with_plan(req, ctx)
     out = build(req, ctx)
     text = out.pop("_text")
+    notes = out.pop("_notes")
     path = Path(out["files"][0]["path"])
     unseen = _unseen_datasets(req)
-    warnings = [f"dataset {e}: no .bin / .idx on this machine; the job stops at start-up unless they "
-                "exist where it runs" for e in unseen]
+    warnings = notes + [f"dataset {e}: no .bin / .idx on this machine; the job stops at start-up unless they "
+                        "exist where it runs" for e in unseen]
     if req.get("megatron_lm"):
         warnings += [f"dataset {p} has a chat loss mask ({p}{MASK_SUFFIX}.bin), which Megatron-LM's pretrain_gpt.py "
                      "does not read: the prompts would be learned too (leave megatron_lm out to use the skill's entry)"
