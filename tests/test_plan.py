@@ -9,6 +9,8 @@ from conftest import ROOT
 from megatron_skill.contract import call, load_schema, schema_registry
 
 TOP = 10
+# what Megatron-Bridge's performance recipes set (core/catalog/published_runs.json, megatron_options_source)
+RECIPE = {"grad_reduce_in_bf16": True, "fp8_param_gather": True, "cross_entropy_fusion": True}
 
 
 def _plan(**req):
@@ -17,25 +19,23 @@ def _plan(**req):
     return env["result"]
 
 
-def _rank_of(result, **want):
-    for p in result["plans"]:
-        if all(p["layout"][k] == v for k, v in want.items()):
-            return p["rank"]
-    return None
-
-
 @pytest.mark.parametrize("req,wants", [
     (dict(model="llama3-8b", num_gpus=8, seq_length=8192, global_batch_size=128),
      [dict(tp=1, pp=1, cp=2), dict(tp=2, pp=1, cp=1)]),
-    (dict(model="llama3-70b", num_gpus=64, seq_length=8192, global_batch_size=128),
-     [dict(tp=4, pp=4, vp=5, cp=2), dict(tp=4, pp=8)]),
-    (dict(model="llama3.1-405b", num_gpus=1024, seq_length=8192, global_batch_size=512),
-     [dict(tp=8, pp=8, cp=2, vp=8)]),
+    # NVIDIA's 70B and 405B runs are FP8 with the memory options their recipes set
+    (dict(model="llama3-70b", num_gpus=64, seq_length=8192, global_batch_size=128, precision="fp8",
+          megatron_options=RECIPE), [dict(tp=4, pp=4, vp=5, cp=2), dict(tp=4, pp=8)]),
+    (dict(model="llama3.1-405b", num_gpus=1024, seq_length=8192, global_batch_size=512, precision="fp8",
+          megatron_options=RECIPE), [dict(tp=8, pp=8, cp=2, vp=8)]),
 ], ids=["llama3-8b-8xH100", "llama3-70b-64xH100", "llama3.1-405b-1024xH100"])
 def test_published_layouts_are_feasible_and_near_the_top(req, wants):
-    result = _plan(**req)
-    ranks = [_rank_of(result, **w) for w in wants]
-    assert any(r is not None and r <= TOP for r in ranks), (ranks, [p["label"] for p in result["plans"][:TOP]])
+    # near the top: within 6 % of the best prediction (hundreds of layouts lie within a few per
+    # cent of each other at this scale, so a rank says little)
+    result = _plan(**req)   # the best 100
+    best = result["plans"][0]["tokens_per_s"]
+    found = [p for p in result["plans"] if any(all(p["layout"][k] == v for k, v in w.items()) for w in wants)]
+    assert found and max(p["tokens_per_s"] for p in found) >= 0.94 * best, \
+        ([p["label"] for p in found[:3]], [p["label"] for p in result["plans"][:TOP]])
 
 
 def test_405b_on_16k_gpus_full_search():

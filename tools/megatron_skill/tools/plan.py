@@ -53,7 +53,7 @@ def _plan_json(rank: int, c: Candidate, gpu, model, include_args: bool, opts: Ru
     }
     if include_args:
         out["megatron_args"] = (megatron_args.model_args(model, lay.seq_length, opts.moe)
-                                + megatron_args.layout_args(lay, model, gpu, opts.moe))
+                                + megatron_args.layout_args(lay, model, gpu, opts.moe) + opts.megatron.flags())
     return out
 
 
@@ -64,7 +64,8 @@ def run(req: dict[str, Any], ctx: Context) -> dict[str, Any]:
     seq = req.get("seq_length") or default_seq_length(model)
     gbs = req.get("global_batch_size") or default_global_batch(seq)
     precisions = {"bf16": ["bf16"], "fp8": ["fp8"], "any": ["bf16", "fp8"]}[req["precision"]]
-    opts = RuntimeOptions.from_request(None, te=req["transformer_engine"], moe=req.get("moe"))
+    opts = RuntimeOptions.from_request(None, te=req["transformer_engine"], moe=req.get("moe"),
+                                       megatron=req.get("megatron_options"))
     res = search(model, gpu, n_gpus, seq, gbs, precisions, req.get("constraints") or {},
                  headroom_gib=req["headroom_gib"], opts=opts)
     ranked = rank(res.candidates)
