@@ -254,3 +254,124 @@ def test_every_flag_in_inline_code_is_real_or_named_obsolete():
                     unknown.append(f"{doc.name}: {flag}")
     assert not unknown, unknown
     assert seen > 50
+
+
+# ---- facts with one source in code: the prose may not say otherwise ---------------------------
+
+def _prose_sentences():
+    """(where, sentence) for the Markdown's prose (code blocks and quoted messages left out) and
+    every description in the schemas."""
+    out = []
+    for doc in DOCS:
+        text = re.sub(r"```.*?```", " ", doc.read_text(), flags=re.S)
+        # inline code: a name or a value is read as its text, a quoted message or command (4 words or more) left out
+        text = re.sub(r"`([^`\n]*)`", lambda m: " " if len(m.group(1).split()) >= 4 else m.group(1), text)
+        for para in re.split(r"\n\s*\n", text):
+            for sentence in re.split(r"(?<=[.;])\s+(?=[A-Z(`*-])", " ".join(para.split())):
+                out.append((doc.name, sentence))
+    for schema in sorted((ROOT / "schemas").glob("*.json")):
+        def walk(node, path):
+            if isinstance(node, dict):
+                for k, v in node.items():
+                    if k == "description" and isinstance(v, str):
+                        out.append((f"{schema.name}{path}", v))
+                    else:
+                        walk(v, f"{path}/{k}")
+            elif isinstance(node, list):
+                for i, v in enumerate(node):
+                    walk(v, f"{path}/{i}")
+        walk(json.loads(schema.read_text()), "")
+    return out
+
+
+def _numbers(sentence):
+    return [float(x.replace(",", "")) for x in re.findall(r"(?<![\w.])\d+(?:\.\d+)?(?:e-?\d+)?(?![\w.%])", sentence)]
+
+
+def _training_defaults():
+    return json.loads((ROOT / "tools/megatron_skill/core/catalog/training_defaults.json").read_text())
+
+
+def test_the_default_init_std_is_told_as_the_code_computes_it():
+    """Where a sentence speaks of the default init std, each std it names is one the rule of
+    training_defaults.json gives (the anchor, the cap, or its value at a catalog model's width)."""
+    from megatron_skill.core import catalog
+    from megatron_skill.core.resolve import training_defaults
+
+    table = _training_defaults()["init_method_std"]
+    models = [catalog.get_model(name) for name in catalog.model_names()]
+    allowed = {table["anchor_std"], table["at_most"]} | {training_defaults(m, 1000)["init_method_std"] for m in models}
+    allowed |= {round(table["anchor_std"] * (table["anchor_hidden"] / h) ** 0.5, 4) for h in (2048, 8192, 12288, 16384)}
+    wrong, seen = [], 0
+    for where, sentence in _prose_sentences():
+        if re.search(r"init(_method_std|-method-std| std|ialisation std)", sentence) and "default" in sentence:
+            seen += 1
+            stds = [x for x in _numbers(sentence) if 0 < x < 0.1]
+            wrong += [f"{where}: {x} in {sentence!r}" for x in stds if not any(abs(x - a) < 6e-5 for a in allowed)]
+            if not stds and "init_method_std" in where:
+                wrong.append(f"{where}: names no default in {sentence!r}")
+    assert seen >= 2 and not wrong, wrong
+
+
+def test_the_default_learning_rates_are_told_as_the_table_says():
+    """Learning rates named as defaults are rows of training_defaults.json, and the schema's lr
+    names every one of them, the default from pretrained weights included."""
+    table = _training_defaults()
+    rows = [*table["dense"], table["moe"], table["from_pretrained"]]
+    allowed = {r[k] for r in rows for k in ("lr", "min_lr")}
+    wrong = []
+    for where, sentence in _prose_sentences():
+        if re.search(r"\b(lr|LR|learning rate|rate)\b", sentence) and re.search(r"\bdefaults?\b", sentence):
+            rates = [x for x in _numbers(sentence) if 0 < x < 1e-2]
+            wrong += [f"{where}: {x:g} in {sentence!r}" for x in rates if not any(abs(x - a) < 1e-12 for a in allowed)]
+    assert not wrong, wrong
+    lr_text = json.loads((ROOT / "schemas/common.json").read_text())["$defs"]["training"]["properties"]["lr"]["description"]
+    named = set(_numbers(lr_text))
+    assert {r["lr"] for r in rows} <= named, (sorted({r["lr"] for r in rows} - named), lr_text)
+
+
+# Claims that would contradict what the code does, each with the code that decides it.
+def _hf_import_exists():
+    from megatron_skill.contract import tools
+
+    return "import-hf" in tools() and "export-hf" in tools()
+
+
+def _fp8_runs_without_te():
+    from megatron_skill.contract import call
+
+    env = call("plan", {"model": "llama3.2-1b", "gpu": "h200", "num_gpus": 1, "seq_length": 4096, "precision": "fp8",
+                        "transformer_engine": False, "top": 1})
+    return env["ok"] and env["result"]["plans"][0]["layout"]["precision"] == "fp8"
+
+
+def _cp_needs_te():
+    from megatron_skill.contract import call
+
+    env = call("plan", {"model": "llama3-8b", "gpu": "h100-sxm", "num_gpus": 16, "seq_length": 32768,
+                        "global_batch_size": 16, "transformer_engine": False, "constraints": {"cp": 2}})
+    return not env["ok"] or all(p["layout"]["cp"] == 1 for p in env["result"]["plans"])
+
+
+CONTRADICTIONS = [
+    (_hf_import_exists, "Hugging Face import and export are tools of the skill", [
+        r"only pre-?trains?\b", r"pre-?trains? (only )?from random initiali[sz]ation\.",
+        r"needs? (a converter|Megatron-Bridge|NeMo)[^.]*(Hugging Face|HF) checkpoint",
+        r"(Hugging Face|HF) checkpoint[^.]*needs? (a converter|Megatron-Bridge)",
+        r"(cannot|can't|does not|doesn't|no way to) (import|load|convert|start from) (a )?(Hugging Face|HF)"]),
+    (_fp8_runs_without_te, "FP8 runs without Transformer Engine, through the skill's own FP8 layers", [
+        r"FP8 (always |only )?(needs|requires) (Transformer Engine|TE)\.",
+        r"FP8 (is )?(not available|impossible|unsupported) without (Transformer Engine|TE)",
+        r"without (Transformer Engine|TE),? (there is )?no FP8"]),
+    (_cp_needs_te, "context parallelism needs Transformer Engine", [
+        r"(context parallelism|\bCP\b)[^.]*(runs|works|is available|is supported) without (Transformer Engine|TE)\b",
+        r"(context parallelism|\bCP\b) (does not|doesn't) need (Transformer Engine|TE)\b"]),
+]
+
+
+@pytest.mark.parametrize("fact,claim,patterns", CONTRADICTIONS, ids=[c[1][:40] for c in CONTRADICTIONS])
+def test_no_prose_contradicts_what_the_code_does(fact, claim, patterns):
+    assert fact(), f"the code no longer holds: {claim}; change the prose and this test together"
+    found = [f"{where}: {sentence!r}" for where, sentence in _prose_sentences()
+             for p in patterns if re.search(p, sentence, flags=re.I)]
+    assert not found, found
