@@ -120,3 +120,25 @@ def test_the_fused_adam_hook_steps_torchs_fused_kernel_like_the_multi_tensor_one
     assert opt.state[mine[0]]["step"].dtype == torch.float32
     for p, q in zip(ref, mine):
         torch.testing.assert_close(q, p)
+
+
+def test_a_group_spanning_domains_moves_data_through_each_members_own_nic():
+    """NCCL runs a ring per NIC across NVLink domains: eight members a domain send through eight
+    NICs at once (up to NVLink's rate); one member a domain through its one NIC; all in one
+    domain at NVLink's rate."""
+    from megatron_skill.core.timing import _Rates
+
+    rates = _Rates(H100, "bf16", True)
+    one_nic = rates.collective(1e9, 64, 1, "ag")
+    eight = rates.collective(1e9, 64, 8, "ag")
+    assert eight == pytest.approx(one_nic / 8)
+    assert rates.collective(1e9, 8, 8, "ag") == pytest.approx(7 / 8 * 1e9 / rates.nvlink)
+    # a data-parallel group of 64 at TP 1 over eight nodes: eight members a node
+    lay = Layout(tp=1, pp=1, dp=64, mbs=1, gbs=64, seq_length=8192)
+    tp8 = Layout(tp=8, pp=1, dp=8, mbs=1, gbs=8, seq_length=8192, sequence_parallel=True)
+    from megatron_skill.core.catalog import get_model
+
+    llama = get_model("llama3-8b")
+    dp1 = predict(llama, H100, lay, 128256, RuntimeOptions.from_request(None)).time.dp_comm_exposed
+    dp8 = predict(llama, H100, tp8, 128256, RuntimeOptions.from_request(None)).time.dp_comm_exposed
+    assert dp1 < dp8   # TP 1: eight NICs carry the 64-way reduction; TP 8: one NIC per member

@@ -117,11 +117,16 @@ class _Rates:
     def memory_bound(self, nbytes: float) -> float:
         return nbytes / self.hbm
 
-    def collective(self, nbytes: float, group: int, fast: bool, kind: str) -> float:
-        """Ring time of an all-gather / reduce-scatter (kind 'ag'), or an all-reduce ('ar')."""
+    def collective(self, nbytes: float, group: int, per_domain: int, kind: str) -> float:
+        """Ring time of an all-gather / reduce-scatter (kind 'ag'), or an all-reduce ('ar'), over a
+        group with `per_domain` of its members in each NVLink domain. Within one domain it runs at
+        NVLink's rate. Across domains NCCL runs one ring per NIC, each crossing the network once per
+        domain: the members of a domain send through their own NICs at once, so the group moves
+        data at per_domain x one NIC's rate (at most NVLink's), not at one NIC's."""
         if group <= 1 or nbytes <= 0:
             return 0.0
-        bw = self.nvlink if fast else self.network
+        per_domain = max(1, min(per_domain, group))
+        bw = self.nvlink if per_domain >= group else min(self.nvlink, per_domain * self.network)
         factor = 2 if kind == "ar" else 1
         return factor * (group - 1) / group * nbytes / bw
 
@@ -323,7 +328,7 @@ def _layer_times(model: ModelConfig, gpu: GPUSpec, te: bool, fp8_linear: bool, t
         # TP: 2 all-gathers + 2 reduce-scatters forward (or 2 all-reduces without SP),
         # as many backward; the backward ones overlap half with the weight-gradient GEMMs.
         act = BF16 * tokens * h
-        tp_one = rates.collective(act, t, t <= node, "ag") + (rates.latency if t > 1 else 0.0)
+        tp_one = rates.collective(act, t, min(t, node), "ag") + (rates.latency if t > 1 else 0.0)
         tp_comm = tp_one * 8 * rates.tp_exposed
         cp_comm = ep_comm = dropless = 0.0
         if cp > 1:
@@ -410,8 +415,10 @@ def step_time(model: ModelConfig, lay: Layout, gpu: GPUSpec, padded_vocab: int, 
     dense_local = ts / t + rep
     expert_local = exp / (lay.ep * lay.etp)
     dp_group = lay.dp * lay.cp
-    dp_fast = lay.tp * dp_group <= node
-    edp_fast = lay.etp * lay.ep * lay.expert_dp <= node
+    # Megatron orders ranks TP innermost: a data-parallel (x CP) group's members sit TP ranks
+    # apart, an expert-data-parallel group's expert-TP x EP apart; how many share a domain.
+    dp_fast = node // lay.tp
+    edp_fast = node // (lay.etp * lay.ep)
     grad = BF16 if megatron.grad_reduce_in_bf16 else FP32
     weight = FP8 if megatron.fp8_param_gather and te and lay.precision == "fp8" else BF16
     if lay.distributed_optimizer or megatron.fsdp:
