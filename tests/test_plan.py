@@ -303,3 +303,41 @@ def test_near_ties_go_to_the_leaner_layout():
             measured[mbs] = max(measured.get(mbs, 0), res["measured"]["tokens_per_s"])
     fastest = max(measured, key=measured.get)
     assert plans[0]["layout"]["mbs"] == fastest and plans[0]["tokens_per_s"] < max(p["tokens_per_s"] for p in plans)
+
+
+def test_a_person_at_the_terminal_gets_a_short_summary_on_stderr_and_stdout_stays_one_json_object():
+    from conftest import run_inproc
+
+    code, out, err = run_inproc("plan", "--model", "llama3-8b", "--num-gpus", "8", "--top", "3")
+    assert code == 0 and isinstance(out, dict) and out["ok"]  # stdout: the JSON answer alone
+    lines = err.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("plan: llama3-8b on 8 x h100-sxm"))
+    assert "layout" in lines[head + 1] and "tokens/s" in lines[head + 1] and "MFU" in lines[head + 1]
+    rows = lines[head + 2:head + 5]
+    assert [r.split()[0] for r in rows] == ["1", "2", "3"]
+    assert [r.split()[1] for r in rows] == [p["label"].split()[0] for p in out["result"]["plans"]]
+    assert "warnings:" in lines and any("speed forecast:" in line for line in lines)
+    assert len(err) < 2000 < len(json.dumps(out))
+
+
+def test_an_infeasible_plan_names_the_nearest_gpu_counts_and_batches_that_fit_and_stays_under_a_second():
+    from conftest import run_inproc
+
+    call("plan", {"model": "llama3-8b", "num_gpus": 8})  # imports and catalog loaded once
+    started = time.perf_counter()
+    env = call("plan", {"model": "llama3-70b", "num_gpus": 8, "seq_length": 8192})
+    assert time.perf_counter() - started < 1.0
+    assert env["error"]["code"] == "infeasible"
+    near = env["error"]["details"]["nearest_feasible"]
+    counts = [f["num_gpus"] for f in near["num_gpus"]]
+    assert counts and all(n > 8 and n % 8 == 0 for n in counts) and counts == sorted(counts)
+    assert "nearest that fit: " + " or ".join(map(str, counts)) + " GPUs at global batch 512" in env["error"]["fix"]
+    for f in near["num_gpus"]:  # each really fits, with the layout named
+        assert _plan(model="llama3-70b", num_gpus=f["num_gpus"], seq_length=8192, top=1)["plans"][0]["label"] == f["best"]
+    # a batch no data-parallel split divides: nearby batches on the same GPUs
+    env = call("plan", {"model": "llama3.1-405b", "num_gpus": 16384, "global_batch_size": 3})
+    batches = [f["global_batch_size"] for f in env["error"]["details"]["nearest_feasible"]["global_batch_size"]]
+    assert batches and all(_plan(model="llama3.1-405b", num_gpus=16384, global_batch_size=b, top=1) for b in batches)
+    code, out, err = run_inproc("plan", "--model", "llama3-70b", "--num-gpus", "8", "--seq-length", "8192")
+    assert code == 4 and out["ok"] is False
+    assert f"fits: {counts[0]} GPUs, global batch 512: {near['num_gpus'][0]['best']}" in err

@@ -1,6 +1,7 @@
 """The plan tool: rank Megatron-Core layouts for a model on a cluster."""
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -72,12 +73,16 @@ def run(req: dict[str, Any], ctx: Context) -> dict[str, Any]:
     rejected = dict(sorted(res.rejected.items(), key=lambda kv: -kv[1]["count"]))
     if not ranked:
         reasons = "; ".join(f"{k} ({v['count']}): {v['rule']}" for k, v in list(rejected.items())[:4])
+        nearest = nearest_feasible(
+            lambda n, b: search(model, gpu, n, seq, b, precisions, req.get("constraints") or {},
+                                headroom_gib=req["headroom_gib"], opts=opts),
+            n_gpus, per_node, gbs, deadline=started + NEAREST_BUDGET_S, typical_s=time.perf_counter() - started,
+            more_gpus_only=next(iter(rejected), None) == "out_of_memory")
         raise ToolError("infeasible", f"no layout of {model.name} fits {n_gpus} x {gpu.key} "
                         f"at seq_length {seq}, global batch {gbs}",
                         where="/num_gpus",
-                        fix="change the GPU count (a multiple of the divisors the rules need), the global "
-                            "batch, or the sequence length; rejected: " + reasons,
-                        details={"model": model.summary(), "rejected": rejected})
+                        fix=_nearest_in_words(nearest, n_gpus, gbs) + "rejected: " + reasons,
+                        details={"model": model.summary(), "rejected": rejected, "nearest_feasible": nearest})
     top = ranked[: req["top"]]
     best = top[0]
     elapsed = time.perf_counter() - started
@@ -98,6 +103,135 @@ def run(req: dict[str, Any], ctx: Context) -> dict[str, Any]:
         "elapsed_s": round(elapsed, 3),
         "request": req,
     }
+
+
+# ---- an infeasible request: the nearest values that fit ---------------------------------
+
+NEAREST_BUDGET_S = 0.8   # of the plan's second: nearby searches stop when it is spent
+NEAREST_WANTED = 3       # feasible values of each kind worth naming
+
+
+def _by_distance(values: set[int], centre: int) -> list[int]:
+    """Positive values, nearest first on a log scale (twice and half are equally near)."""
+    return sorted((v for v in values if v > 0 and v != centre), key=lambda v: (abs(math.log(v / centre)), v))
+
+
+def gpu_counts_near(n_gpus: int, per_node: int) -> list[int]:
+    """GPU counts worth trying beside n_gpus: whole nodes (or powers of two below one node), a
+    node or two either way, and halves and doublings."""
+    unit = per_node if n_gpus >= per_node else 1
+    near = {n_gpus + k * unit for k in (-2, -1, 1, 2)} | {n_gpus * f for f in (2, 4, 8, 16)}
+    near |= {n_gpus // f for f in (2, 4) if n_gpus % f == 0}
+    near |= {2 ** k for k in range(0, 15) if 2 ** k < per_node}
+    def whole(c: int) -> bool:  # whole nodes, or a power of two inside one
+        return c % per_node == 0 or (c < per_node and (c & (c - 1)) == 0)
+    return [c for c in _by_distance(near, n_gpus) if whole(c)]
+
+
+def batches_near(gbs: int, n_gpus: int) -> list[int]:
+    """Global batches worth trying beside gbs: halves and doublings, and the multiples of the GPU
+    count on either side (data parallelism divides the batch)."""
+    near = {gbs // 2, gbs // 4, gbs * 2, gbs * 4, -(-gbs // n_gpus) * n_gpus, gbs // n_gpus * n_gpus}
+    return _by_distance(near, gbs)
+
+
+def nearest_feasible(feasible_search, n_gpus: int, per_node: int, gbs: int, deadline: float,
+                     typical_s: float = 0.0, more_gpus_only: bool = False) -> dict[str, Any]:
+    """The nearest GPU counts (at this batch) and global batches (on these GPUs) with a layout
+    that fits, each with its best layout; searched nearest first while one more search (as long
+    as the longest so far, typical_s to begin with) ends before the deadline. more_gpus_only:
+    the model does not fit in memory, which fewer GPUs cannot mend."""
+    found: dict[str, list] = {"num_gpus": [], "global_batch_size": [], "searched": []}
+    tries = [("num_gpus", n, gbs) for n in gpu_counts_near(n_gpus, per_node) if n > n_gpus or not more_gpus_only]
+    tries += [("global_batch_size", n_gpus, b) for b in batches_near(gbs, n_gpus)]
+    tries.sort(key=lambda t: abs(math.log((t[1] / n_gpus) if t[0] == "num_gpus" else (t[2] / gbs))))
+    longest = typical_s
+    for kind, n, b in tries:
+        if time.perf_counter() + longest > deadline:
+            break
+        if len(found[kind]) >= NEAREST_WANTED:
+            continue
+        found["searched"].append({"num_gpus": n, "global_batch_size": b})
+        began = time.perf_counter()
+        ranked = rank(search_candidates(feasible_search, n, b))
+        longest = max(longest, time.perf_counter() - began)
+        if ranked:
+            best = ranked[0]
+            found[kind].append({"num_gpus": n, "global_batch_size": b, "best": best.layout.label(),
+                                "tokens_per_s": round(best.tokens_per_s), "peak_gib": round(best.peak_gib, 2)})
+    for kind in ("num_gpus", "global_batch_size"):
+        found[kind].sort(key=lambda f: f[kind])
+    return found
+
+
+def search_candidates(feasible_search, n: int, b: int) -> list[Candidate]:
+    """The candidates of one nearby search; a value the search itself refuses has none."""
+    try:
+        return feasible_search(n, b).candidates
+    except ToolError:
+        return []
+
+
+def _nearest_in_words(nearest: dict[str, Any], n_gpus: int, gbs: int) -> str:
+    counts = [str(f["num_gpus"]) for f in nearest["num_gpus"]]
+    batches = [str(f["global_batch_size"]) for f in nearest["global_batch_size"]]
+    said = []
+    if counts:
+        said.append(f"{' or '.join(counts)} GPUs at global batch {gbs}")
+    if batches:
+        said.append(f"global batch {' or '.join(batches)} on {n_gpus} GPUs")
+    if not said:
+        tried = sorted({t["num_gpus"] for t in nearest["searched"]})
+        return (f"none of the {len(nearest['searched'])} nearby values tried fits (GPU counts {tried}, "
+                "global batches beside the one given): plan with more GPUs, a shorter sequence or a larger GPU; ")
+    return "nearest that fit: " + "; ".join(said) + "; "
+
+
+# ---- a short summary for a person at the terminal (stderr; stdout keeps the JSON) -------------
+
+def _row(p: dict[str, Any]) -> str:
+    mem = p["memory"]
+    return (f"  {p['rank']:>2}  {p['label']:<34} {mem['peak_gib']:>6.1f}/{mem['gpu_gib']:<6.1f} "
+            f"{p['tokens_per_s']:>12,}  {p['mfu']:>5.3f}  {p['bottleneck']}")
+
+
+def _warnings(result: dict[str, Any]) -> list[str]:
+    """What a reader should know about the first plan, in plain words."""
+    best = result["plans"][0]
+    out = [f"speed forecast: {w}" for w in best.get("forecast", {}).get("beyond_evidence") or []]
+    left = best["memory"]["gpu_gib"] - best["memory"]["peak_gib"]
+    if left < 0.05 * best["memory"]["gpu_gib"]:
+        out.append(f"the best layout leaves only {left:.1f} GiB of {best['memory']['gpu_gib']} GiB free: "
+                   "memory the planner does not model can still run it out of memory")
+    if best["bottleneck"] not in ("gemm", "attention"):
+        out.append(f"the best layout spends most of its step in {best['bottleneck']}, not in compute")
+    return out
+
+
+def summary(envelope: dict[str, Any]) -> str:
+    """A few lines for a person: the best layouts as a table and warnings, or what went wrong
+    and, for an infeasible request, the nearest GPU counts and batches that fit."""
+    if not envelope.get("ok"):
+        err = envelope.get("error") or {}
+        lines = [f"plan: {err.get('code', 'error')}: {err.get('message', '')}"]
+        near = (err.get("details") or {}).get("nearest_feasible") or {}
+        for f in near.get("num_gpus", []) + near.get("global_batch_size", []):
+            lines.append(f"  fits: {f['num_gpus']} GPUs, global batch {f['global_batch_size']}: {f['best']}, "
+                         f"{f['tokens_per_s']:,} tokens/s, peak {f['peak_gib']} GiB")
+        if err.get("fix"):
+            lines.append(f"  fix: {err['fix']}")
+        return "\n".join(lines)
+    result = envelope["result"]
+    cluster = result["cluster"]
+    lines = [f"plan: {result['model'].get('name')} on {cluster['num_gpus']} x {cluster['gpu']}, sequence "
+             f"{result['seq_length']}, global batch {result['global_batch_size']}: {result['feasible']} layouts fit",
+             f"   #  {'layout':<34} {'peak/GPU GiB':>13} {'tokens/s':>12}  {'MFU':>5}  bottleneck"]
+    lines += [_row(p) for p in result["plans"][:5]]
+    warnings = _warnings(result)
+    if warnings:
+        lines.append("warnings:")
+        lines += [f"  - {w}" for w in warnings]
+    return "\n".join(lines)
 
 
 TOOL = Tool(name="plan", summary="Rank Megatron-Core parallel layouts with predicted memory, "
