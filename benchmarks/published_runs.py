@@ -46,6 +46,13 @@ def summary(rows) -> dict:
     # a published layout ran: the memory model refusing one is a defect of the model (or of the
     # options the row records)
     out["refused_for_memory"] = sum(not r["fits"] for r in rows)
+    # does the band a forecast carries hold the published figure of a run it was not built from?
+    inside = 0
+    for r in rows:
+        others = [o["error_pct"] for o in evidence.band_runs(r["moe"], evidence.get_gpu(r["gpu"]).arch, r)[0]]
+        lo, hi = evidence.band(others) if others else (0.0, 0.0)
+        inside += lo <= r["error_pct"] <= hi
+    out["band_holds_leave_one_out"] = {"runs": len(rows), "inside": inside}
     return out
 
 

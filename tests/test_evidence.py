@@ -86,3 +86,13 @@ def test_a_forecast_carries_its_band_and_what_lies_beyond_the_evidence():
     moe = call("plan", {"model": "mixtral-8x7b", "num_gpus": 64, "gpu": "h100-sxm", "top": 1})["result"]["plans"][0]
     assert "MoE" in moe["forecast"]["basis"]
     assert json.dumps(moe["forecast"])   # strict JSON
+
+
+def test_a_forecasts_band_holds_the_published_figure_of_a_run_it_was_not_built_from():
+    rows = [r for r in evidence.checked() if r.get("layout_complete", True)]
+    inside = 0
+    for r in rows:
+        others = [o["error_pct"] for o in evidence.band_runs(r["moe"], evidence.get_gpu(r["gpu"]).arch, r)[0]]
+        lo, hi = evidence.band(others)
+        inside += lo <= r["error_pct"] <= hi
+    assert inside >= 0.8 * len(rows), (inside, len(rows))
