@@ -26,6 +26,11 @@ GPT2 = build_spec("gpt2", {"num_layers": 12, "hidden_size": 768, "ffn_hidden_siz
                            "max_position_embeddings": 1024, "activation": "gelu", "normalization": "LayerNorm"})
 
 MOE_GOOD = dataclasses.replace(GOOD, pp=2, vp=2, ep=2, dp=2)
+TINY = get_model("tiny-gpt")
+TINY_TIED = build_spec("tied", {"num_layers": 4, "hidden_size": 128, "ffn_hidden_size": 512, "num_attention_heads": 4,
+                                "vocab_size": 1024, "untie_embeddings_and_output_weights": False})
+CPU_GOOD = Layout(tp=2, pp=2, dp=1, mbs=1, gbs=8, seq_length=256, distributed_optimizer=False)
+CPU_LOOP = (None, None, True)   # broken_rules' moe, megatron, cpu_loop
 OVERLAP = MoEOptions(overlap_ep_comm=True)
 
 # Each rule, broken by one change to a layout that breaks nothing (model, gpu, world, te[, MoE options]).
@@ -63,6 +68,18 @@ BREAKS = {
     "moe_overlap_recompute": (MIXTRAL, dataclasses.replace(MOE_GOOD, recompute="full", recompute_layers=1), H100, 8,
                               True, OVERLAP),
     "fp8_param_gather_needs_te_fp8": (LLAMA8B, GOOD, H100, 8, True, None, MegatronOptions(fp8_param_gather=True)),
+    # The CPU loop's own limits (local layers, cpu_loop=True).
+    "cpu_loop_vp": (TINY, dataclasses.replace(CPU_GOOD, vp=2), H100, 4, False, *CPU_LOOP),
+    "cpu_loop_ep": (TINY, dataclasses.replace(CPU_GOOD, ep=2), H100, 4, False, *CPU_LOOP),
+    "cpu_loop_pipeline_split": (TINY, dataclasses.replace(CPU_GOOD, pipeline_split="embedding_loss"), H100, 4, False,
+                                *CPU_LOOP),
+    "cpu_loop_pp_tied": (TINY_TIED, CPU_GOOD, H100, 4, False, *CPU_LOOP),
+    "cpu_loop_sequence_parallel": (TINY, dataclasses.replace(CPU_GOOD, sequence_parallel=True), H100, 4, False,
+                                   *CPU_LOOP),
+    "cpu_loop_moe_tp": (MIXTRAL, CPU_GOOD, H100, 4, False, *CPU_LOOP),
+    "cpu_loop_recompute": (TINY, dataclasses.replace(CPU_GOOD, recompute="selective"), H100, 4, False, *CPU_LOOP),
+    "cpu_loop_distributed_optimizer": (TINY, dataclasses.replace(CPU_GOOD, dp=2, distributed_optimizer=True), H100, 8,
+                                       False, *CPU_LOOP),
 }
 
 
@@ -70,6 +87,7 @@ def test_the_unbroken_layout_breaks_nothing():
     assert check_layout(GOOD, LLAMA8B, H100, 8) is None
     assert check_layout(MOE_GOOD, MIXTRAL, H100, 8, True, OVERLAP) is None
     assert check_layout(dataclasses.replace(GOOD, pp=2), QK_NORM, H100, 8, te=True) is None
+    assert check_layout(CPU_GOOD, TINY, H100, 4, te=False, cpu_loop=True) is None
 
 
 @pytest.mark.parametrize("rule", sorted(BREAKS))

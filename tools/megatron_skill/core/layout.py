@@ -102,11 +102,6 @@ class Layout:
             return sizes
         return [L // n] * n if L % n == 0 else None
 
-    def stage_layers(self, model: ModelConfig) -> tuple[int, int]:
-        """Transformer layers on the first and on the last pipeline rank."""
-        counts = self.rank_layer_counts(model.num_layers) or [model.num_layers // self.pp]
-        return counts[0], counts[-1]
-
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         if self.pipeline_split != "layout":
@@ -234,6 +229,22 @@ RULES = {
     "moe_flex_needs_te": "the flex dispatcher (DeepEP / HybridEP) runs with Transformer Engine's MoE layers",
     "fp8_param_gather_needs_te_fp8": "gathering FP8 weights (fp8_param_gather) needs precision fp8 on Transformer "
                                      "Engine's layers, with the distributed optimizer or Megatron-FSDP",
+    # What the skill's CPU loop (runtime/cpu_loop.py) cannot run: it has TP, plain pipeline stages
+    # and DP over gloo, and nothing that allocates on a CUDA device. Checked with cpu_loop=True.
+    "cpu_loop_vp": "the CPU loop runs plain pipeline stages, not virtual ones: set vp 1, or train on GPUs",
+    "cpu_loop_ep": "the CPU loop keeps every expert whole on each rank (no expert parallelism): set ep and etp 1, "
+                   "or train on GPUs",
+    "cpu_loop_pipeline_split": "the CPU loop splits the layers evenly over the pipeline stages: pipeline_split "
+                               "even, or train on GPUs",
+    "cpu_loop_pp_tied": "the CPU loop's pipeline needs untied embedding and output weights: PP 1 for a model that "
+                        "ties them, or train on GPUs",
+    "cpu_loop_sequence_parallel": "the CPU loop runs without sequence parallelism (Megatron's reduce-scatter "
+                                  "allocates on a CUDA device): set sequence_parallel false, or train on GPUs",
+    "cpu_loop_moe_tp": "an MoE model with TP > 1 needs sequence parallelism, which the CPU loop cannot run: "
+                       "TP 1 for an MoE model on CPU, or train on GPUs",
+    "cpu_loop_recompute": "the CPU loop recomputes no activations: set recompute none, or train on GPUs",
+    "cpu_loop_distributed_optimizer": "the CPU loop keeps the whole optimizer state on every data-parallel rank: "
+                                      "set distributed_optimizer false, or train on GPUs",
 }
 
 
@@ -321,18 +332,43 @@ def context_parallel_rules(lay: Layout, te: bool) -> Iterator[str]:
         yield "cp_needs_te"
 
 
+def cpu_loop_rules(lay: Layout, model: ModelConfig) -> Iterator[str]:
+    """What of the layout the skill's CPU loop cannot run (runtime/cpu_loop.py: TP, an even split
+    into plain pipeline stages of a model with untied output weights, DP; full precision)."""
+    if lay.vp > 1:
+        yield "cpu_loop_vp"
+    if lay.ep > 1 or lay.etp > 1:
+        yield "cpu_loop_ep"
+    if lay.pipeline_split != "even":
+        yield "cpu_loop_pipeline_split"
+    if lay.pp > 1 and not model.untie_embeddings_and_output_weights:
+        yield "cpu_loop_pp_tied"
+    if lay.sequence_parallel:
+        yield "cpu_loop_sequence_parallel"
+    elif model.is_moe and lay.tp > 1:
+        yield "cpu_loop_moe_tp"
+    if lay.recompute != "none":
+        yield "cpu_loop_recompute"
+    if lay.distributed_optimizer and lay.dp > 1:
+        yield "cpu_loop_distributed_optimizer"
+
+
 def precision_rules(lay: Layout, gpu: GPUSpec) -> Iterator[str]:
     if lay.precision == "fp8" and not gpu.supports_fp8:
         yield "fp8_arch"
 
 
 def broken_rules(lay: Layout, model: ModelConfig, gpu: GPUSpec, n_gpus: int, te: bool = True,
-                 moe: MoEOptions | None = None, megatron: MegatronOptions | None = None) -> Iterator[str]:
+                 moe: MoEOptions | None = None, megatron: MegatronOptions | None = None,
+                 cpu_loop: bool = False) -> Iterator[str]:
     """The names of the rules the layout breaks, in the order they are checked; te: whether the
-    job's layers are Transformer Engine's, moe: how its MoE layers run (plan, render, validate and
-    train ask the same question here)."""
+    job's layers are Transformer Engine's, moe: how its MoE layers run, cpu_loop: whether the job
+    is the skill's CPU loop, whose own limits come first (plan, render, validate and train ask the
+    same question here)."""
     if lay.world_size != n_gpus:
         yield "world_size"
+    if cpu_loop:
+        yield from cpu_loop_rules(lay, model)
     yield from tp_rules(lay, model, gpu)
     yield from expert_rules(lay, model)
     sp = list(sequence_parallel_rules(lay, model, te))
@@ -354,6 +390,7 @@ def broken_rules(lay: Layout, model: ModelConfig, gpu: GPUSpec, n_gpus: int, te:
 
 
 def check_layout(lay: Layout, model: ModelConfig, gpu: GPUSpec, n_gpus: int, te: bool = True,
-                 moe: MoEOptions | None = None, megatron: MegatronOptions | None = None) -> str | None:
+                 moe: MoEOptions | None = None, megatron: MegatronOptions | None = None,
+                 cpu_loop: bool = False) -> str | None:
     """The name of the first rule the layout breaks, or None."""
-    return next(broken_rules(lay, model, gpu, n_gpus, te, moe, megatron), None)
+    return next(broken_rules(lay, model, gpu, n_gpus, te, moe, megatron, cpu_loop), None)

@@ -30,7 +30,8 @@ def build_model(cfg: dict):
     patches.by_name("CPU stands in").apply()
     opts = RuntimeOptions.from_request({"fp8_linear": bool(cfg.get("fp8_linear")),
                                         "native_gqa": bool(cfg.get("native_gqa")),
-                                        "compiled_rope": bool(cfg.get("compiled_rope"))}, te=False)
+                                        "compiled_rope": bool(cfg.get("compiled_rope")),
+                                        "sdpa_backend": cfg.get("sdpa_backend", "auto")}, te=False)
     if opts.compiled_rope:
         patches.by_name("RoPE").apply()
 
@@ -146,9 +147,10 @@ def load_pretrained(model, folder: str) -> None:
     model.load_state_dict(loaded["model"], strict=False)
 
 
-def _pipeline_micro_batch(model, b, scale: float):
-    """One micro-batch through two or more stages, forward then backward, over gloo send/recv.
-    Returns the per-token losses on the last stage (None elsewhere)."""
+def _pipeline_micro_batch(model, b, scale: float, head_args: dict):
+    """One micro-batch through two or more stages, forward then backward, over gloo send/recv;
+    head_args go to the last stage's output layer (the fused head). Returns the per-token losses
+    on the last stage (None elsewhere)."""
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -164,7 +166,7 @@ def _pipeline_micro_batch(model, b, scale: float):
         inp.requires_grad_()
         model.set_input_tensor(inp)
     if last:
-        losses = model(b["tokens"], b["position_ids"], None, labels=b["labels"])
+        losses = model(b["tokens"], b["position_ids"], None, labels=b["labels"], **head_args(b))
         mask = b["loss_mask"].float()
         (torch.sum(losses.float() * mask) * scale / mask.sum()).backward()
     else:
@@ -254,6 +256,9 @@ def main(config_path: str) -> None:
     from . import fused_head
 
     head = partial(fused_head.output_processor, chunk_tokens=cfg.get("fused_head_chunk", FUSED_HEAD_CHUNK))
+
+    def head_args(b: dict) -> dict:
+        return {"loss_mask": b["loss_mask"], "output_processor": head} if cfg.get("fused_head") else {}
     pp = cfg.get("pp", 1)
     ps.initialize_model_parallel(tensor_model_parallel_size=cfg["tp"], pipeline_model_parallel_size=pp)
     torch.manual_seed(cfg["seed"])
@@ -263,7 +268,7 @@ def main(config_path: str) -> None:
     if cfg.get("load_initial"):
         load_initial_weights(model, cfg["load_initial"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], betas=(0.9, 0.95),
-                                  weight_decay=cfg["weight_decay"])
+                                  weight_decay=cfg["weight_decay"], fused=bool(cfg.get("fused_adam")))
     ckpt_root = Path(cfg["save"])
     start = load_checkpoint(model, optimizer, ckpt_root, rank)
     if start and rank == 0:
@@ -293,11 +298,9 @@ def main(config_path: str) -> None:
             seen.append(b)
             mask = b["loss_mask"].float()
             if pp > 1:
-                losses = _pipeline_micro_batch(model, b, 1.0 / (per_dp // mbs))
+                losses = _pipeline_micro_batch(model, b, 1.0 / (per_dp // mbs), head_args)
             else:
-                extra = {"loss_mask": b["loss_mask"], "output_processor": head} \
-                    if cfg.get("fused_head") else {}
-                losses = model(b["tokens"], b["position_ids"], None, labels=b["labels"], **extra)
+                losses = model(b["tokens"], b["position_ids"], None, labels=b["labels"], **head_args(b))
                 (torch.sum(losses.float() * mask) / (mask.sum() * (per_dp // mbs))).backward()
             if losses is not None:
                 loss_sum += torch.sum(losses.detach().float() * mask)

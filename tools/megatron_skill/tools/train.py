@@ -162,6 +162,7 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
                 "train_iters": req["training"]["train_iters"], "estimated_seconds": plan.get("estimated_seconds"),
                 "actions": ["return the recorded result; nothing is launched"] if finished else plan["actions"],
                 "layout": plan.get("layout"), "prediction": plan.get("prediction"),
+                **({"runtime": plan["runtime"]} if plan.get("runtime") else {}),
                 **({"pretrained": plan["pretrained"]} if plan.get("pretrained") else {})}
 
     files.make_folder(run_dir, "/runs_root", "run folder")
@@ -198,6 +199,7 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
                   "start": start, "resumed_from": ckpt if start == "resume" else None,
                   "log": str(log_path), "checkpoint_iteration": latest_checkpoint(run_dir / "checkpoints"),
                   "layout": plan.get("layout"), "prediction": plan.get("prediction"),
+                  **({"runtime": plan["runtime"]} if plan.get("runtime") else {}),
                   "summary": {k: v for k, v in summary.items() if k not in ("loss_curve", "lr_curve")},
                   "loss_curve": summary.get("loss_curve", [])[-50:]}
         if plan.get("pretrained"):  # what was loaded, and the tokens of the first loss (to check it)

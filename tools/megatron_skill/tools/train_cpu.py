@@ -1,13 +1,18 @@
 """The CPU side of train: a tiny model through runtime/cpu_loop.py under torchrun (gloo)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
+from ..core.catalog import GPUSpec
 from ..core.flops import padded_vocab_size, training_flops
+from ..core.layout import RULES, Layout, check_layout
+from ..core.model import ModelConfig
+from ..core.options import RuntimeOptions
 from ..core.resolve import default_global_batch, resolve_model, with_training_defaults
 from ..errors import ToolError
 
@@ -27,6 +32,33 @@ def estimate_seconds(step_flops: float, iters: int) -> float:
     return round(cal["startup_s"] + iters * per_iter, 1)
 
 
+def cpu_ranks(procs: int) -> GPUSpec:
+    """The CPU loop's processes as the rule book's accelerator: all of them one shared-memory
+    domain (TP may span them), no FP8 tensor cores, no memory limit the planner would cost."""
+    return GPUSpec(key="cpu", name="CPU (gloo)", arch="cpu", compute_capability="0.0", memory_gib=float("inf"),
+                   hbm_gbps=0.0, bf16_dense_tflops=0.0, fp8_dense_tflops=None, nvlink_gbps=0.0, nvlink_domain=procs,
+                   gpus_per_node=procs, network_gbps=0.0, source="the CPU loop (runtime/cpu_loop.py)")
+
+
+def cpu_layout(req: dict, model: ModelConfig, procs: int, seq: int) -> Layout:
+    """The request's layout as the CPU loop would run it, checked by the rule book (the local
+    layers, and the CPU loop's own limits): one ToolError naming the first rule it breaks."""
+    given = {k: v for k, v in (req.get("layout") or {}).items() if k in {f.name for f in dataclasses.fields(Layout)}}
+    fields = {"sequence_parallel": False, "distributed_optimizer": False, "precision": req["precision"], **given}
+    tp, pp, cp = fields.get("tp", 1), fields.get("pp", 1), fields.get("cp", 1)
+    fields.setdefault("dp", max(1, procs // (tp * pp * cp)))
+    dp, mbs = fields["dp"], fields.get("mbs", 1)
+    gbs = req.get("global_batch_size") or min(default_global_batch(seq), 8 * dp * mbs)
+    lay = Layout(**{**fields, "seq_length": seq, "gbs": gbs})
+    rule = check_layout(lay, model, cpu_ranks(procs), procs, te=False, cpu_loop=True)
+    if rule:
+        raise ToolError("infeasible", f"the layout {lay.label()} cannot run in the CPU loop on {procs} "
+                        f"process(es): it breaks the rule {rule!r}: {RULES[rule]}", where="/layout",
+                        fix="change the layout as the rule says (num_gpus is the CPU run's processes), "
+                            "or train on GPUs (backend gpu)")
+    return lay
+
+
 def plan_cpu_run(req: dict, run_dir: Path, run_id: str) -> dict[str, Any]:
     model = resolve_model(req)
     if model.total_params() > CPU_MAX_PARAMS:
@@ -36,27 +68,16 @@ def plan_cpu_run(req: dict, run_dir: Path, run_id: str) -> dict[str, Any]:
     if model.multi_latent_attention or model.mtp_num_layers:
         raise ToolError("environment", "the CPU loop does not build MLA or MTP models", where="/model",
                         fix="run on a GPU machine")
-    layout = req.get("layout") or {}
-    tp, pp = layout.get("tp", 1), layout.get("pp", 1)
     procs = req.get("num_gpus") or 1
     cores = os.cpu_count() or 1
     if procs > cores:
         raise ToolError("bad_request", f"a CPU run of {procs} processes on {cores} cores: each process of the CPU "
                         "loop is one rank, and more ranks than cores only wait on each other", where="/num_gpus",
                         fix=f"give num_gpus (the CPU run's processes) of at most {cores}, or run on GPUs")
-    if procs % (tp * pp) or model.num_attention_heads % tp or model.query_groups % tp:
-        raise ToolError("bad_request", f"TP {tp} x PP {pp} does not divide the processes ({procs}), or TP the heads",
-                        where="/layout/tp", fix="use a TP that divides the heads and TP x PP that divides the processes")
-    if pp > 1 and (model.num_layers % pp or not model.untie_embeddings_and_output_weights):
-        raise ToolError("bad_request", f"the CPU loop splits {model.num_layers} layers evenly into {pp} stages, "
-                        "with untied embeddings", where="/layout/pp", fix="use a PP that divides the layers")
-    dp = procs // (tp * pp)
     seq = req.get("seq_length") or model.default_seq_length or 256
-    gbs = req.get("global_batch_size") or min(default_global_batch(seq), 8 * dp)
-    mbs = layout.get("mbs", 1)
-    if gbs % (mbs * dp):
-        raise ToolError("bad_request", f"global batch {gbs} is not divisible by micro-batch {mbs} x DP {dp}",
-                        where="/global_batch_size", fix="make it a multiple of micro-batch x DP")
+    lay = cpu_layout(req, model, procs, seq)
+    runtime = cpu_runtime(req.get("runtime"))
+    tp, pp, mbs, gbs = lay.tp, lay.pp, lay.mbs, lay.gbs
     from .prepare_data import is_weight, match_tokenizer
     t = match_tokenizer(with_training_defaults(model, req["training"]),
                         model.vocab_size)
@@ -84,6 +105,7 @@ def plan_cpu_run(req: dict, run_dir: Path, run_id: str) -> dict[str, Any]:
         "data_path": [p if is_weight(p) else str(Path(p).resolve()) for p in t["data_path"]]
         if t.get("data_path") else None,
         "data_cache": str(run_dir / "data_cache"),
+        **runtime.loop_config(),
     }
     cfg_path = run_dir / "cpu_run.json"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(procs),
@@ -96,5 +118,46 @@ def plan_cpu_run(req: dict, run_dir: Path, run_id: str) -> dict[str, Any]:
     return {"actions": [f"write {cfg_path}", " ".join(command)], "write": write, "command": command,
             "estimated_seconds": estimate_seconds(training_flops(model, seq, gbs, padded), iters),
             "seq_length": seq, "env": {"OMP_NUM_THREADS": "1"},
-            "layout": {"tp": tp, "pp": pp, "dp": dp, "mbs": mbs, "gbs": gbs, "seq_length": seq}, "prediction": None,
-            "pretrained": start}
+            "layout": lay.to_json(), "runtime": runtime.to_json(), "prediction": None, "pretrained": start}
+
+
+# SDPA kernels torch has on CPU; cudnn and efficient are CUDA kernels only.
+CPU_SDPA_BACKENDS = ("auto", "flash", "math")
+
+
+@dataclasses.dataclass(frozen=True)
+class CPURuntime:
+    """The request's runtime options as the CPU loop runs them. Without a runtime object the loop
+    runs Megatron's plain local layers; with one, every path it has follows the request."""
+    linear_cross_entropy: bool = False
+    compiled_rope: bool = False
+    native_gqa: bool = False
+    sdpa_backend: str = "auto"
+    fp8_linear: bool = False
+    fused_adam: bool = False
+    # The loop's weights and gradients are fp32: each weight gradient is added into an fp32
+    # gradient by autograd, which is what the fused accumulation buys on a GPU. Nothing to switch.
+    fused_wgrad_accumulation: bool = True
+
+    def loop_config(self) -> dict[str, Any]:
+        """The loop's own config keys (runtime/cpu_loop.py)."""
+        return {"fused_head": self.linear_cross_entropy, "compiled_rope": self.compiled_rope,
+                "native_gqa": self.native_gqa, "sdpa_backend": self.sdpa_backend, "fp8_linear": self.fp8_linear,
+                "fused_adam": self.fused_adam}
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def cpu_runtime(runtime: dict | None) -> CPURuntime:
+    """The runtime options of the request for the CPU loop; one ToolError for one it cannot run."""
+    if runtime is None:
+        return CPURuntime()
+    opts = RuntimeOptions.from_request(runtime, te=False)
+    if opts.sdpa_backend not in CPU_SDPA_BACKENDS:
+        raise ToolError("bad_request", f"the SDPA backend {opts.sdpa_backend!r} is a CUDA kernel: torch has "
+                        f"{', '.join(CPU_SDPA_BACKENDS)} on CPU", where="/runtime/sdpa_backend",
+                        fix="give sdpa_backend auto, flash or math for a CPU run, or train on GPUs (backend gpu)")
+    return CPURuntime(linear_cross_entropy=opts.linear_cross_entropy, compiled_rope=opts.compiled_rope,
+                      native_gqa=opts.native_gqa, sdpa_backend=opts.sdpa_backend, fp8_linear=opts.fp8_linear,
+                      fused_adam=opts.fused_adam, fused_wgrad_accumulation=opts.fused_wgrad_accumulation)
