@@ -587,3 +587,69 @@ def test_the_first_start_from_pretrained_weights_loads_weights_only_and_a_restar
     resumed = argv()
     assert not {"--finetune", "--no-load-optim", "--no-load-rng"} & set(resumed)
     assert resumed[resumed.index("--load") + 1] == str(run_dir / "checkpoints")
+
+
+@pytest.mark.parametrize("training,flags,package", [
+    ({"tokenizer_type": "Llama2Tokenizer", "tokenizer_model": "/tok/tokenizer.model"},
+     ["--tokenizer-type", "Llama2Tokenizer", "--tokenizer-model", "/tok/tokenizer.model"], "sentencepiece"),
+    ({"tokenizer_type": "SentencePieceTokenizer", "tokenizer_model": "/tok/spm.model"},
+     ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", "/tok/spm.model"], "sentencepiece"),
+    ({"tokenizer_type": "GPTSentencePieceTokenizer", "tokenizer_model": "/tok/spm.model"},
+     ["--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model", "/tok/spm.model"], "sentencepiece"),
+    ({"tokenizer_type": "TikTokenizer", "tokenizer_model": "/tok/tokenizer.json"},
+     ["--tokenizer-type", "TikTokenizer", "--tokenizer-model", "/tok/tokenizer.json"], "tiktoken"),
+    ({"tokenizer_type": "GPT2BPETokenizer", "vocab_file": "/tok/vocab.json", "merge_file": "/tok/merges.txt"},
+     ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "/tok/vocab.json", "--merge-file", "/tok/merges.txt"],
+     "transformers"),
+    ({"tokenizer_model": "/tok/hf"}, ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "/tok/hf"],
+     "transformers"),
+    ({"tokenizer_type": "NullTokenizer"}, ["--tokenizer-type", "NullTokenizer", "--vocab-size", "128256"], None),
+])
+def test_megatrons_tokenizer_types_render_with_their_files_and_the_step_checks_their_package(tmp_path, training,
+                                                                                           flags, package):
+    res, text = _render(tmp_path, model="llama3-8b", num_gpus=8, launcher="slurm",
+                        training={"data_path": ["/data/corpus"], **training})
+    argv = res["megatron_args"]
+    start = argv.index("--tokenizer-type")
+    assert argv[start:start + len(flags)] == flags and argv.count("--tokenizer-type") == 1
+    assert res["parser_check"] == "megatron.training.arguments"  # Megatron's parser took them
+    megatron_parser.parse(argv + ["--transformer-impl", "local"], world_size=8)
+    for path in [flags[i + 1] for i, f in enumerate(flags) if f in ("--tokenizer-model", "--vocab-file", "--merge-file")]:
+        assert path in text.split("if ! ls -d ")[1].split("\n")[0]  # checked where the job runs
+    if package:
+        assert f"-c 'import {package}'" in text and f"cannot import {package}, which Megatron's {flags[1]}" in text
+    else:
+        assert "which Megatron's" not in text
+    _shellcheck(res["files"][0]["path"])
+
+
+def test_a_tokenizer_type_without_its_files_or_with_others_is_refused():
+    base = {"model": "llama3-8b", "num_gpus": 8, "dry_run": True}
+    for training, where in [
+        ({"data_path": ["/d"], "tokenizer_type": "Llama2Tokenizer"}, "/training/tokenizer_model"),
+        ({"data_path": ["/d"], "tokenizer_type": "GPT2BPETokenizer", "vocab_file": "/v"}, "/training/merge_file"),
+        ({"data_path": ["/d"], "tokenizer_type": "Llama2Tokenizer", "tokenizer_model": "/t", "vocab_file": "/v"},
+         "/training/vocab_file"),
+        ({"mock_data": True, "tokenizer_type": "Llama2Tokenizer", "tokenizer_model": "/t"}, "/training/tokenizer_type"),
+        ({"data_path": ["/d"], "tokenizer_type": "BertWordPieceCase"}, "/training/tokenizer_type"),
+    ]:
+        env = call("render", {**base, "training": training})
+        assert not env["ok"] and env["error"]["code"] == "bad_request" and env["error"]["where"] == where, env
+        assert env["error"]["fix"]
+
+
+def test_the_job_stops_before_the_first_step_when_its_python_lacks_the_tokenizers_package(tmp_path):
+    """This machine has no tiktoken: the step says so in one line and exits 5 before the entry runs."""
+    run_dir, tok = tmp_path / "run", tmp_path / "tokenizer.json"
+    data = tmp_path / "corpus"
+    for f in (tok, Path(f"{data}.bin"), Path(f"{data}.idx")):
+        f.write_text("")
+    res, _ = _render(tmp_path, model="llama3.2-1b", num_gpus=1, seq_length=1024, global_batch_size=8,
+                     run_dir=str(run_dir), python=sys.executable, skill_home=str(ROOT),
+                     training={"data_path": [str(data)], "tokenizer_type": "TikTokenizer", "tokenizer_model": str(tok)})
+    env = {**os.environ, "MEGATRON_SKILL_ENTRY": str(ROOT / "tests" / "argv_probe.py"), "MEGATRON_SKILL_EMIT": "/nonexistent"}
+    proc = subprocess.run(["bash", res["files"][0]["path"]], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 5
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "cannot import tiktoken, which Megatron's TikTokenizer needs" in errors[0]
+    assert "pip install tiktoken" in errors[0] and not (run_dir / "probe-0.json").exists()

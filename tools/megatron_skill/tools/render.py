@@ -203,7 +203,93 @@ def _data_checks(training: dict) -> list[str]:
     if not training.get("data_path"):
         return ['"$DATA_PATH.bin"', '"$DATA_PATH.idx"', '"$TOKENIZER_MODEL"'] + start
     words = [_quote(p + ext) for p in training["data_path"] if not is_weight(p) for ext in (".bin", ".idx")]
-    return words + ([_quote(training["tokenizer_model"])] if training.get("tokenizer_model") else []) + start
+    return words + [_quote(training[f]) for f in TOKENIZER_FILES if training.get(f)] + start
+
+
+# Megatron's tokenizer types for GPT text (megatron.core.tokenizers' build_tokenizer): the
+# training fields each reads, and the package the job's Python needs to build it. The others
+# (BERT word pieces, multimodal, SFT) are not for this entry; the request schema refuses them.
+TOKENIZERS = {
+    "HuggingFaceTokenizer": (("tokenizer_model",), "transformers"),
+    "SentencePieceTokenizer": (("tokenizer_model",), "sentencepiece"),
+    "GPTSentencePieceTokenizer": (("tokenizer_model",), "sentencepiece"),
+    "Llama2Tokenizer": (("tokenizer_model",), "sentencepiece"),
+    "TikTokenizer": (("tokenizer_model",), "tiktoken"),
+    "GPT2BPETokenizer": (("vocab_file", "merge_file"), "transformers"),
+    "NullTokenizer": ((), None),
+}
+TOKENIZER_FILES = {"tokenizer_model": "--tokenizer-model", "vocab_file": "--vocab-file", "merge_file": "--merge-file"}
+TOKENIZER_FLAGS = ("--tokenizer-type", "--vocab-size", *TOKENIZER_FILES.values())
+
+
+def tokenizer_type(training: dict) -> str:
+    """The type the request names, else the one its files imply: NullTokenizer for mock data and
+    for data without a tokenizer (bytes), a Hugging Face folder otherwise (given or from the job)."""
+    if training.get("tokenizer_type"):
+        return training["tokenizer_type"]
+    if training.get("mock_data") or (training.get("data_path") and not training.get("tokenizer_model")):
+        return "NullTokenizer"
+    return "HuggingFaceTokenizer"
+
+
+def _data_from_env(training: dict) -> bool:
+    return not training.get("data_path") and not training.get("mock_data")
+
+
+def check_tokenizer(training: dict) -> None:
+    """The files a named tokenizer type reads are given (TOKENIZER_MODEL may come from the job's
+    environment with its data), and none it would not read."""
+    kind = training.get("tokenizer_type")
+    if not kind:
+        return
+    reads, _ = TOKENIZERS[kind]
+    if training.get("mock_data") and kind != "NullTokenizer":
+        raise ToolError("bad_request", f"mock data is made with NullTokenizer, not {kind}",
+                        where="/training/tokenizer_type", fix="leave tokenizer_type out with mock_data, or give data_path")
+    for field in reads:
+        if not training.get(field) and not (field == "tokenizer_model" and _data_from_env(training)):
+            raise ToolError("bad_request", f"{kind} reads {TOKENIZER_FILES[field]}, which the request does not give",
+                            where=f"/training/{field}", fix=f"give training.{field} (a path as the job sees it)")
+    extra = [f for f in TOKENIZER_FILES if training.get(f) and f not in reads]
+    if extra:
+        raise ToolError("bad_request", f"{kind} does not read {', '.join(extra)}", where=f"/training/{extra[0]}",
+                        fix=f"leave {', '.join(extra)} out, or name the tokenizer_type that reads it")
+    if kind == "GPT2BPETokenizer" and _data_from_env(training):
+        raise ToolError("bad_request", "GPT2BPETokenizer reads a vocabulary and merges file, which the job's "
+                        "TOKENIZER_MODEL cannot name", where="/training/data_path",
+                        fix="give training.data_path with vocab_file and merge_file")
+
+
+def tokenizer_args(training: dict) -> list[str]:
+    """--tokenizer-type and the files (or vocabulary size) that type reads."""
+    kind = tokenizer_type(training)
+    args = ["--tokenizer-type", kind]
+    for field in TOKENIZERS[kind][0]:
+        args += [TOKENIZER_FILES[field], training.get(field) or megatron_args.job_variable("TOKENIZER_MODEL")]
+    if kind == "NullTokenizer":
+        args += ["--vocab-size", str(training["vocab_size"])]
+    return args
+
+
+def with_tokenizer_args(argv: list[str], training: dict) -> list[str]:
+    """The argument vector with its tokenizer flags those of the request's tokenizer type, in place."""
+    out, at, i = [], None, 0
+    while i < len(argv):
+        if argv[i] in TOKENIZER_FLAGS:
+            at = len(out) if at is None else at
+            i += 2
+            continue
+        out.append(argv[i])
+        i += 1
+    at = len(out) if at is None else at
+    return out[:at] + tokenizer_args(training) + out[at:]
+
+
+def _tokenizer_check(training: dict) -> dict | None:
+    """What the job step imports before the first step to build its tokenizer (None: nothing)."""
+    kind = tokenizer_type(training)
+    package = TOKENIZERS[kind][1]
+    return {"type": kind, "package": package} if package else None
 
 
 def _fp8_local_note(lay: Layout) -> str:
@@ -359,18 +445,21 @@ def build(req: dict, ctx: Context) -> dict[str, Any]:
     if training.get("pretrained"):
         start = pretrained.describe(training["pretrained"], model, lay.tp, need_local=False)
         training.update(pretrained=_path(training["pretrained"]), vocab_divisor=start["vocab_divisor"])
-        if start["tokenizer"] and not training.get("tokenizer_model") and not training.get("mock_data"):
+        if (start["tokenizer"] and not training.get("tokenizer_model") and not training.get("mock_data")
+                and training.get("tokenizer_type") in (None, "HuggingFaceTokenizer")):
             training["tokenizer_model"] = start["tokenizer"]
     training["save"] = _path(training.get("save") or f"{run_dir}/checkpoints")
     if training.get("data_path"):
         training["data_path"] = [_path(p) for p in training["data_path"]]
-    if training.get("tokenizer_model"):
-        training["tokenizer_model"] = _path(training["tokenizer_model"])
+    for field in TOKENIZER_FILES:
+        if training.get(field):
+            training[field] = _path(training[field])
+    check_tokenizer(training)
     training["tensorboard_dir"] = f"{run_dir}/tensorboard"
     container = _container(req, launcher)
     moe = MoEOptions.from_request(req.get("moe"))
     argv = (megatron_args.model_args(model, lay.seq_length, moe) + megatron_args.layout_args(lay, model, gpu, moe)
-            + megatron_args.training_args(training) + _fake_rank_args(fake, model))
+            + with_tokenizer_args(megatron_args.training_args(training), training) + _fake_rank_args(fake, model))
     # Both variants the script may run, with and without Transformer Engine, must parse.  FP8
     # without TE is the skill entry's own linear layers (Megatron-LM's entry has none).
     skill_entry = not req.get("megatron_lm")
@@ -410,6 +499,7 @@ def build(req: dict, ctx: Context) -> dict[str, Any]:
         "mfu": f"{cand.mfu:.3f}", "slurm": slurm, "script_name": SCRIPT_NAMES[launcher],
         "fake_rank": fake, "world_size": lay.world_size,
         "first_start_args": FIRST_START_ARGS if start else [],
+        "tokenizer_check": _tokenizer_check(training),
         "checkpoint_tracker": (_quote(training["save"] + "/" + CHECKPOINT_TRACKER)
                                if start and training.get("checkpoint", True) else ""),
         "request_id": ctx.request_id or run_id,
