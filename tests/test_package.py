@@ -1,5 +1,6 @@
 """The skill as a package: the AgentSkills validators accept it, SKILL.md's links resolve and its
 first screen says how to install and call a tool."""
+import os
 import re
 import shutil
 import subprocess
@@ -88,3 +89,57 @@ def test_every_markdown_link_resolves():
             assert (doc.parent / target).exists(), f"{doc.name}: {target}"
             checked += 1
     assert checked >= 8
+
+
+# ---- the package as pip installs it ------------------------------------------------------
+def _installed_wheel(tmp: Path) -> Path:
+    """The skill's wheel built here and installed into a fresh virtual environment, offline; the
+    planning tools' own dependencies (jinja2, jsonschema) come from this test's environment.
+    Returns the environment's megatron-skill command."""
+    import jinja2
+    import jsonschema
+
+    subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation",
+                    "-w", str(tmp / "wheel"), "-q"], check=True, capture_output=True, timeout=600, cwd=tmp)
+    venv = tmp / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=300)
+    python = venv / "bin" / "python"
+    site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    deps = sorted({str(Path(m.__file__).resolve().parents[1]) for m in (jinja2, jsonschema)})
+    (Path(site) / "planning_dependencies.pth").write_text("\n".join(deps) + "\n")
+    wheel = next((tmp / "wheel").glob("*.whl"))
+    subprocess.run([python, "-m", "pip", "install", "--no-index", "--no-deps", "-q", str(wheel)], check=True,
+                   capture_output=True, timeout=600)
+    return venv / "bin" / "megatron-skill"
+
+
+def _answer(command: list[str], cwd: Path) -> dict:
+    import json
+
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MEGATRON_SKILL_HOME")}
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=cwd, env=env)
+    out = json.loads(proc.stdout)
+    assert out["ok"], (command, out, proc.stderr[-2000:])
+    return out["result"]
+
+
+@pytest.mark.slow
+def test_the_installed_package_runs_the_planning_tools_from_anywhere(tmp_path):
+    tool = _installed_wheel(tmp_path)
+    away = tmp_path / "elsewhere"
+    away.mkdir()
+    where = subprocess.run([tool.parent / "python", "-c", "import megatron_skill; print(megatron_skill.__file__)"],
+                           capture_output=True, text=True, cwd=away, check=True).stdout
+    assert str(tmp_path / "venv") in where and str(ROOT) not in where   # the installed copy, not this checkout
+    plan = _answer([str(tool), "plan", "--model", "llama3-8b", "--num-gpus", "8"], away)
+    assert plan["plans"]
+    rendered = _answer([str(tool), "render", "--model", "llama3-8b", "--num-gpus", "8", "--launcher", "torchrun",
+                        "--output-dir", str(away / "job")], away)
+    script = Path(rendered["files"][0]["path"])
+    assert script.is_file() and "--tensor-model-parallel-size" in script.read_text()
+    checked = _answer([str(tool), "validate", "--script", str(script)], away)
+    assert checked["valid"] is True, checked
+    logs = _answer([str(tool), "logs", "--log", str(ROOT / "tests" / "fixtures" / "logs" / "h200-kill-resume.log"),
+                    "--gpu", "h200", "--seq-length", "4096"], away)
+    assert logs["last_iteration"] and logs["final_loss"] is not None

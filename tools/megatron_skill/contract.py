@@ -18,13 +18,14 @@ import os
 import sys
 import textwrap
 import traceback
-from pathlib import Path
 from typing import Any, Callable
 
 from .errors import ToolError
+from .package_data import data_root, schema_dir
 
-ROOT = Path(__file__).resolve().parents[2]
-SCHEMA_DIR = ROOT / "schemas"
+# The folder holding schemas/ and templates/: the repository in a checkout, the package installed.
+ROOT = data_root()
+SCHEMA_DIR = schema_dir()
 # Keys that change how a request is carried out or shown, not what it asks for.
 NON_SEMANTIC = {"dry_run", "resume", "workers"}  # workers: how fast, not what
 

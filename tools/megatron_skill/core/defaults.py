@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import functools
 import json
-from pathlib import Path
 from typing import Any
 
-COMMON_SCHEMA = Path(__file__).resolve().parents[3] / "schemas" / "common.json"
+from ..package_data import schema_dir
+
+COMMON_SCHEMA = schema_dir() / "common.json"
 
 
 @functools.lru_cache(maxsize=None)

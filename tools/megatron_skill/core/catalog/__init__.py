@@ -5,13 +5,13 @@ import dataclasses
 import difflib
 import functools
 import json
-from pathlib import Path
 from typing import Any
 
 from ...errors import ToolError
+from ...package_data import catalog_dir
 from ..model import ModelConfig, build_spec
 
-CATALOG_DIR = Path(__file__).resolve().parent
+CATALOG_DIR = catalog_dir()
 
 
 @functools.lru_cache(maxsize=None)
