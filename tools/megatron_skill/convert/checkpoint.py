@@ -38,6 +38,15 @@ def iteration_dir(root: Path) -> Path:
     return root / (RELEASE if it == RELEASE else f"iter_{it:07d}")
 
 
+def padded_vocab_of(folder: Path) -> int | None:
+    """The embedding's rows in a torch_dist checkpoint folder (its metadata only), or None."""
+    from megatron.core import dist_checkpointing
+
+    meta = dist_checkpointing.load_tensors_metadata(str(folder))
+    emb = meta.get("embedding.word_embeddings.weight")
+    return int(emb.global_shape[0]) if emb is not None else None
+
+
 def check_tracker(root: Path, where: str) -> None:
     """A tracker in root that is not one (a forged or damaged file) is an error, not a wrong folder."""
     from .. import files
@@ -99,7 +108,6 @@ def read_whole(folder: Path, spec, dtype: str = "fp32", layout: dict | None = No
 
         from ..runtime import patches
         from ..runtime.cpu_loop import build_model
-        from .pretrained import padded_vocab_of
 
         patches.by_name("CPU stands in").apply()
         init_single_process()

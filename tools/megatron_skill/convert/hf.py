@@ -24,6 +24,11 @@ from typing import Any, Callable, Iterator
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                  "Qwen3ForCausalLM": "qwen3", "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe"}
 
+# What a tokenizer or generation needs beside the weights: copied with them, when present, by
+# import-hf and export-hf.
+COMPANION_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                   "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja",
+                   "chat_template.json")
 HF_LAYER = "model.layers.{i}."
 DENSE_MLP = ("mlp.", ("gate_proj", "up_proj", "down_proj"))
 # An MoE layer's router and the prefix of expert j, and the expert's gate, up and down names.

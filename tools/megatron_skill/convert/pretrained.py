@@ -17,15 +17,6 @@ from . import checkpoint, output
 WHERE = "/training/pretrained"
 
 
-def padded_vocab_of(folder: Path) -> int | None:
-    """The embedding's rows in a torch_dist checkpoint folder (its metadata only), or None."""
-    from megatron.core import dist_checkpointing
-
-    meta = dist_checkpointing.load_tensors_metadata(str(folder))
-    emb = meta.get("embedding.word_embeddings.weight")
-    return int(emb.global_shape[0]) if emb is not None else None
-
-
 def describe(path: str, model, tp: int, need_local: bool) -> dict[str, Any]:
     """What a run from the checkpoint at path needs: the vocabulary divisor, the tokenizer of an
     import, and whether the checkpoint could be checked here (a rendered script's path may exist
@@ -55,7 +46,7 @@ def describe(path: str, model, tp: int, need_local: bool) -> dict[str, Any]:
             if (root / "hf" / "tokenizer.json").is_file():
                 info["tokenizer"] = str(root / "hf")
         try:
-            rows = padded_vocab_of(folder) or rows
+            rows = checkpoint.padded_vocab_of(folder) or rows
         except ImportError:
             pass  # planning without megatron-core: the import's own rule stands
         info["checked"] = True

@@ -17,8 +17,8 @@ from typing import Any
 from .. import files
 from ..contract import Context, Tool
 from ..convert import checkpoint, output
+from ..convert.hf import COMPANION_FILES
 from ..errors import ToolError
-from .import_hf import COMPANION_FILES
 
 TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 

@@ -24,12 +24,9 @@ from typing import Any
 from .. import files
 from ..contract import Context, Tool
 from ..convert import checkpoint, output
+from ..convert.hf import COMPANION_FILES
 from ..errors import ToolError
 
-# What a tokenizer or generation needs beside the weights; copied when present.
-COMPANION_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                   "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja",
-                   "chat_template.json")
 SAFETENSORS_DTYPES = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
 
 

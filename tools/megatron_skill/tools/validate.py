@@ -369,7 +369,7 @@ def _pretrained_rows(launch: Launch, ns: argparse.Namespace, tp: int, findings: 
     if checkpoint.kind(folder) != "torch_dist":
         return
     try:
-        from ..convert.pretrained import padded_vocab_of
+        from ..convert.checkpoint import padded_vocab_of
         rows = padded_vocab_of(folder)
     except ImportError:
         return
