@@ -411,8 +411,9 @@ def test_plan_to_an_ngc_slurm_script_that_needs_only_image_data_and_tokenizer_ru
            "PYTHON": sys.executable, "MEGATRON_SKILL_ENTRY": str(ROOT / "tests" / "argv_probe.py"), "OMP_NUM_THREADS": "1"}
 
     def job(precision: str, port: int):
+        # CP 1: context parallelism needs TE too, and its stop would come before the FP8 one
         plan = call("plan", {"model": "llama3-70b", "gpu": "h100-sxm", "num_gpus": 128, "seq_length": 8192,
-                             "precision": precision, "top": 1})
+                             "precision": precision, "top": 1, "constraints": {"cp": [1]}})
         out = call("render", {"plan": plan, "launcher": "slurm", "container": {"runtime": "pyxis"},
                               "output_dir": str(tmp_path / precision),
                               "slurm": {"gpus": False, "exclusive": False, "time": "00:10:00"}})
