@@ -86,3 +86,23 @@ def test_the_flags_pass_megatrons_parser_and_read_back_as_the_same_options():
     assert MegatronOptions.from_args(megatron_parser.parse(argv[: -len(every.flags()) - 2]
                                                            + ["--transformer-impl", "transformer_engine"],
                                                            world_size=8, env={})) == MegatronOptions()
+
+
+def test_render_writes_them_from_a_plan_and_validate_reads_the_script_back_valid(tmp_path):
+    require_modules("megatron.training")
+    from megatron_skill.contract import call
+
+    options = {"fsdp": True, "grad_reduce_in_bf16": True}
+    plan = call("plan", {"model": "llama3-8b", "gpu": "h100-sxm", "num_gpus": 8, "precision": "fp8", "top": 1,
+                         "megatron_options": options, "constraints": {"tp": [2]}})
+    assert plan["ok"], plan
+    out = call("render", {"plan": plan, "launcher": "torchrun", "output_dir": str(tmp_path)})
+    assert out["ok"], out
+    script = out["result"]["files"][0]["path"]
+    text = open(script).read()
+    assert "--use-megatron-fsdp" in text and "--grad-reduce-in-bf16" in text
+    # one checkpoint format (Megatron-FSDP's), and no single kernel queue (Megatron-FSDP refuses it)
+    assert text.count("--ckpt-format") == 1 and "fsdp_dtensor" in text
+    assert "CUDA_DEVICE_MAX_CONNECTIONS=1" not in text
+    checked = call("validate", {"script": script})
+    assert checked["ok"] and checked["result"]["valid"], checked["result"].get("errors")

@@ -213,8 +213,9 @@ def training_args(settings: dict[str, Any]) -> list[str]:
         a += ["--data-path", job_variable("DATA_PATH"), "--split", s.get("split", "99,1,0"),
               "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", job_variable("TOKENIZER_MODEL")]
     if s.get("save") and s.get("checkpoint", True):
-        a += ["--save", s["save"], "--load", s["save"], "--save-interval", s["save_interval"],
-              "--ckpt-format", "torch_dist"]
+        a += ["--save", s["save"], "--load", s["save"], "--save-interval", s["save_interval"]]
+        if s.get("ckpt_format", "torch_dist"):   # None: the memory options say it (Megatron-FSDP's own)
+            a += ["--ckpt-format", s.get("ckpt_format", "torch_dist")]
         if s.get("override_scheduler"):
             a += ["--override-opt-param-scheduler"]
     if s.get("pretrained"):

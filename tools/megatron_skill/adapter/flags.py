@@ -355,13 +355,14 @@ def manifest_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def check(argv: list[str], world_size: int | None = None) -> str:
-    """Parse argv with Megatron's parser (and validate_args, given a world size); without
-    megatron-core, with the manifest.  Returns which was used; raises ToolError on a refusal."""
+def check(argv: list[str], world_size: int | None = None, env: dict[str, str] | None = None) -> str:
+    """Parse argv with Megatron's parser (and validate_args, given a world size, under env: the
+    variables the script sets that validate_args reads); without megatron-core, with the manifest.
+    Returns which was used; raises ToolError on a refusal."""
     from . import parser as megatron_parser
 
     if megatron_parser.available():
-        megatron_parser.check(argv, world_size=world_size)
+        megatron_parser.check(argv, world_size=world_size, env=env)
         return "megatron.training.arguments"
     parser = manifest_parser()
     try:

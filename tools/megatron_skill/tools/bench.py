@@ -144,7 +144,8 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
     max_alloc = max((m["max_allocated_mb"] for m in mem.values()), default=0.0) / 1024
     lay = Layout.from_json(lay_json)
     te = have_transformer_engine()
-    opts = RuntimeOptions.from_request(req.get("runtime"), te=te, moe=req.get("moe"))
+    opts = RuntimeOptions.from_request(req.get("runtime"), te=te, moe=req.get("moe"),
+                                  megatron=req.get("megatron_options"))
     pred = predict(model, gpu, lay, padded_vocab_size(model.vocab_size, lay.tp), opts)
     pred_alloc = peak(pred.memory, "allocated") / GIB
     padded = padded_vocab_size(model.vocab_size, lay.tp)
@@ -189,7 +190,8 @@ def _fake_rank_result(req: dict, result: dict, parsed: dict, model, gpu, run_id:
         raise ToolError("runtime", f"rank {rank} reported no memory", where=result["log"],
                         fix="read the log: the run may have failed before its first iteration")
     stage = pipeline_stage(rank, lay)
-    opts = RuntimeOptions.from_request(req.get("runtime"), te=have_transformer_engine(), moe=req.get("moe"))
+    opts = RuntimeOptions.from_request(req.get("runtime"), te=have_transformer_engine(), moe=req.get("moe"),
+                                  megatron=req.get("megatron_options"))
     pred = stage_memory(model, lay, stage, padded_vocab_size(model.vocab_size, lay.tp), opts.memory(lay))
     measured = mem["max_allocated_mb"] / 1024
     out = {"run_id": run_id, "run_dir": result["run_dir"], "gpu": gpu.key, "num_gpus": lay.world_size,

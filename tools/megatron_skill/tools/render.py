@@ -20,13 +20,14 @@ from ..adapter import flags as megatron_flags
 from ..adapter import images
 from ..contract import ROOT, Context, Tool, invoke
 from ..convert import pretrained
+from ..core import catalog
 from ..core.defaults import schema_defaults
 from ..core.flops import padded_vocab_size
 from ..core.layout import RULES, Layout, check_layout
+from ..core.megatron_options import MegatronOptions
 from ..core.moe import MoEOptions
 from ..core.options import RuntimeOptions
 from ..core.planner import predict, rank, search
-from ..core import catalog
 from ..core.resolve import (
     DEFAULT_TRAIN_ITERS,
     default_global_batch,
@@ -113,7 +114,8 @@ def _needs_te(lay: Layout, model, gpu) -> str:
 
 
 def _layout_from_request(req: dict, model, gpu, n_gpus: int, seq: int, gbs: int) -> tuple[Layout, Any]:
-    opts = RuntimeOptions.from_request(req.get("runtime"), te=req["transformer_engine"], moe=req.get("moe"))
+    opts = RuntimeOptions.from_request(req.get("runtime"), te=req["transformer_engine"], moe=req.get("moe"),
+                                       megatron=req.get("megatron_options"))
     if req.get("layout"):
         fields = {k: v for k, v in req["layout"].items() if k in {f.name for f in dataclasses.fields(Layout)}}
         fields.update(seq_length=seq, gbs=gbs)
@@ -121,7 +123,7 @@ def _layout_from_request(req: dict, model, gpu, n_gpus: int, seq: int, gbs: int)
         fields.setdefault("dp", max(1, n_gpus // (fields.get("tp", 1) * fields.get("pp", 1) * fields.get("cp", 1))))
         fields.setdefault("sequence_parallel", fields.get("tp", 1) > 1)
         lay = Layout(**fields)
-        rule = check_layout(lay, model, gpu, n_gpus, req["transformer_engine"], opts.moe)
+        rule = check_layout(lay, model, gpu, n_gpus, req["transformer_engine"], opts.moe, opts.megatron)
         if rule:
             raise ToolError("infeasible", f"the layout {lay.label()} breaks the rule {rule!r}: {RULES[rule]}",
                             where="/layout", fix="run plan and take one of its layouts")
@@ -458,8 +460,12 @@ def build(req: dict, ctx: Context) -> dict[str, Any]:
     training["tensorboard_dir"] = f"{run_dir}/tensorboard"
     container = _container(req, launcher)
     moe = MoEOptions.from_request(req.get("moe"))
+    memory_options = MegatronOptions.from_request(req.get("megatron_options"))
+    if memory_options.fsdp:
+        training["ckpt_format"] = None   # Megatron-FSDP saves in its own format, which its flags name
     argv = (megatron_args.model_args(model, lay.seq_length, moe) + megatron_args.layout_args(lay, model, gpu, moe)
-            + with_tokenizer_args(megatron_args.training_args(training), training) + _fake_rank_args(fake, model))
+            + with_tokenizer_args(megatron_args.training_args(training), training) + memory_options.flags()
+            + _fake_rank_args(fake, model))
     # Both variants the script may run, with and without Transformer Engine, must parse.  FP8
     # without TE is the skill entry's own linear layers (Megatron-LM's entry has none).
     skill_entry = not req.get("megatron_lm")
@@ -472,16 +478,20 @@ def build(req: dict, ctx: Context) -> dict[str, Any]:
     local_flags = megatron_args.local_impl_flags(local, skill_entry=skill_entry)
     common_argv, te_fp8 = megatron_args.split_te_fp8(argv)
     te_args = te_fp8 + megatron_args.te_only_args(lay, gpu, fake is not None, model, moe)
-    parser_check = megatron_flags.check(common_argv + ["--transformer-impl", "local"] + local_flags,
-                                        world_size=lay.world_size)
-    megatron_flags.check(common_argv + ["--transformer-impl", "transformer_engine"] + te_args, world_size=lay.world_size)
-    if start:  # the first start's loading flags parse too
-        megatron_flags.check(common_argv + FIRST_START_ARGS + ["--transformer-impl", "local"] + local_flags,
-                             world_size=lay.world_size)
-        start = {**start, "loading": _start_description(training)}
-    env = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if (lay.tp > 1 or lay.cp > 1) else {}
+    # One kernel queue orders TP's and CP's communication before the GEMMs it overlaps (Hopper);
+    # Megatron-FSDP refuses it (its prefetches need several queues).
+    env = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if (lay.tp > 1 or lay.cp > 1) and not memory_options.fsdp else {}
     env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     env.update(req.get("env") or {})
+    script_env = {"CUDA_DEVICE_MAX_CONNECTIONS": env.get("CUDA_DEVICE_MAX_CONNECTIONS")}
+    parser_check = megatron_flags.check(common_argv + ["--transformer-impl", "local"] + local_flags,
+                                        world_size=lay.world_size, env=script_env)
+    megatron_flags.check(common_argv + ["--transformer-impl", "transformer_engine"] + te_args, world_size=lay.world_size,
+                         env=script_env)
+    if start:  # the first start's loading flags parse too
+        megatron_flags.check(common_argv + FIRST_START_ARGS + ["--transformer-impl", "local"] + local_flags,
+                             world_size=lay.world_size, env=script_env)
+        start = {**start, "loading": _start_description(training)}
     entry = (str(Path(req["megatron_lm"]) / "pretrain_gpt.py") if req.get("megatron_lm") else str(ENTRY_SCRIPT))
     slurm = {"job_name": f"megatron-{run_id[:8]}", "time": "04:00:00", "gpus": True, "exclusive": True,
              "partition": None, "account": None, "cpus_per_task": None, **(req.get("slurm") or {})}
@@ -553,7 +563,7 @@ def _unseen_datasets(req: dict) -> list[str]:
 
 # What render takes from a plan: the fields of the plan request that say what is trained where.
 FROM_PLAN = ("model", "hf_config", "gpu", "num_gpus", "nodes", "gpus_per_node", "seq_length", "global_batch_size",
-             "transformer_engine", "moe")
+             "transformer_engine", "moe", "megatron_options")
 DEFAULTS = {"gpu": "h100-sxm", "precision": "bf16", "transformer_engine": True}
 DERIVED = ("world_size", "expert_dp", "num_microbatches")
 

@@ -126,6 +126,10 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
         raise ToolError("bad_request", "the CPU backend runs Megatron's allgather dispatcher and none of the MoE "
                         "options (they are GPU paths: the all-to-all, grouped GEMMs, the capacity padding)",
                         where="/moe", fix="leave moe out for a CPU run, or train on GPUs (backend gpu)")
+    if backend == "cpu" and any((req.get("megatron_options") or {}).values()):
+        raise ToolError("bad_request", "the CPU backend's own loop runs none of Megatron's memory options (bf16 "
+                        "gradient reduction, FP8 weight gather, Megatron-FSDP, the fused cross-entropy)",
+                        where="/megatron_options", fix="leave megatron_options out for a CPU run, or train on GPUs")
     req = {**req, "python": req.get("python") or sys.executable}
     _check_runtime(req, backend)
     if req.get("num_gpus") is None and req.get("nodes") is None:

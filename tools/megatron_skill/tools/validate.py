@@ -326,8 +326,11 @@ def _check_layout(launch: Launch, ns: argparse.Namespace, model: ModelConfig, gp
         findings.append(_finding(rule, RULES[rule], RULE_FIXES.get(rule, "see the rule")))
     if lay.sequence_parallel and lay.tp == 1:
         lay = dataclasses.replace(lay, sequence_parallel=False)
+    # Megatron asserts it on Hopper and older, unless FSDP or the MoE all-to-all overlap run (they
+    # want several queues; Megatron only warns then)
+    several_queues = bool(ns.use_megatron_fsdp or ns.use_torch_fsdp2 or ns.overlap_moe_expert_parallel_comm)
     if (lay.tp > 1 or lay.cp > 1) and launch.env.get("CUDA_DEVICE_MAX_CONNECTIONS") != "1" and \
-            (gpu is None or float(gpu.compute_capability) < 10):
+            (gpu is None or float(gpu.compute_capability) < 10) and not several_queues:
         findings.append(_finding("cuda_device_max_connections",
                                  "TP or CP > 1 without CUDA_DEVICE_MAX_CONNECTIONS=1 (Megatron refuses to start "
                                  "on Hopper and older)", "export CUDA_DEVICE_MAX_CONNECTIONS=1 before the launch"))
