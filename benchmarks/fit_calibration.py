@@ -132,10 +132,13 @@ def main() -> int:
     for r in runs:
         pin = _predict(r, {**base, **fitted}).tokens_per_s
         others = [o for o in runs if o is not r]
-        loo_fit = fit(others, base) if any(o["fp8"] == r["fp8"] for o in others) else fitted
-        ploo = _predict(r, {**base, **loo_fit}).tokens_per_s
+        if any(o["fp8"] == r["fp8"] for o in others) and any(not o["fp8"] for o in others):
+            ploo = _predict(r, {**base, **fit(others, base)}).tokens_per_s
+            loo = f"{ploo:,.0f} | {error_pct(ploo, r['tokens_per_s']):+.1f} %"
+        else:   # no other run of its kind to fit without it: no leave-one-out figure
+            loo = "n/a | n/a"
         print(f"| {r['name']} | {r['lay'].label()} | {r['tokens_per_s']:,} | {pin:,.0f} | "
-              f"{error_pct(pin, r['tokens_per_s']):+.1f} % | {ploo:,.0f} | {error_pct(ploo, r['tokens_per_s']):+.1f} % |")
+              f"{error_pct(pin, r['tokens_per_s']):+.1f} % | {loo} |")
     if "--store" in sys.argv:
         store(gpu, entry, calib)
     return 0

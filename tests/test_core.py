@@ -68,6 +68,7 @@ BREAKS = {
     "moe_overlap_recompute": (MIXTRAL, dataclasses.replace(MOE_GOOD, recompute="full", recompute_layers=1), H100, 8,
                               True, OVERLAP),
     "fp8_param_gather_needs_te_fp8": (LLAMA8B, GOOD, H100, 8, True, None, MegatronOptions(fp8_param_gather=True)),
+    "fsdp_needs_te": (LLAMA8B, GOOD, H100, 8, False, None, MegatronOptions(fsdp=True)),
     # The CPU loop's own limits (local layers, cpu_loop=True).
     "cpu_loop_vp": (TINY, dataclasses.replace(CPU_GOOD, vp=2), H100, 4, False, *CPU_LOOP),
     "cpu_loop_ep": (TINY, dataclasses.replace(CPU_GOOD, ep=2), H100, 4, False, *CPU_LOOP),

@@ -106,3 +106,34 @@ def test_render_writes_them_from_a_plan_and_validate_reads_the_script_back_valid
     assert "CUDA_DEVICE_MAX_CONNECTIONS=1" not in text
     checked = call("validate", {"script": script})
     assert checked["ok"] and checked["result"]["valid"], checked["result"].get("errors")
+
+
+def test_fp8_weights_are_gathered_in_fp8_and_fsdps_gradients_are_bf16_by_default():
+    one_mb = dataclasses.replace(DP8, gbs=8)   # one micro-batch: the gather outlasts its window
+    bf16 = predict(LLAMA8B, H100, one_mb, 128256, _opts()).time.dp_comm_exposed
+    fp8 = predict(LLAMA8B, H100, one_mb, 128256, _opts(fp8_param_gather=True)).time.dp_comm_exposed
+    assert fp8 < bf16
+    # Megatron-FSDP keeps its main gradients in the parameters' dtype unless told otherwise
+    assert _opts(fsdp=True).memory(DP8).grad_bytes == 2 and _opts().memory(DP8).grad_bytes == 4
+
+
+def test_a_request_no_layout_can_run_is_a_bad_request_not_infeasible():
+    from megatron_skill.contract import call
+
+    for options, extra, where in (({"fp8_param_gather": True}, {}, "/megatron_options/fp8_param_gather"),
+                                  ({"fsdp": True}, {"transformer_engine": False}, "/megatron_options/fsdp")):
+        env = call("plan", {"model": "llama3-8b", "num_gpus": 8, "megatron_options": options, **extra})
+        assert not env["ok"] and env["error"]["code"] == "bad_request" and env["error"]["where"] == where, env
+
+
+def test_validate_reads_fsdps_gradient_dtype_as_megatron_turns_it():
+    require_modules("megatron.training")
+    from megatron_skill.adapter import arguments
+    from megatron_skill.adapter import parser as megatron_parser
+
+    base = (arguments.model_args(LLAMA8B, 8192) + arguments.layout_args(DP8, LLAMA8B, H100)
+            + MegatronOptions(fsdp=True).flags() + ["--transformer-impl", "transformer_engine"])
+    for dtype, bf16 in ((None, True), ("bf16", True), ("fp32", False)):
+        argv = base + (["--megatron-fsdp-main-grads-dtype", dtype] if dtype else [])
+        ns = megatron_parser.parse(argv, world_size=8, env={})
+        assert MegatronOptions.from_args(ns).bf16_grads is bf16, (dtype, ns.megatron_fsdp_main_grads_dtype)

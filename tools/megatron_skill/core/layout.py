@@ -229,6 +229,8 @@ RULES = {
     "moe_flex_needs_te": "the flex dispatcher (DeepEP / HybridEP) runs with Transformer Engine's MoE layers",
     "fp8_param_gather_needs_te_fp8": "gathering FP8 weights (fp8_param_gather) needs precision fp8 on Transformer "
                                      "Engine's layers, with the distributed optimizer or Megatron-FSDP",
+    "fsdp_needs_te": "Megatron-FSDP runs with Transformer Engine's layers (its adapter asserts Transformer Engine "
+                     "2.10 or newer)",
     # What the skill's CPU loop (runtime/cpu_loop.py) cannot run: it has TP, plain pipeline stages
     # and DP over gloo, and nothing that allocates on a CUDA device. Checked with cpu_loop=True.
     "cpu_loop_vp": "the CPU loop runs plain pipeline stages, not virtual ones: set vp 1, or train on GPUs",
@@ -301,6 +303,8 @@ def options_rules(lay: Layout, megatron: MegatronOptions, te: bool) -> Iterator[
     if megatron.fp8_param_gather and not (te and lay.precision == "fp8"
                                           and (lay.distributed_optimizer or megatron.fsdp)):
         yield "fp8_param_gather_needs_te_fp8"
+    if megatron.fsdp and not te:
+        yield "fsdp_needs_te"
 
 
 def pipeline_rules(lay: Layout, model: ModelConfig) -> Iterator[str]:

@@ -423,9 +423,10 @@ def stage_memory(model: ModelConfig, lay: Layout, rank: int, padded_vocab: int,
     step_transient = opts.adam_temp_bytes * shard_params
     if opts.local_clip:
         # the largest gradient of the rank (the embedding's or the output layer's where it lives
-        # here, else a layer's largest matrix), its optimizer shard, scaled into a temporary
+        # here, else a layer's largest matrix), its optimizer shard, scaled into a temporary; the
+        # clipping is done, its temporaries freed, before Adam's step allocates its own
         largest = max(padded_vocab * h / lay.tp if first or last else 0.0, _largest_layer_matrix(model, lay.tp, lay.etp))
-        step_transient += FP32 * min(largest, shard_params)
+        step_transient = max(step_transient, FP32 * min(largest, shard_params))
     groups = sum(x > 1 for x in (lay.tp, lay.pp, lay.cp, lay.dp, lay.ep))
     dynamic = max(activations + logits + transient, step_transient)
     allowance = (CONTEXT_GIB + NCCL_GIB_PER_GROUP * groups) * GIB + FRAGMENTATION * dynamic

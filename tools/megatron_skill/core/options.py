@@ -62,7 +62,7 @@ class RuntimeOptions:
                              moe_routed_factor=self.moe.routed_factor(),
                              router_score_bytes=self.moe.router_score_bytes(),
                              adam_temp_bytes=0 if self.te or self.fused_adam else FP32, local_clip=not self.te,
-                             grad_bytes=BF16 if self.megatron.grad_reduce_in_bf16 else FP32,
+                             grad_bytes=BF16 if self.megatron.bf16_grads else FP32,
                              fp8_params=self.megatron.fp8_param_gather and self.te and lay.precision == "fp8",
                              fsdp_params=self.megatron.fsdp,
                              fused_cross_entropy=self.megatron.cross_entropy_fusion and not self.fused_head)

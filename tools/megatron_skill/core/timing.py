@@ -419,7 +419,7 @@ def step_time(model: ModelConfig, lay: Layout, gpu: GPUSpec, padded_vocab: int, 
     # apart, an expert-data-parallel group's expert-TP x EP apart; how many share a domain.
     dp_fast = node // lay.tp
     edp_fast = node // (lay.etp * lay.ep)
-    grad = BF16 if megatron.grad_reduce_in_bf16 else FP32
+    grad = BF16 if megatron.bf16_grads else FP32
     weight = FP8 if megatron.fp8_param_gather and te and lay.precision == "fp8" else BF16
     if lay.distributed_optimizer or megatron.fsdp:
         rs = rates.collective(grad * dense_local, dp_group, dp_fast, "ag") + \

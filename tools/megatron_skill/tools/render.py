@@ -116,6 +116,7 @@ def _needs_te(lay: Layout, model, gpu) -> str:
 def _layout_from_request(req: dict, model, gpu, n_gpus: int, seq: int, gbs: int) -> tuple[Layout, Any]:
     opts = RuntimeOptions.from_request(req.get("runtime"), te=req["transformer_engine"], moe=req.get("moe"),
                                        megatron=req.get("megatron_options"))
+    opts.megatron.check_request((req.get("layout") or {}).get("precision") or req["precision"], opts.te)
     if req.get("layout"):
         fields = {k: v for k, v in req["layout"].items() if k in {f.name for f in dataclasses.fields(Layout)}}
         fields.update(seq_length=seq, gbs=gbs)
