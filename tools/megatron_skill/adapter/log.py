@@ -427,8 +427,9 @@ def summarize(parsed: dict[str, Any], seq_length: int | None = None, peak_tflops
     if parsed["memory"]:
         out["max_allocated_gib"] = round(max(m["max_allocated_mb"] for m in parsed["memory"].values()) / 1024, 2)
         out["max_reserved_gib"] = round(max(m["max_reserved_mb"] for m in parsed["memory"].values()) / 1024, 2)
-    out["nan_iterations"] = int(max((r.get("nan", 0) for r in its), default=0))
-    out["skipped_iterations"] = int(max((r.get("skipped", 0) for r in its), default=0))
+    # counts: a damaged line's inf or nan (1e999 parses as inf) counts for nothing
+    out["nan_iterations"] = int(max((v for r in its if math.isfinite(v := r.get("nan", 0))), default=0))
+    out["skipped_iterations"] = int(max((v for r in its if math.isfinite(v := r.get("skipped", 0))), default=0))
     anomalies = []
     vals = [loss for _, loss in losses]
     for k in range(3, len(vals)):
