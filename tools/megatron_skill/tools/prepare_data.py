@@ -295,7 +295,7 @@ def _check(req: dict) -> Path:
         guarded.regular_file(p, f"/input/{i}", "input file")
     raw = req["output_prefix"]
     prefix = Path(raw)
-    if raw.endswith(("/", "/.", "/..")) or prefix.name in ("", ".", "..") or prefix.is_dir():
+    if raw.endswith(("/", "/.", "/..")) or prefix.name in ("", ".", "..") or guarded.kind_of(prefix) == "folder":
         raise ToolError("bad_request", f"output_prefix {raw!r} names a folder, not a file prefix",
                         where="/output_prefix", fix=f"add a file name: {raw.rstrip('/') or '.'}/corpus writes "
                         "corpus.bin, corpus.idx and corpus.json there")
@@ -308,7 +308,11 @@ def _check(req: dict) -> Path:
     if workers is not None and workers > (os.cpu_count() or 1):
         raise ToolError("bad_request", f"workers {workers} is more than the {os.cpu_count()} CPUs here",
                         where="/workers", fix=f"give at most {os.cpu_count()}, or leave it out")
-    return prefix.resolve()
+    try:
+        return prefix.resolve()
+    except (OSError, RuntimeError):  # a symbolic link loop (RuntimeError before Python 3.13)
+        raise ToolError("bad_request", f"output_prefix {raw!r} is a symbolic link that loops", where="/output_prefix",
+                        fix="give a prefix that is no symbolic link, or one that leads somewhere") from None
 
 
 def _file_facts(files: dict[str, Path]) -> dict[str, Any]:
