@@ -335,14 +335,18 @@ def from_hf_config(path: str | Path) -> ModelConfig:
     readers = {"llama": _hf_llama, "mistral": _hf_llama, "mixtral": _hf_llama, "qwen2": _hf_llama,
                "qwen3": _hf_llama, "qwen2_moe": _hf_llama, "qwen3_moe": _hf_llama,
                "deepseek_v3": _hf_deepseek, "deepseek_v2": _hf_deepseek}
-    if mtype not in readers:
-        raise ToolError("bad_model", f"model_type {mtype!r} is not supported", where=f"{where}.model_type",
+    if not isinstance(mtype, str) or mtype not in readers:
+        raise ToolError("bad_model", f"model_type {str(mtype)[:80]!r} is not supported", where=f"{where}.model_type",
                         fix=f"supported: {sorted(readers)}; or give the model as field values")
+    check_hf_counts(cfg, where)
     try:
         fields = readers[mtype](cfg)
     except KeyError as e:
         raise ToolError("bad_model", f"config.json of model_type {mtype!r} lacks {e.args[0]!r}",
                         where=f"{where}.{e.args[0]}", fix="give a complete Hugging Face config.json") from None
+    except (TypeError, ValueError, ZeroDivisionError, OverflowError) as e:  # a field of the wrong type elsewhere
+        raise ToolError("bad_model", f"config.json of model_type {mtype!r} holds a value that cannot be read: {e}",
+                        where=where, fix="give the Hugging Face config.json as transformers writes it") from None
     # What the config says it is; a folder's name is often a cache hash (snapshots/3f2a...).
     archs = cfg.get("architectures")
     name = (str(cfg.get("_name_or_path") or "").rstrip("/").rsplit("/", 1)[-1]
@@ -362,7 +366,7 @@ def _hf_llama(cfg: dict) -> dict:
         "num_query_groups": cfg.get("num_key_value_heads") or heads,
         "kv_channels": cfg.get("head_dim") or cfg["hidden_size"] // heads,
         "vocab_size": cfg["vocab_size"],
-        "max_position_embeddings": cfg.get("max_position_embeddings", 4096),
+        "max_position_embeddings": cfg.get("max_position_embeddings") or 4096,
         "rotary_base": rope_theta(cfg),
         "rope_scaling_factor": llama3_rope_factor(cfg),
         "untie_embeddings_and_output_weights": not cfg.get("tie_word_embeddings", False),
@@ -386,6 +390,25 @@ def _hf_llama(cfg: dict) -> dict:
         if cfg.get("shared_expert_intermediate_size"):
             fields["moe_shared_expert_intermediate_size"] = cfg["shared_expert_intermediate_size"]
     return fields
+
+
+# The counts a Hugging Face config gives, and the most each may be (those of the model's own fields).
+HF_COUNTS = {"num_hidden_layers": 4096, "hidden_size": 1048576, "intermediate_size": 4194304,
+             "num_attention_heads": 16384, "num_key_value_heads": 16384, "head_dim": 65536, "vocab_size": 16777216,
+             "max_position_embeddings": 16777216, "num_local_experts": 65536, "num_experts": 65536,
+             "num_experts_per_tok": 1024, "moe_intermediate_size": 4194304, "decoder_sparse_step": 4096,
+             "shared_expert_intermediate_size": 4194304}
+
+
+def check_hf_counts(cfg: dict, where: str) -> None:
+    """Each count the readers compute with is absent, null or a whole number in its range: a
+    string, a list, 0 or 1e30 would otherwise fail inside the arithmetic or make a huge list."""
+    for key, most in HF_COUNTS.items():
+        value = cfg.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most):
+            raise ToolError("bad_model", f"config.json's {key} must be a whole number from 1 to {most}, got "
+                            f"{str(value)[:80]}", where=f"{where}.{key}",
+                            fix="give the Hugging Face config.json as transformers writes it")
 
 
 def check_rope_fields(cfg: dict, where: str) -> None:
@@ -443,7 +466,7 @@ def _hf_deepseek(cfg: dict) -> dict:
         "ffn_hidden_size": cfg["intermediate_size"],
         "num_attention_heads": cfg["num_attention_heads"],
         "vocab_size": cfg["vocab_size"],
-        "max_position_embeddings": cfg.get("max_position_embeddings", 4096),
+        "max_position_embeddings": cfg.get("max_position_embeddings") or 4096,
         "rotary_base": rope_theta(cfg),
         "untie_embeddings_and_output_weights": not cfg.get("tie_word_embeddings", False),
         "multi_latent_attention": True,
