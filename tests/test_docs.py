@@ -269,18 +269,19 @@ def _prose_sentences():
         for para in re.split(r"\n\s*\n", text):
             for sentence in re.split(r"(?<=[.;])\s+(?=[A-Z(`*-])", " ".join(para.split())):
                 out.append((doc.name, sentence))
+    def walk(name, node, path):
+        if isinstance(node, dict):
+            for k, v in node.items():
+                if k == "description" and isinstance(v, str):
+                    out.append((f"{name}{path}", v))
+                else:
+                    walk(name, v, f"{path}/{k}")
+        elif isinstance(node, list):
+            for i, v in enumerate(node):
+                walk(name, v, f"{path}/{i}")
+
     for schema in sorted((ROOT / "schemas").glob("*.json")):
-        def walk(node, path):
-            if isinstance(node, dict):
-                for k, v in node.items():
-                    if k == "description" and isinstance(v, str):
-                        out.append((f"{schema.name}{path}", v))
-                    else:
-                        walk(v, f"{path}/{k}")
-            elif isinstance(node, list):
-                for i, v in enumerate(node):
-                    walk(v, f"{path}/{i}")
-        walk(json.loads(schema.read_text()), "")
+        walk(schema.name, json.loads(schema.read_text()), "")
     return out
 
 

@@ -122,8 +122,10 @@ def test_layout_strings_megatron_refuses_break_the_rule_book():
 
 
 def test_a_layout_string_is_rendered_and_read_back(tmp_path):
+    # NVIDIA's run of this layout, with the memory options its recipe set (published_runs.json)
     req = {"model": "deepseek-v3", "gpu": "h100-sxm", "num_gpus": 1024, "seq_length": 4096, "global_batch_size": 8192,
            "precision": "fp8", "launcher": "slurm", "output_dir": str(tmp_path),
+           "megatron_options": {"grad_reduce_in_bf16": True, "fp8_param_gather": True, "cross_entropy_fusion": True},
            "layout": {"tp": 2, "pp": 8, "vp": 4, "ep": 64, "mbs": 1, "recompute": "selective",
                       "pipeline_split": "layout", "pipeline_layout": "Et|(tt|)*30mL"}}
     out = call("render", req)
