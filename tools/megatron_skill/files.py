@@ -9,7 +9,9 @@ this module, which answers each of these with one ToolError that says which path
   JSON strictly (no NaN or Infinity);
 - open_stream: a regular file opened for reading in pieces (large inputs such as JSONL);
 - regular_file / folder: what exists, checked without reading it;
-- output_folder: a folder to write into, which need not exist yet but must be makeable.
+- output_folder: a folder to write into, which need not exist yet but must be makeable;
+- read_regular / read_tail: the same regular-file reading for callers that answer its OSError
+  with their own error (an event's ledger, a secret file, a growing log).
 
 The files the tools leave behind (a checkpoint tracker, records of runs and conversions) are
 read by read_record and read_tracker, which answer None for anything that is not such a record
@@ -105,26 +107,68 @@ def _not_regular(shown: str, where: str, what: str) -> ToolError:
 
 
 # ---- reading --------------------------------------------------------------------------
-def _open_regular(path: str | Path, where: str, what: str) -> int:
-    """A descriptor of path opened for reading, once it is known to be a regular file. The open
-    itself never waits: O_NONBLOCK makes a FIFO's open return at once (and is then cleared)."""
-    check_names(path, where)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as e:
-        raise os_error(e, path, where, what) from None
+class NotRegular(OSError):
+    """The path is there but is no regular file (a folder, a FIFO, a device, a socket)."""
+
+    def __init__(self, path: str | Path, is_dir: bool):
+        super().__init__(f"{path} is {'a folder' if is_dir else 'not a regular file'}")
+        self.is_dir = is_dir
+
+
+class TooLarge(OSError):
+    """The file is larger than the reader accepts."""
+
+
+def regular_fd(path: str | Path) -> int:
+    """A descriptor of path opened for reading, once it is known to be a regular file; OSError
+    (NotRegular for anything else) otherwise. The open itself never waits: O_NONBLOCK makes a
+    FIFO's open return at once (and is then cleared)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
         mode = os.fstat(fd).st_mode
-        if stat.S_ISDIR(mode):
-            raise ToolError("bad_request", f"{_short(os.fspath(path), 200)} is a folder, not a {what}", where=where,
-                            fix=f"give the path of the {what} itself")
         if not stat.S_ISREG(mode):
-            raise _not_regular(_short(os.fspath(path), 200), where, what)
+            raise NotRegular(path, stat.S_ISDIR(mode))
         os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)
         raise
     return fd
+
+
+def read_regular(path: str | Path, limit: int) -> bytes:
+    """The bytes of a regular file of at most limit bytes; OSError (TooLarge, NotRegular,
+    FileNotFoundError, ...) otherwise."""
+    with os.fdopen(regular_fd(path), "rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise TooLarge(f"{path} is larger than {limit} bytes")
+    return data
+
+
+def read_tail(path: str | Path, nbytes: int) -> bytes:
+    """The last nbytes of a regular file of any size (a growing log); OSError otherwise."""
+    fd = regular_fd(path)
+    try:
+        size = os.lseek(fd, 0, os.SEEK_END)
+        os.lseek(fd, max(0, size - nbytes), os.SEEK_SET)
+        return os.read(fd, nbytes)
+    finally:
+        os.close(fd)
+
+
+def _open_regular(path: str | Path, where: str, what: str) -> int:
+    """regular_fd, its refusals as the ToolError that says what to do."""
+    check_names(path, where)
+    try:
+        return regular_fd(path)
+    except NotRegular as e:
+        shown = _short(os.fspath(path), 200)
+        if e.is_dir:
+            raise ToolError("bad_request", f"{shown} is a folder, not a {what}", where=where,
+                            fix=f"give the path of the {what} itself") from None
+        raise _not_regular(shown, where, what) from None
+    except OSError as e:
+        raise os_error(e, path, where, what) from None
 
 
 def open_stream(path: str | Path, where: str, what: str = "file") -> BinaryIO:

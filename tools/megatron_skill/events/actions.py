@@ -24,8 +24,8 @@ from typing import Any
 
 from ..contract import ROOT, Context, invoke
 from ..errors import ToolError
+from ..files import read_regular
 from ..runs import latest_checkpoint
-from .files import read_bounded
 
 LAUNCH = ROOT / "tools" / "launch.py"
 ACTION_OF = {"node_failure": "resume", "nccl_timeout": "resume", "nccl_error": "resume", "killed": "resume",
@@ -71,7 +71,7 @@ class Run:
 
 def _json(path: Path) -> dict[str, Any] | None:
     try:
-        value = json.loads(read_bounded(path, MAX_RECORD_BYTES))
+        value = json.loads(read_regular(path, MAX_RECORD_BYTES))
     except (OSError, ValueError, RecursionError):
         return None
     return value if isinstance(value, dict) else None

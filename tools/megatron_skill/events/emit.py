@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from ..adapter import log as megatron_log
+from ..files import read_tail
 from . import event as ev
-from .files import read_tail
 
 RECORD = "events.jsonl"  # in the run directory: every event the run's emitters made, one per line
 TAIL_LINES = 20

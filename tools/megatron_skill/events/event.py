@@ -15,7 +15,7 @@ import os
 import uuid
 from typing import Any
 
-from .files import read_bounded
+from ..files import read_regular
 
 SECRET_ENV = "MEGATRON_SKILL_EVENTS_SECRET"
 SECRET_FILE_ENV = "MEGATRON_SKILL_EVENTS_SECRET_FILE"
@@ -93,7 +93,7 @@ def load_secret(env: dict[str, str] | None = None) -> bytes | None:
     if not name:
         return None
     try:
-        text = read_bounded(name, MAX_SECRET_BYTES).decode("utf-8", errors="strict")
+        text = read_regular(name, MAX_SECRET_BYTES).decode("utf-8", errors="strict")
     except (OSError, UnicodeDecodeError) as e:
         raise SecretFileError(f"{SECRET_FILE_ENV} ({name}): {getattr(e, 'strerror', None) or e}") from None
     line = text.splitlines()[0].strip() if text.strip() else ""

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ToolError
+from ..files import read_regular
 from ..locks import Busy, FileLock, write_atomic
-from .files import read_bounded
 
 KEEP_EVENTS = 2000  # event ids remembered per run; older ones go (a replay that old is stale anyway)
 LOCK_WAIT_S = 30.0
@@ -82,7 +82,7 @@ class Ledger:
 
     def read(self) -> "Ledger":
         try:
-            raw = read_bounded(self.path, MAX_BYTES)
+            raw = read_regular(self.path, MAX_BYTES)
         except FileNotFoundError:
             return self
         except OSError as e:

@@ -16,11 +16,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .. import files
 from ..contract import Context, Tool, check_values, parse_json, validator
 from ..errors import ToolError
 from ..events import actions
 from ..events import event as ev
-from ..events.files import TooLarge, read_bounded
 from ..events.ledger import RELAUNCHING, Ledger
 from ..runs import RunLock
 
@@ -31,18 +31,7 @@ CLOCK_SKEW_S = 300  # an event may come from a host whose clock runs this far ah
 def _read_event_file(path: Path) -> str:
     """The event file's text: a regular file of at most MAX_FILE_BYTES (a FIFO or a device is
     refused without waiting on it), UTF-8 with anything else replaced."""
-    try:
-        raw = read_bounded(path, MAX_FILE_BYTES)
-    except FileNotFoundError:
-        raise ToolError("not_found", f"no file {path}", where="/event_file",
-                        fix="give the file the event was saved to") from None
-    except TooLarge:
-        raise ToolError("bad_request", f"{path} is larger than {MAX_FILE_BYTES // 1024} KiB: no event is",
-                        where="/event_file", fix="give the event alone (the emitters keep one under 32 KiB)") from None
-    except OSError as e:
-        raise ToolError("bad_request", f"cannot read {path}: {e.strerror or e}", where="/event_file",
-                        fix="save the event to a regular file and give that") from None
-    return raw.decode("utf-8", errors="replace")
+    return files.read_bytes(path, "/event_file", "event file", MAX_FILE_BYTES).decode("utf-8", errors="replace")
 
 
 def _load(req: dict) -> tuple[dict[str, Any], str]:
