@@ -2,11 +2,18 @@
 """A GPU's calibration entry from what benchmarks/calibrate_card.sh measured on it, with the
 leave-one-out check of every fitted figure.
 
-    python benchmarks/fit_calibration.py RESULTS_DIR [--store]
+    python benchmarks/fit_calibration.py RESULTS_DIR [RESULTS_DIR ...] [--store]
 
-RESULTS_DIR holds calibrate.json (bench --calibrate) and levers/*.json (bench results with a
-kernel profile of one iteration). What comes from where:
-- gemm_bf16, gemm_fp8, hbm, attention_tflops: the kernel rates bench --calibrate measured;
+Each RESULTS_DIR (one lease of one GPU type) holds calibrate.json (bench --calibrate) and
+levers/*.json (bench results with a kernel profile of one iteration). Several leases are pooled:
+a single lease's three fitted figures trade off against each other (two H100 leases of the same
+requests gave element-wise 1.78 vs 1.51 for the same fit), their pool is steadier. What comes
+from where:
+- gemm_bf16, gemm_fp8, hbm, attention_tflops: the kernel rates bench --calibrate measured (the
+  median over leases);
+- gemm_local_bf16, gemm_local_fp8: the profile's GEMM kernel time against the model's GEMMs at
+  the measured square-GEMM rate (median over runs of each precision; an FP8 run's output layer
+  stays BF16 and is charged at the BF16 share);
 - elementwise_local_factor: the profile's element-wise, copy and norm kernel time of the BF16
   runs, less the loss and gradient-accumulation kernels the model charges apart, over the
   model's fused byte count at the calibrated HBM rate (median over runs);
@@ -16,7 +23,8 @@ kernel profile of one iteration). What comes from where:
   host launches), per layer and micro-batch, less the per-micro-batch share the catalog keeps
   (median): the local layers launch a few dozen kernels a layer.
 Each run is then predicted twice: with every run in the fit (in-sample) and with the figures
-fitted without it (leave-one-out: the error to quote). --store writes the entry into
+fitted without any run of its request and precision, in any lease (leave-one-shape-out: the
+error to quote; leaving out one run only would keep its twin from the other lease in the fit). --store writes the entry into
 catalog/calibration.json for the GPU the results name, with its sources.
 """
 from __future__ import annotations
@@ -40,7 +48,7 @@ from megatron_skill.core.resolve import resolve_model  # noqa: E402
 REQUESTS = ROOT / "benchmarks" / "requests"
 SHAPES = {"llama-1b-shape": "llama-1b-shape-bf16.json", "llama-3b-shape": "llama-3b-shape-bf16.json",
           "Qwen2ForCausalLM": "qwen2.5-1.5b-shape-bf16.json"}  # an hf_config model is named by its class
-FITTED = ("elementwise_local_factor", "fp8_cast_factor", "layer_overhead_local_ms")
+FITTED = ("gemm_local_bf16", "gemm_local_fp8", "elementwise_local_factor", "fp8_cast_factor", "layer_overhead_local_ms")
 # Before the fused head's rule became memory-based (core.memory.fused_head_runs), it took only
 # micro-batches of more than two 4096-token chunks; results without "output_head" ran that rule.
 OLD_FUSED_HEAD_MIN_TOKENS = 2 * 4096
@@ -92,6 +100,22 @@ def _other_kernels_ms(run: dict) -> float:
 def fit(runs: list[dict], base: dict) -> dict:
     """The fitted figures from these runs (each needs a profile), on top of the kernel rates."""
     out = {}
+    bf16 = [r for r in runs if not r["fp8"]]
+    # BF16 runs: every GEMM scales as 1 / share
+    out["gemm_local_bf16"] = round(statistics.median(
+        _predict(r, base, gemm_local_bf16=1.0).time.gemm / (r["profile"]["by_family"]["gemm"]["ms"] / 1e3)
+        for r in bf16), 3)
+    shares = []
+    for r in (r for r in runs if r["fp8"]):
+        # FP8 runs: the layers' GEMMs scale as 1 / share, the BF16 output layer does not:
+        # time(share) = a / share + b, two predictions give a and b
+        at1 = _predict(r, base, gemm_local_bf16=out["gemm_local_bf16"], gemm_local_fp8=1.0).time.gemm
+        at2 = _predict(r, base, gemm_local_bf16=out["gemm_local_bf16"], gemm_local_fp8=2.0).time.gemm
+        a, b = 2 * (at1 - at2), 2 * at2 - at1
+        shares.append(a / (r["profile"]["by_family"]["gemm"]["ms"] / 1e3 - b))
+    if shares:
+        out["gemm_local_fp8"] = round(statistics.median(shares), 3)
+    base = {**base, **out}
     factors = []
     for r in (r for r in runs if not r["fp8"]):
         unit = _predict(r, base, elementwise_local_factor=1.0, fp8_cast_factor=0.0).time
@@ -113,48 +137,70 @@ def fit(runs: list[dict], base: dict) -> dict:
     return out
 
 
+def pooled_rates(calibs: list[dict]) -> dict:
+    """The kernel rates of several leases: the median of each (of each attention shape)."""
+    entries = [c["catalog_entry"] for c in calibs]
+    out = {}
+    for key in entries[0]:
+        if isinstance(entries[0][key], dict):
+            shapes = {s for e in entries for s in e.get(key, {})}
+            out[key] = {s: round(statistics.median(e[key][s] for e in entries if s in e.get(key, {})), 1)
+                        for s in sorted(shapes)}
+        else:
+            out[key] = round(statistics.median(e[key] for e in entries if key in e), 2)
+    return out
+
+
 def main() -> int:
-    args = [a for a in sys.argv[1:] if not a.startswith("--")]
-    if not args:
+    dirs = [Path(a) for a in sys.argv[1:] if not a.startswith("--")]
+    if not dirs:
         print(__doc__, file=sys.stderr)
         return 2
-    results = Path(args[0])
-    calib = json.loads((results / "calibrate.json").read_text())["result"]
-    runs = [r for r in load_runs(results) if r["profile"]]
-    gpu = runs[0]["gpu"].key
+    calibs = [json.loads((d / "calibrate.json").read_text())["result"] for d in dirs]
+    runs = [dict(r, lease=d.name) for d in dirs for r in load_runs(d) if r["profile"]]
+    gpus = {r["gpu"].key for r in runs}
+    if len(gpus) != 1:
+        print(f"the results name {len(gpus)} GPU types ({', '.join(sorted(gpus))}): fit one at a time", file=sys.stderr)
+        return 2
+    gpu = gpus.pop()
     defaults = json.loads((CATALOG_DIR / "calibration.json").read_text())["default"]
-    base = {**defaults, **calib["catalog_entry"]}
+    rates = pooled_rates(calibs)
+    base = {**defaults, **rates}
     fitted = fit(runs, base)
-    entry = {**calib["catalog_entry"], **fitted}
+    entry = {**rates, **fitted}
     print(f"## {gpu}: {json.dumps(entry)}\n")
-    print("| run | layout | measured tokens/s | predicted (in-sample) | error | predicted (leave-one-out) | error |")
-    print("|---|---|---|---|---|---|---|")
+    print("| lease | run | layout | measured tokens/s | predicted (in-sample) | error | "
+          "predicted (leave-one-shape-out) | error |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in runs:
         pin = _predict(r, {**base, **fitted}).tokens_per_s
-        others = [o for o in runs if o is not r]
+        others = [o for o in runs if o["name"] != r["name"]]
         if any(o["fp8"] == r["fp8"] for o in others) and any(not o["fp8"] for o in others):
             ploo = _predict(r, {**base, **fit(others, base)}).tokens_per_s
             loo = f"{ploo:,.0f} | {error_pct(ploo, r['tokens_per_s']):+.1f} %"
         else:   # no other run of its kind to fit without it: no leave-one-out figure
             loo = "n/a | n/a"
-        print(f"| {r['name']} | {r['lay'].label()} | {r['tokens_per_s']:,} | {pin:,.0f} | "
+        print(f"| {r['lease']} | {r['name']} | {r['lay'].label()} | {r['tokens_per_s']:,} | {pin:,.0f} | "
               f"{error_pct(pin, r['tokens_per_s']):+.1f} % | {loo} |")
     if "--store" in sys.argv:
-        store(gpu, entry, calib)
+        store(gpu, entry, calibs, dirs)
     return 0
 
 
-def store(gpu: str, entry: dict, calib: dict) -> None:
+def store(gpu: str, entry: dict, calibs: list[dict], dirs: list[Path]) -> None:
     path = CATALOG_DIR / "calibration.json"
     data = json.loads(path.read_text())
     cur = data["gpus"].setdefault(gpu, {})
     cur.update(entry)
-    measured = calib["calibration"]
-    cur["status"] = (f"measured on one {measured['gpu']} ({measured['date']}): gemm_bf16, gemm_fp8, hbm and "
-                     f"attention_tflops by 'bench --calibrate'; {', '.join(FITTED)} fitted to kernel profiles of "
-                     f"the planner's first layouts of the single-GPU benchmark requests (benchmarks/calibrate_card.sh, "
-                     f"benchmarks/fit_calibration.py; leave-one-out errors in references/benchmarks.md). The rest "
-                     f"from 'default'")
+    cards = sorted({c["calibration"]["gpu"] for c in calibs})
+    dates = sorted({c["calibration"]["date"] for c in calibs})
+    folders = " ".join(f"references/results/{d.parent.name}/{d.name}" for d in dirs)
+    cur["status"] = (f"measured on {len(calibs)} lease(s) of one {', '.join(cards)} ({', '.join(dates)}): gemm_bf16, "
+                     f"gemm_fp8, hbm and attention_tflops by 'bench --calibrate' (median over leases); "
+                     f"{', '.join(FITTED)} fitted to kernel profiles of the planner's first layouts of the "
+                     f"single-GPU benchmark requests (benchmarks/calibrate_card.sh; python "
+                     f"benchmarks/fit_calibration.py {folders}; leave-one-shape-out errors in "
+                     f"references/benchmarks.md). The rest from 'default'")
     path.write_text(json.dumps(data, indent=2) + "\n")
 
 

@@ -27,7 +27,8 @@ from megatron_skill.core.options import RuntimeOptions  # noqa: E402
 from megatron_skill.core.planner import error_pct, predict, rank  # noqa: E402
 from megatron_skill.core.resolve import resolve_model  # noqa: E402
 
-SHAPES = {"llama-1b-shape": "llama-1b-shape-bf16.json", "llama-3b-shape": "llama-3b-shape-bf16.json"}
+SHAPES = {"llama-1b-shape": "llama-1b-shape-bf16.json", "llama-3b-shape": "llama-3b-shape-bf16.json",
+          "Qwen2ForCausalLM": "qwen2.5-1.5b-shape-bf16.json"}  # an hf_config model is named by its class
 CATALOG = {"llama3-8b": "llama3-8b", "mixtral-8x7b": "mixtral-8x7b"}
 
 
@@ -50,7 +51,8 @@ def load(path: Path) -> dict | None:
 def model_of(res: dict):
     name = res["model"]["name"]
     if name in SHAPES:
-        return resolve_model(json.loads((ROOT / "benchmarks" / "requests" / SHAPES[name]).read_text()))
+        req = json.loads((ROOT / "benchmarks" / "requests" / SHAPES[name]).read_text())
+        return resolve_model({k: v for k, v in req.items() if k in ("model", "hf_config")})
     return resolve_model({"model": CATALOG[name]})
 
 

@@ -16,6 +16,7 @@ from megatron_skill.core.memory import GIB, fused_head_runs, memory_report, peak
 from megatron_skill.core.options import RuntimeOptions
 from megatron_skill.core.planner import predict, search
 from megatron_skill.core.resolve import resolve_model
+from megatron_skill.core import timing
 from megatron_skill.core.timing import MEGATRON_LOSS_BYTES_PER_LOGIT, calibration
 
 H100 = get_gpu("h100-sxm")
@@ -82,15 +83,36 @@ def test_the_h100_calibration_is_the_fit_of_its_stored_measurements():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import fit_calibration
 
-    results = ROOT / "references" / "results" / "h100-2026-12-06" / "calibration"
-    calib = json.loads((results / "calibrate.json").read_text())["result"]
-    runs = [r for r in fit_calibration.load_runs(results) if r["profile"]]
-    assert len(runs) == 5
+    leases = [ROOT / "references" / "results" / "h100-2026-12-06" / name for name in ("calibration", "calibration-2")]
+    calibs = [json.loads((d / "calibrate.json").read_text())["result"] for d in leases]
+    runs = [r for d in leases for r in fit_calibration.load_runs(d) if r["profile"]]
+    assert len(runs) == 10
     defaults = json.loads((ROOT / "tools" / "megatron_skill" / "core" / "catalog" / "calibration.json").read_text())
-    fitted = fit_calibration.fit(runs, {**defaults["default"], **calib["catalog_entry"]})
+    rates = fit_calibration.pooled_rates(calibs)
+    fitted = fit_calibration.fit(runs, {**defaults["default"], **rates})
     entry = defaults["gpus"]["h100-sxm"]
+    assert set(fitted) == set(fit_calibration.FITTED)
     assert {k: entry[k] for k in fitted} == fitted, "re-fit: python benchmarks/fit_calibration.py ... --store"
-    assert {k: entry[k] for k in calib["catalog_entry"]} == calib["catalog_entry"]
+    assert {k: entry[k] for k in rates} == rates
+
+
+def test_the_local_gemm_share_scales_only_the_local_layers_gemms():
+    gpu = get_gpu("h100-sxm")
+    model = resolve_model({"model": "llama3-8b"})
+    lay = Layout(tp=1, pp=1, dp=1, mbs=1, gbs=8, seq_length=4096)
+    cal = calibration("h100-sxm")
+    saved = dict(cal)
+    try:
+        local = timing.step_time(model, lay, gpu, 128256, te=False).gemm
+        te = timing.step_time(model, lay, gpu, 128256, te=True).gemm
+        cal["gemm_local_bf16"] = saved["gemm_local_bf16"] / 2
+        timing.clear_caches_keep_calibration()
+        assert timing.step_time(model, lay, gpu, 128256, te=False).gemm == pytest.approx(2 * local)
+        assert timing.step_time(model, lay, gpu, 128256, te=True).gemm == pytest.approx(te)
+    finally:
+        cal.clear()
+        cal.update(saved)
+        timing.clear_caches_keep_calibration()
 
 
 def test_the_fused_adam_hook_steps_torchs_fused_kernel_like_the_multi_tensor_one():

@@ -83,9 +83,11 @@ class _Rates:
         self.cal = cal
         fp8 = precision == "fp8" and gpu.fp8_dense_tflops
         peak = (gpu.fp8_dense_tflops if fp8 else gpu.bf16_dense_tflops) * 1e12
-        # The kernel rate bench --calibrate measures on one GPU; inside a multi-GPU run on TE's
-        # layers the GEMMs reach a fitted share of it (gemm_te_fraction, fitted to published runs).
-        self.gemm_rate = peak * (cal["gemm_fp8"] if fp8 else cal["gemm_bf16"]) * (cal["gemm_te_fraction"] if te else 1.0)
+        # The kernel rate bench --calibrate measures on one GPU (a square GEMM); the GEMMs of a
+        # model reach a fitted share of it: inside a multi-GPU run on TE's layers gemm_te_fraction
+        # (fitted to published runs), on the skill's local layers gemm_local_* (kernel profiles).
+        share = cal["gemm_te_fraction"] if te else cal["gemm_local_fp8" if fp8 else "gemm_local_bf16"]
+        self.gemm_rate = peak * (cal["gemm_fp8"] if fp8 else cal["gemm_bf16"]) * share
         self.attn_rate = gpu.bf16_dense_tflops * 1e12 * (cal["attention_te"] if te else cal["attention"])
         self.attn_measured = {} if te else cal.get("attention_tflops", {})
         self.hbm = gpu.hbm_gbps * 1e9 * cal["hbm"]
