@@ -313,3 +313,48 @@ def test_a_zero_millisecond_iteration_has_no_rate_and_raises_nothing(tmp_path):
     log = tmp_path / "zero.log"
     log.write_text("\n".join(lines) + "\n")
     assert call("logs", {"log": str(log)})["ok"]
+
+
+STOCK = Path(__file__).parent / "fixtures" / "logs" / "stock-3b-h200-local-unfused.log"
+
+
+def test_why_slow_on_a_stock_local_run():
+    """A stock run of the 3B shape on one H200 at about 9.1k tokens/s: local layers, unfused
+    attention, no fusions. The planner's prediction for the same arguments sits beside the
+    measured speed, and the levers come biggest first: the skill's fused paths, TE and fused
+    attention far ahead, each lifting the run to the planner's 22-25k; micro-batch 2 does not fit
+    beside the unfused scores."""
+    r = call("logs", {"log": str(STOCK), "gpu": "h200"})["result"]
+    slow = r["why_slow"]
+    assert 9000 < slow["measured_tokens_per_s"] < 9200
+    assert slow["as_run"]["attention"] == "unfused" and not slow["as_run"]["transformer_engine"]
+    assert not any(slow["as_run"]["skill_paths"].values())
+    assert slow["as_run"]["attention_extra_ms"] > 0 and "attributed" in slow
+    levers = slow["levers"]
+    gains = [lv["gain_pct"] for lv in levers]
+    assert gains == sorted(gains, reverse=True) and len(levers) >= 3
+    top3 = " | ".join(lv["lever"] for lv in levers[:3])
+    assert "skill's fused paths" in top3 and "Transformer Engine" in top3 and "fused attention" in top3
+    for lv in levers[:3]:
+        assert 20000 < lv["tokens_per_s"] < 27000 and lv["gain_pct"] > 100, lv
+    assert "--no-create-attention-mask-in-dataloader" in levers[0]["fix"]
+    assert any("micro-batch 2" in n["lever"] and "139.8 GiB" in n["why"] for n in slow["not_levers"])
+    assert any(h.startswith("slow: ") for h in r["hints"][:3])
+
+
+def test_why_slow_needs_the_gpu_and_names_a_masked_sdpa_run(tmp_path):
+    assert "skipped" in call("logs", {"log": str(STOCK)})["result"]["why_slow"]
+    # the skill's entry with the dataloader's mask left on: SDPA over the whole square
+    text = STOCK.read_text().replace("  create_attention_mask_in_dataloader ............. True",
+                                     "  create_attention_mask_in_dataloader ............. True\n"
+                                     "  skill_linear_cross_entropy ...................... True\n"
+                                     "  skill_fused_adam ................................ True\n"
+                                     "  skill_compiled_rope ............................. True\n"
+                                     "  skill_native_gqa ................................ True")
+    log = tmp_path / "masked.log"
+    log.write_text(text.replace("gradient_accumulation_fusion .................... False",
+                                "gradient_accumulation_fusion .................... True"))
+    slow = call("logs", {"log": str(log), "gpu": "h200"})["result"]["why_slow"]
+    assert slow["as_run"]["attention"] == "sdpa_masked"
+    assert slow["levers"][0]["fix"] == "add --no-create-attention-mask-in-dataloader"
+    assert not any("skill's fused paths" in lv["lever"] for lv in slow["levers"] + slow["not_levers"])

@@ -15,6 +15,7 @@ from ..core.megatron_options import MegatronOptions
 from ..core.memory import MemoryOptions, unfused_score_bytes
 from ..core.model import ModelConfig, build_spec
 from ..core.moe import MoEOptions
+from ..core.options import RuntimeOptions
 from ..errors import ToolError
 from . import flags as megatron_flags
 
@@ -153,6 +154,29 @@ def attention_path(ns: Any) -> tuple[str, str]:
         return "unfused", ("--transformer-impl local with Megatron's entry: the local DotProductAttention "
                            "materialises the S x S attention scores")
     return "flash", "Transformer Engine's layers: fused / flash attention (no S x S buffer)"
+
+
+def explicit_mask(ns: Any) -> bool:
+    """Whether Megatron's dataloader builds an explicit [s, s] causal mask per sample (its default;
+    --no-create-attention-mask-in-dataloader turns it off). Torch SDPA handed a mask computes the
+    whole square with a slower kernel; Megatron's local DotProductAttention reads it either way."""
+    return getattr(ns, "create_attention_mask_in_dataloader", True) is not False
+
+
+def runtime_options(ns: Any) -> RuntimeOptions:
+    """The runtime paths the arguments say ran, as the planner's options: Transformer Engine's
+    layers, or the local ones with whichever of the skill entry's fused paths are on (none with
+    Megatron's own entry, whose weight gradients are fused only with apex's kernel)."""
+    te = transformer_engine(ns)
+    own = skill_entry(ns)
+    fused_wgrad = getattr(ns, "gradient_accumulation_fusion", True) is not False
+    return RuntimeOptions(linear_cross_entropy=own and bool(ns.skill_linear_cross_entropy),
+                          compiled_rope=own and bool(ns.skill_compiled_rope),
+                          native_gqa=own and bool(ns.skill_native_gqa),
+                          sdpa_backend=str(getattr(ns, "skill_sdpa_backend", None) or "auto"),
+                          fused_wgrad_accumulation=fused_wgrad,
+                          fp8_linear=own and bool(ns.skill_fp8_linear), fused_adam=own and bool(ns.skill_fused_adam),
+                          te=te, moe=MoEOptions.from_args(ns), megatron=MegatronOptions.from_args(ns))
 
 
 def memory_options(ns: Any, assumed: dict[str, str]) -> MemoryOptions:
