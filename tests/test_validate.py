@@ -414,3 +414,51 @@ def test_an_unreadable_value_leaves_the_other_checks_running():
     errors, _ = _codes(res)
     assert "bad_value" in errors and "fp16_and_bf16" in errors, res["errors"]
     assert res["layout"] is not None and "--pipeline-model-parallel-size" in res["assumed"]
+
+
+TOKENIZERS = Path(__file__).parent / "fixtures" / "tokenizers"
+VOCAB_MODEL = ("--num-layers 4 --hidden-size 1024 --num-attention-heads 8 --seq-length 2048 "
+               "--max-position-embeddings 2048 --micro-batch-size 1 --global-batch-size 8 --bf16 ")
+
+
+@pytest.mark.parametrize("tokenizer, size, read, says", [
+    (f"--tokenizer-type Llama2Tokenizer --tokenizer-model {TOKENIZERS / 'sentencepiece-300.model'}", 300, True,
+     "300 pieces"),
+    (f"--tokenizer-type GPTSentencePieceTokenizer --tokenizer-model {TOKENIZERS / 'sentencepiece-300.model'} "
+     "--vocab-size 5000", 300, True, "300 pieces"),
+    (f"--tokenizer-type HuggingFaceTokenizer --tokenizer-model {TOKENIZERS / 'hf-bpe'}", 403, True,
+     "len(tokenizer)"),
+    (f"--tokenizer-type HuggingFaceTokenizer --tokenizer-model {Path(__file__).parent / 'fixtures/hf/qwen2-7b'}",
+     152064, True, "config.json"),
+    ("--tokenizer-type NullTokenizer --vocab-size 32000", 32000, True, "--vocab-size 32000"),
+    ("--tokenizer-type Llama2Tokenizer --tokenizer-model /nonexistent/tokenizer.model", 128256, False,
+     "not here"),
+    ("--tokenizer-type GPT2BPETokenizer --vocab-file /nonexistent/vocab.json --merge-file /nonexistent/m.txt",
+     50257, False, "GPT-2"),
+])
+def test_vocabulary_from_the_tokenizer_the_launch_names(tokenizer, size, read, says):
+    r = call("validate", {"args": (VOCAB_MODEL + tokenizer).split(), "gpu": "h100-sxm", "num_gpus": 1})["result"]
+    v = r["vocabulary"]
+    assert (v["size"], v["read"]) == (size, read) and says in v["source"], v
+    assert ("vocab_size" in r["assumed"]) is (not read)
+
+
+def test_vocabulary_sizes_match_the_tokenizer_libraries(tmp_path):
+    """The counts read without the libraries equal what the libraries say (tokenizers here; the
+    SentencePiece model's 300 pieces are what it was trained to); a GPT-2 vocab file's entries."""
+    from tokenizers import Tokenizer
+
+    from megatron_skill.adapter import described
+
+    hf = Tokenizer.from_file(str(TOKENIZERS / "hf-bpe" / "tokenizer.json"))
+    import json
+    assert described.hf_tokenizer_size(json.loads((TOKENIZERS / "hf-bpe" / "tokenizer.json").read_text())) == \
+        hf.get_vocab_size(with_added_tokens=True) == 403
+    assert described.sentencepiece_pieces((TOKENIZERS / "sentencepiece-300.model").read_bytes()) == 300
+    with pytest.raises(ValueError):
+        described.sentencepiece_pieces(b"\x0a\xff")     # truncated: refused, never a wrong count
+    vocab = tmp_path / "vocab.json"
+    vocab.write_text(json.dumps({f"t{i}": i for i in range(777)}))
+    r = call("validate", {"args": (VOCAB_MODEL + f"--tokenizer-type GPT2BPETokenizer --vocab-file {vocab} "
+                                   f"--merge-file {vocab}").split(), "num_gpus": 1})["result"]
+    assert r["vocabulary"]["size"] == 777 and r["vocabulary"]["read"]

@@ -8,6 +8,7 @@ read from an argument is named in `assumed`.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 from ..core.layout import Layout, pipeline_layout_chunks
@@ -32,19 +33,125 @@ def parse_values(args: list[str]) -> argparse.Namespace:
     return ns
 
 
+DEFAULT_VOCAB = 128256   # Llama 3's, said as assumed where nothing the arguments name tells
+GPT2_VOCAB = 50257
+MAX_TOKENIZER_BYTES = 256 << 20   # a tokenizer file larger than this is not read
+
+
+def _varint(data: bytes, i: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if i >= len(data) or shift > 63:
+            raise ValueError("truncated varint")
+        b = data[i]
+        i += 1
+        value |= (b & 0x7F) << shift
+        shift += 7
+        if not b & 0x80:
+            return value, i
+
+
+def sentencepiece_pieces(data: bytes) -> int:
+    """The number of pieces of a SentencePiece model file (its ModelProto's repeated field 1),
+    read from the protobuf wire format without the sentencepiece package."""
+    i, pieces = 0, 0
+    while i < len(data):
+        key, i = _varint(data, i)
+        field, wire = key >> 3, key & 7
+        if wire == 0:
+            _, i = _varint(data, i)
+        elif wire == 1:
+            i += 8
+        elif wire == 2:
+            length, i = _varint(data, i)
+            i += length
+            pieces += field == 1
+        elif wire == 5:
+            i += 4
+        else:
+            raise ValueError(f"wire type {wire}")
+        if i > len(data):
+            raise ValueError("truncated field")
+    if not pieces:
+        raise ValueError("no pieces")
+    return pieces
+
+
+def hf_tokenizer_size(tokenizer_json: dict) -> int:
+    """len(tokenizer) of a Hugging Face tokenizer.json: the ids of its model's vocabulary and of
+    its added tokens, each once (Megatron's HuggingFaceTokenizer takes len(tokenizer))."""
+    vocab = (tokenizer_json.get("model") or {}).get("vocab")
+    ids = set(vocab.values()) if isinstance(vocab, dict) else set(range(len(vocab))) if isinstance(vocab, list) \
+        else set()
+    ids |= {t["id"] for t in tokenizer_json.get("added_tokens") or [] if isinstance(t, dict)
+            and isinstance(t.get("id"), int)}
+    if not ids:
+        raise ValueError("no vocabulary")
+    return len(ids)
+
+
+def _read_limited(path: Path) -> bytes:
+    if path.stat().st_size > MAX_TOKENIZER_BYTES:
+        raise ValueError(f"larger than {MAX_TOKENIZER_BYTES >> 20} MiB")
+    return path.read_bytes()
+
+
+def vocabulary(ns: Any) -> tuple[int, str, bool]:
+    """(vocabulary size, where it comes from, whether it was read rather than assumed): from the
+    tokenizer the arguments name, as Megatron's build_tokenizer would size it; the padded size a
+    log reports; --vocab-size where the tokenizer takes it (NullTokenizer, TikTokenizer) or
+    nothing else tells; the stated default only where nothing says."""
+    import json
+
+    kind = getattr(ns, "tokenizer_type", None)
+    model = getattr(ns, "tokenizer_model", None)
+    padded = getattr(ns, "padded_vocab_size", None)
+    if isinstance(padded, int) and not isinstance(padded, bool) and padded > 0:   # in a log's dump
+        return padded, "padded_vocab_size in the log's argument dump", True
+    given = ns.vocab_size if isinstance(getattr(ns, "vocab_size", None), int) and ns.vocab_size > 0 else None
+    if kind in ("NullTokenizer", "TikTokenizer") and given:
+        return given, f"--vocab-size {given} ({kind} takes its size from it)", True
+    missing = ""
+    try:
+        if kind in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer") and model:
+            path = Path(model)
+            if path.is_file():
+                n = sentencepiece_pieces(_read_limited(path))
+                return n, f"{kind}: the {n} pieces of {model}", True
+            missing = f"{kind}'s model file {model} is not here (it is read where the job runs)"
+        elif kind == "HuggingFaceTokenizer" and model:
+            folder = Path(model)
+            tj = folder / "tokenizer.json" if folder.is_dir() else folder
+            if tj.is_file() and tj.name.endswith(".json"):
+                n = hf_tokenizer_size(json.loads(_read_limited(tj)))
+                return n, f"HuggingFaceTokenizer: len(tokenizer) of {tj} ({n})", True
+            cfg = folder / "config.json"
+            if cfg.is_file():
+                n = json.loads(_read_limited(cfg)).get("vocab_size")
+                if isinstance(n, int) and n > 0:
+                    return n, f"HuggingFaceTokenizer: vocab_size of {cfg} (no tokenizer.json beside it)", True
+            missing = f"the Hugging Face tokenizer {model} is not a folder here (it is read where the job runs)"
+        elif kind == "GPT2BPETokenizer":
+            vocab_file = getattr(ns, "vocab_file", None)
+            if vocab_file and Path(vocab_file).is_file():
+                n = len(json.loads(_read_limited(Path(vocab_file))))
+                return n, f"GPT2BPETokenizer: the {n} entries of {vocab_file}", True
+            return GPT2_VOCAB, f"{GPT2_VOCAB}, GPT-2's BPE vocabulary (GPT2BPETokenizer; its vocab file is not here)", \
+                False
+    except (OSError, ValueError, TypeError, AttributeError, UnicodeDecodeError) as e:
+        missing = f"the tokenizer file could not be read here ({type(e).__name__}: {e})"
+    if given:
+        return given, f"--vocab-size {given}" + (f" ({missing})" if missing else ""), True
+    why = missing or f"the run's tokenizer ({kind or 'unnamed'}) decides at run time"
+    return DEFAULT_VOCAB, f"{DEFAULT_VOCAB}, assumed: {why}; add --vocab-size for an exact figure", False
+
+
 def _vocab_size(ns: Any, assumed: dict[str, str]) -> int:
-    """The vocabulary the run will have: --vocab-size (or the padded size a log reports) where
-    given; else the tokenizer decides at run time, and a Llama-3-sized vocabulary is assumed."""
-    if ns.vocab_size:
-        return ns.vocab_size
-    if getattr(ns, "padded_vocab_size", None):   # in a log's dump
-        return ns.padded_vocab_size
-    if ns.tokenizer_type == "GPT2BPETokenizer":
-        assumed["vocab_size"] = "50257, GPT-2's BPE vocabulary"
-        return 50257
-    assumed["vocab_size"] = (f"128256 (the run's tokenizer, {ns.tokenizer_type or 'unnamed'}, decides at run time; "
-                             "add --vocab-size for an exact figure)")
-    return 128256
+    """The vocabulary the run will have (vocabulary); named in `assumed` where not read."""
+    n, source, read = vocabulary(ns)
+    if not read:
+        assumed["vocab_size"] = source
+    return n
 
 
 def model_from_args(ns: Any, assumed: dict[str, str]) -> tuple[ModelConfig | None, str | None]:

@@ -245,6 +245,8 @@ def check_launch(launch: Launch, gpu_name: str | None, recheck_fix: bool = True)
         if combo.when(ns):
             findings.append(_finding(combo.code, combo.message, combo.fix, launch.where(combo.flag)))
     gpu = get_gpu(gpu_name, where="/gpu") if gpu_name else None
+    size, source, read = described.vocabulary(ns)
+    result["vocabulary"] = {"size": size, "source": source, "read": read}
     model, why = described.model_from_args(ns, assumed)
     if model is None:
         findings.append(_finding("incomplete", f"cannot check the layout: {why}", "set the model-size flags",
@@ -692,6 +694,8 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
         out["fixed_args"] = first["fixed_args"]
     if "pretrained" in first:
         out["pretrained"] = first["pretrained"]
+    if "vocabulary" in first:
+        out["vocabulary"] = first["vocabulary"]
     if len(checked) > 1:
         out["launches"] = [{"path": la.path, "entry": la.entry, "world_size": la.world,
                             "num_megatron_args": len(la.args), "layout": res["layout"],
@@ -719,7 +723,8 @@ def _validate_request(sub: dict, ctx: Context) -> dict[str, Any]:
             "warnings": [f for f in result["findings"] if f["severity"] == "warning"],
             "world_size": lay["world_size"], "layout": lay, "predicted_peak_gib": result.get("predicted_peak_gib"),
             "memory": result.get("memory"), "checks": result["checks"], "assumed": result["assumed"],
-            "script": {}, "num_megatron_args": len(built["megatron_args"])}
+            "script": {}, "num_megatron_args": len(built["megatron_args"]),
+            **({"vocabulary": result["vocabulary"]} if "vocabulary" in result else {})}
 
 
 TOOL = Tool(name="validate", summary="Check a launch script or argument vector: unknown / obsolete flags, "
