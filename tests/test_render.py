@@ -617,10 +617,12 @@ def test_megatrons_tokenizer_types_render_with_their_files_and_the_step_checks_t
     megatron_parser.parse(argv + ["--transformer-impl", "local"], world_size=8)
     for path in [flags[i + 1] for i, f in enumerate(flags) if f in ("--tokenizer-model", "--vocab-file", "--merge-file")]:
         assert path in text.split("if ! ls -d ")[1].split("\n")[0]  # checked where the job runs
+    check = res["environment_check"]  # what the job step's environment check asks of its Python
     if package:
-        assert f"-c 'import {package}'" in text and f"cannot import {package}, which Megatron's {flags[1]}" in text
+        assert check["tokenizer"] == {"type": flags[1], "package": package}
+        assert f'"tokenizer": {{"package": "{package}", "type": "{flags[1]}"}}' in text
     else:
-        assert "which Megatron's" not in text
+        assert check["tokenizer"] is None and '"tokenizer": null' in text
     _shellcheck(res["files"][0]["path"])
 
 

@@ -138,6 +138,10 @@ def _remove_listed(folder: Path, listed: dict[str, int]) -> bool:
     return not folder.exists()
 
 
+class OutputBusy(ToolError):
+    """Another process holds the output's lock (it is converting into the same folder now)."""
+
+
 def lock(out: Path, tool: str) -> FileLock:
     """The lock of whoever writes out (a file beside it, kept, never written): two conversions
     into one folder would clear each other's staging."""
@@ -145,7 +149,7 @@ def lock(out: Path, tool: str) -> FileLock:
     try:
         return FileLock(out.with_name(f".{out.name}.conversion.lock")).acquire()
     except Busy:
-        raise ToolError("conflict", f"another conversion is writing {out}", where="/output",
+        raise OutputBusy("conflict", f"another conversion is writing {out}", where="/output",
                         fix="wait for it to finish, or choose another output") from None
 
 

@@ -106,9 +106,41 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
     except ImportError as e:
         raise ToolError("environment", f"the conversion needs torch, megatron-core, safetensors and psutil: {e}",
                         where="/hf_model", fix="run tools/setup.sh") from None
-    started = time.time()
-    with output.claim(out, "import-hf", rid, req["overwrite"], ctx, info["inputs"]) as done:
-        return done if done is not None else _convert(req, info, summary, out, rid, ctx, started)
+    waited, patience = 0.0, wait_seconds()
+    while True:
+        started = time.time()
+        try:
+            with output.claim(out, "import-hf", rid, req["overwrite"], ctx, info["inputs"]) as done:
+                return done if done is not None else _convert(req, info, summary, out, rid, ctx, started)
+        except output.OutputBusy:
+            if waited >= patience:
+                raise
+            ctx.progress(f"import-hf: another process is converting into {out}; waiting for it "
+                         f"({waited:.0f} of {patience:.0f} s, {WAIT_VARIABLE})")
+            pause = min(WAIT_STEP, patience - waited)
+            time.sleep(pause)
+            waited += pause
+
+
+# How long to wait while another process converts into the same output (a job's other nodes,
+# a second submission): an environment variable, not a request field, so that the request and
+# its id stay those of the same import run by hand.
+WAIT_VARIABLE = "MEGATRON_SKILL_IMPORT_WAIT"
+WAIT_STEP = 10.0
+
+
+def wait_seconds() -> float:
+    """The seconds MEGATRON_SKILL_IMPORT_WAIT allows (0 when unset: a busy output is a conflict at once)."""
+    text = os.environ.get(WAIT_VARIABLE, "").strip()
+    try:
+        value = float(text) if text else 0.0
+    except ValueError:
+        raise ToolError("bad_request", f"{WAIT_VARIABLE}={text!r} is not a number of seconds", where=WAIT_VARIABLE,
+                        fix=f"set {WAIT_VARIABLE} to the seconds to wait for another import (e.g. 7200), or unset it") from None
+    if not 0 <= value <= 7 * 86400:  # NaN fails this too
+        raise ToolError("bad_request", f"{WAIT_VARIABLE}={text!r} is not between 0 and a week", where=WAIT_VARIABLE,
+                        fix=f"set {WAIT_VARIABLE} to the seconds to wait for another import (e.g. 7200), or unset it")
+    return value
 
 
 def _convert(req: dict, info: dict, summary: dict, out: Path, rid: str, ctx: Context,

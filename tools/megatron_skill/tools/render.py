@@ -191,7 +191,11 @@ def _k8s_context(context: dict, k8s: dict, run_id: str, nodes: int, req: dict, t
     env += list(context["env"].items())
     step = _environment().get_template("kubernetes_step.sh.j2").render(**context)
     step = megatron_args.JOB_VARIABLE.sub(r'"$\1"', step)
+    preflight = ""
+    if context["import_step"]:
+        preflight = _environment().get_template("kubernetes_preflight.sh.j2").render(**context).rstrip("\n")
     return {"k8s": k8s, "k8s_name": f"megatron-{run_id[:8].lower()}", "pod_env": env, "step": step.rstrip("\n"),
+            "preflight": preflight,
             "roles": [(role, n) for role, n in (("Master", 1), ("Worker", nodes - 1)) if n > 0]}
 
 
@@ -293,6 +297,40 @@ def _tokenizer_check(training: dict) -> dict | None:
     kind = tokenizer_type(training)
     package = TOKENIZERS[kind][1]
     return {"type": kind, "package": package} if package else None
+
+
+def checked_version(parser_check: str) -> str:
+    """The megatron-core version the script's flags were checked against: the installed one where
+    Megatron's own parser ran, else the flag manifest's."""
+    from ..environment import version
+
+    if parser_check.startswith("manifest "):
+        return parser_check.split(" ", 1)[1]
+    return version("megatron-core") or megatron_flags.load_manifest()["megatron_core"]
+
+
+# What import-hf needs in the job's Python beside torch and megatron-core (tools/launch.py's
+# planning modules, the safetensors reader, psutil for Megatron's torch_dist writer).
+IMPORT_MODULES = ("safetensors", "psutil", "jinja2", "jsonschema")
+
+
+def environment_check(context: dict, for_import: bool = False) -> dict:
+    """What the job's Python must have before anything starts, as the check in the script reads
+    it: the megatron-core version the flags were checked against, the tokenizer's package, the
+    reason Transformer Engine is needed (None: the local layers will do), and the import's modules."""
+    te = None
+    if context["needs_te"]:
+        te = f"this layout needs it ({context['needs_te']})"
+    elif context["fsdp"]:
+        te = "Megatron-FSDP runs on Transformer Engine's layers"
+    elif context["fp8"] and context["megatron_lm"]:
+        te = ("this plan trains in FP8, which with Megatron-LM's entry script needs Transformer Engine (render "
+              "without megatron_lm for the skill's own FP8 layers)")
+    elif context["fp8"] and not context["fp8_local"]:
+        te = ("this job was planned to train in FP8 with Transformer Engine (or render with runtime.fp8_linear "
+              f"true for the skill's own FP8 layers: {context['fp8_local_note']})")
+    return {"megatron_core": context["megatron_core"], "tokenizer": context["tokenizer_check"], "te": te,
+            "modules": list(IMPORT_MODULES) if for_import else []}
 
 
 def _fp8_local_note(lay: Layout) -> str:
@@ -403,6 +441,55 @@ def _fake_rank_args(fake: int | None, model) -> list[str]:
     return ["--fake-process-group"] + (["--moe-router-force-load-balancing"] if model.is_moe else [])
 
 
+MOUNTABLE = re.compile(r"^/[A-Za-z0-9._/@+-]*$")  # what a container mount list (SRC:DST,...) can carry
+
+
+def import_step(req: dict, launcher: str, k8s: dict | None) -> dict | None:
+    """The import of a Hugging Face folder on the cluster that the job runs before training (None:
+    the request starts from no such folder): its paths as the job sees them, and import-hf's words."""
+    spec = req.get("import_hf")
+    if not spec:
+        return None
+    training = req.get("training") or {}
+    output = spec.get("output") or training.get("pretrained")
+    if not output:
+        raise ToolError("bad_request", "import_hf names the Hugging Face folder but not where its import goes",
+                        where="/import_hf/output", fix="give import_hf.output (or training.pretrained), a folder "
+                        "as the job sees it")
+    if training.get("pretrained") and training["pretrained"] != output:
+        raise ToolError("bad_request", f"training.pretrained {training['pretrained']!r} is not the import's output "
+                        f"{output!r}: the run would not start from the weights the job imports",
+                        where="/training/pretrained", fix="leave training.pretrained out (the import's output is "
+                        "where the run starts), or give the same folder")
+    if req.get("fake_rank") is not None:
+        raise ToolError("bad_request", "a fake_rank run measures one rank's memory; it imports nothing",
+                        where="/import_hf", fix="import first (import-hf), or leave fake_rank out")
+    paths = {"hf_model": spec["hf_model"], "output": output}
+    for key, path in paths.items():
+        where = "/import_hf/" + key if key in spec else "/training/pretrained"
+        if not path.startswith("/") or path.rstrip("/") == "":
+            raise ToolError("bad_request", f"{path!r} is not an absolute path below /", where=where,
+                            fix="give the path as the job's nodes see it, from /")
+        if (req.get("container") or k8s) and not MOUNTABLE.match(path):
+            raise ToolError("bad_request", f"{path!r} has characters a container mount list cannot carry",
+                            where=where, fix="use letters, digits and . _ / @ + - only")
+        if k8s and not (path + "/").startswith(k8s["mount_path"].rstrip("/") + "/"):
+            raise ToolError("bad_request", f"{path} is not on the claim the pods mount at {k8s['mount_path']}",
+                            where=where, fix=f"give a path below {k8s['mount_path']} (the volume claim "
+                            f"{k8s['volume_claim']}), where every pod sees it")
+    if paths["hf_model"].rstrip("/") == output.rstrip("/"):
+        raise ToolError("bad_request", "the import's output is the Hugging Face folder itself", where="/import_hf/output",
+                        fix="give a new folder for the Megatron checkpoint")
+    args = ["import-hf", "--hf-model", paths["hf_model"], "--output", output]
+    if spec.get("dtype", "auto") != "auto":
+        args += ["--dtype", spec["dtype"]]
+    here = Path(paths["hf_model"])  # the folder as this machine sees it, where it does (a shared file system)
+    tokenizer = None if here.is_dir() and not (here / "tokenizer.json").is_file() else output.rstrip("/") + "/hf"
+    return {"hf_model": paths["hf_model"], "output": output, "parent": str(Path(output).parent), "args": args,
+            "tokenizer": tokenizer, "visible_here": here.is_dir(),
+            "command": "python tools/launch.py " + " ".join(shlex.quote(a) for a in args)}
+
+
 def build(req: dict, ctx: Context) -> dict[str, Any]:
     """Everything render would write, without writing it."""
     training = req.get("training") or {}
@@ -441,6 +528,9 @@ def build(req: dict, ctx: Context) -> dict[str, Any]:
     # Without a run_dir the job's own working folder holds it (runs/RUN_ID there): the script
     # carries no path of the machine that rendered it.
     run_dir = _job_path(req, "run_dir") or RUN_DIR_MARK
+    importing = import_step(req, launcher, k8s)
+    if importing:  # the run starts from what the job imports
+        req = {**req, "training": {**req["training"], "pretrained": importing["output"]}}
     training = match_tokenizer(training_settings(model, req["training"]), model.vocab_size)
     notes = [w for w in (pretraining_rate_warning(model, req["training"]),) if w]
     training.setdefault("vocab_size", model.vocab_size)
@@ -448,9 +538,10 @@ def build(req: dict, ctx: Context) -> dict[str, Any]:
     if training.get("pretrained"):
         start = pretrained.describe(training["pretrained"], model, lay.tp, need_local=False)
         training.update(pretrained=_path(training["pretrained"]), vocab_divisor=start["vocab_divisor"])
-        if (start["tokenizer"] and not training.get("tokenizer_model") and not training.get("mock_data")
+        tokenizer = start["tokenizer"] or (importing or {}).get("tokenizer")
+        if (tokenizer and not training.get("tokenizer_model") and not training.get("mock_data")
                 and training.get("tokenizer_type") in (None, "HuggingFaceTokenizer")):
-            training["tokenizer_model"] = start["tokenizer"]
+            training["tokenizer_model"] = tokenizer
     training["save"] = _path(training.get("save") or f"{run_dir}/checkpoints")
     if training.get("data_path"):
         training["data_path"] = [_path(p) for p in training["data_path"]]
@@ -460,6 +551,8 @@ def build(req: dict, ctx: Context) -> dict[str, Any]:
     check_tokenizer(training)
     training["tensorboard_dir"] = f"{run_dir}/tensorboard"
     container = _container(req, launcher)
+    if container and importing:  # the job's container sees the Hugging Face folder and the import's folder
+        container["mounts"] = [*container["mounts"], *(f"{p}:{p}" for p in (importing["hf_model"], importing["parent"]))]
     moe = MoEOptions.from_request(req.get("moe"))
     memory_options = MegatronOptions.from_request(req.get("megatron_options"))
     if memory_options.fsdp:
@@ -510,7 +603,10 @@ def build(req: dict, ctx: Context) -> dict[str, Any]:
         "mfu": f"{cand.mfu:.3f}", "slurm": slurm, "script_name": SCRIPT_NAMES[launcher],
         "fake_rank": fake, "world_size": lay.world_size,
         "first_start_args": FIRST_START_ARGS if start else [],
-        "tokenizer_check": _tokenizer_check(training),
+        "tokenizer_check": _tokenizer_check(training), "fsdp": memory_options.fsdp,
+        "megatron_core": checked_version(parser_check), "import_step": importing,
+        "skill_launch": (f"{container['skill_mount']}/tools/launch.py" if container
+                         else "$MEGATRON_SKILL_HOME/tools/launch.py" if k8s else "$SKILL_HOME/tools/launch.py"),
         "checkpoint_tracker": (_quote(training["save"] + "/" + CHECKPOINT_TRACKER)
                                if start and training.get("checkpoint", True) else ""),
         "request_id": ctx.request_id or run_id,
@@ -520,6 +616,8 @@ def build(req: dict, ctx: Context) -> dict[str, Any]:
                                    "mbs": lay.mbs, "gbs": lay.gbs, "seq_length": lay.seq_length,
                                    "num_gpus": n_gpus, "nodes": nodes}, separators=(",", ":")),
     }
+    context["env_need"] = environment_check(context)
+    context["import_need"] = environment_check(context, for_import=True)
     if k8s:
         context.update(_k8s_context(context, k8s, run_id, nodes, req, training))
     text = _environment().get_template(LAUNCHERS[launcher]).render(**context)
@@ -543,11 +641,31 @@ def build(req: dict, ctx: Context) -> dict[str, Any]:
         "command": run_cmd,
         **({"fake_rank": fake} if fake is not None else {}),
         **({"pretrained": start} if start else {}),
+        **({"import": _import_description(importing, launcher)} if importing else {}),
+        "environment_check": {k: v for k, v in context["env_need"].items() if k != "modules"},
         "_notes": notes,
         **({"container": {"runtime": container["runtime"], "image": container["image"],
                           "image_given": container["given_image"]}} if container else {}),
         "_text": text,
     }
+
+
+def _import_description(step: dict, launcher: str) -> dict:
+    """Where and how the job imports the weights, in the answer's words."""
+    where = {"slurm": "a job step before training (srun: one task on the allocation's first node), in the "
+                      "job's container where it has one",
+             "torchrun": "the script, before torchrun starts",
+             "torchrun-multinode": "the script on every node before torchrun starts: the first to take the "
+                                   "import's lock converts, the others wait for it",
+             "kubernetes": "an init container of every pod (same image and claim): the first to take the "
+                           "import's lock converts, the others wait for it"}[launcher]
+    return {"hf_model": step["hf_model"], "output": step["output"], "command": step["command"], "runs_in": where,
+            "idempotent": "the same import again answers already_done at once; a changed source folder is "
+                          "converted again",
+            "tokenizer": step["tokenizer"], "checked_here": step["visible_here"],
+            "preflight": ["the environment check (the same as the training step's, and import-hf's modules)",
+                          "doctor (its answer in RUN_DIR/logs/doctor.HOST.json)",
+                          "import-hf (its answer in RUN_DIR/logs/import.HOST.json)"]}
 
 
 RENDERED_MARK = "# Rendered by the megatron-core-training skill"
