@@ -4,6 +4,7 @@ intended actions, up to a resumed run whose loss carries on."""
 import http.server
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -342,7 +343,11 @@ def test_a_stopped_watcher_reports_what_the_log_says_before_it_goes(tmp_path, re
     watch = subprocess.Popen(EMIT + ["watch", "--pid", str(alive.pid), "--run-id", "r1", "--run-dir", str(run),
                                      "--log", str(log), "--poll-s", "30"], env=env, stderr=subprocess.PIPE, text=True)
     try:
-        time.sleep(3)   # the watcher has read the (empty) log and sleeps its poll
+        # The watcher handles SIGTERM (its start can take seconds on a loaded machine), has read the
+        # (empty) log and sleeps its poll.
+        _wait(lambda: int(re.search(r"SigCgt:\s*([0-9a-f]+)", Path(f"/proc/{watch.pid}/status").read_text())
+                          .group(1), 16) & (1 << (signal.SIGTERM - 1)), 60, "the watcher's SIGTERM handler")
+        time.sleep(1)
         with open(log, "a") as f:
             f.write(" iteration       10/      80 | lm loss: 5.1E+00 |\n"
                     "  successfully saved checkpoint from iteration      10 to runs/x/checkpoints")

@@ -7,6 +7,8 @@
     emit_event.py watch --log LOG --pid PID ...     # checkpoints, NaN / spikes, slowdowns, NCCL
                                                     # and node failures, stalls; exits with PID
     emit_event.py flush --run-dir DIR               # deliver what the run's outbox still holds
+    emit_event.py settle --run-dir DIR              # a train that died before the job's end: the
+                                                    # run marked failed, its job.failed sent
 
 Every event is appended to RUN_DIR/events.jsonl; where MEGATRON_SKILL_EVENTS_URL is set it is
 POSTed there as {"source": "megatron-skill", "event": {...}} (through RUN_DIR/events.outbox.jsonl,
@@ -87,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
     flush = sub.add_parser("flush", help="deliver the events the run's outbox still holds")
     flush.add_argument("--run-dir", required=True)
     flush.add_argument("--deadline-s", type=float, default=emitter.DEADLINE_S)
+    settle = sub.add_parser("settle", help="a train that died before its job's end: mark the run failed and "
+                            "send the end")
+    settle.add_argument("--run-dir", required=True)
+    settle.add_argument("--event", help="the end event already made (train, as it starts again)")
     send, watch = sub.choices["send"], sub.choices["watch"]
     send.add_argument("--type", choices=sorted(ev_types()))
     send.add_argument("--end", action="store_true", help="the job ended: job.finished or job.failed by --exit-code")
@@ -106,6 +112,8 @@ def main(argv: list[str]) -> int:
     try:
         if args.command == "flush":
             return _flush(args)
+        if args.command == "settle":
+            return _settle(args)
         if args.command == "watch":
             emitter.watch(Path(args.log), args.pid, lambda kind, details: _send(args, kind, details),
                           stall_s=args.stall_s, poll_s=args.poll_s)
@@ -131,6 +139,16 @@ def _flush(args: argparse.Namespace) -> int:
         for event_id, status in emitter.flush(Path(args.run_dir), url, os.environ.get(ev.TOKEN_ENV),
                                               args.deadline_s).items():
             print(f"emit: {event_id}: {status}", file=sys.stderr)
+    return 0
+
+
+def _settle(args: argparse.Namespace) -> int:
+    from megatron_skill.events import settle
+
+    if args.event:
+        emitter.emit(json.loads(args.event), Path(args.run_dir))  # made (unsigned) by the train that starts again
+    elif settle.report(Path(args.run_dir), wait=True) is None:
+        print(f"emit: {args.run_dir}: no attempt to settle (none running, or its train still runs)", file=sys.stderr)
     return 0
 
 

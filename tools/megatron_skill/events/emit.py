@@ -53,6 +53,7 @@ OUTBOX = "events.outbox.jsonl"  # in the run directory: events to deliver, and e
 OUTBOX_MAX_AGE_S = 3600.0  # on-event refuses older events (policy.max_age_s): delivering them is moot
 BACKGROUND = ("job.started",)  # delivered by a process of its own: a job never waits at its start
 EMITTER = Path(__file__).resolve().parents[2] / "emit_event.py"
+JOB_MARK_ENV = "MEGATRON_SKILL_JOB_MARK"  # every process of a job train runs has it (megatron_skill/watchdog.py)
 
 
 def post(event: dict[str, Any], url: str, token: str | None, deadline_s: float = DEADLINE_S,
@@ -155,9 +156,11 @@ def flush(run_dir: Path, url: str, token: str | None, deadline_s: float = DEADLI
 
 def _in_background(run_dir: Path, deadline_s: float) -> None:
     """A process of its own delivers the outbox; this one goes on at once."""
+    # Not one of the job's processes: without the job's mark, stopping the job leaves it delivering.
+    env = {k: v for k, v in os.environ.items() if k != JOB_MARK_ENV}
     subprocess.Popen([sys.executable, str(EMITTER), "flush", "--run-dir", str(run_dir), "--deadline-s",
                       str(deadline_s)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                     stderr=subprocess.DEVNULL, start_new_session=True)
+                     stderr=subprocess.DEVNULL, start_new_session=True, env=env)
 
 
 def emit(event: dict[str, Any], run_dir: Path | None, env: dict[str, str] | None = None,

@@ -19,7 +19,7 @@ from typing import Any
 from .. import files
 from ..contract import Context, Tool, check_values, parse_json, validator
 from ..errors import ToolError
-from ..events import actions
+from ..events import actions, settle
 from ..events import event as ev
 from ..events.ledger import RELAUNCHING, Ledger
 from ..runs import RunLock
@@ -242,6 +242,13 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
     if ctx.dry_run:
         ledger = Ledger(runs_root, event["run_id"]).read()
         return {**base, "dry_run": True, **_handle(event, key, run_dir, ledger, req, ctx, dry=True)}
+    # A train that died before its job's end left the run "running" with nobody holding it: the
+    # run is marked failed and that end is sent now (it comes back as an event of its own).
+    dead = settle.report(run_dir)
+    if dead:
+        base["ended_attempt"] = {"event_id": dead["event_id"], "job_id": dead["job"]["job_id"],
+                                 "why": dead["details"]["message"]}
+        ctx.progress(f"on-event: {dead['details']['message']}; its job.failed ({dead['job']['job_id']}) is sent")
     with Ledger(runs_root, event["run_id"]) as ledger:
         return {**base, **_handle(event, key, run_dir, ledger, req, ctx, dry=False)}
 

@@ -22,13 +22,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .. import files
+from .. import files, watchdog
 from ..adapter import log as megatron_log
 from ..contract import Context, Tool, invoke, request_fields
 from ..core.catalog import gpu_by_device_name
 from ..core.resolve import DEFAULT_TRAIN_ITERS
 from ..environment import gpu_count_and_name, have_transformer_engine
 from ..errors import ToolError
+from ..events import settle
 from ..locks import write_atomic
 from ..runs import RunLock, latest_checkpoint, read_state, write_state
 from .prepare_data import check_datasets
@@ -56,47 +57,38 @@ def _progress_line(rec: dict, started: float, seq: int | None) -> str:
     return "train: " + " | ".join(parts) + f" ({time.time() - started:.0f}s)"
 
 
-# Runs in its own small process: when train's process dies (even by SIGKILL) the pipe it holds
-# closes, and the job's process group is stopped, so no trainer outlives the tool that owns it.
-WATCHDOG = """
-import os, signal, sys, time
-sys.stdin.buffer.read()
-group = int(sys.argv[1])
-for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 0)):
-    try:
-        os.killpg(group, sig)
-    except ProcessLookupError:
-        break
-    end = time.time() + wait
-    while time.time() < end:
-        try:
-            os.killpg(group, 0)
-        except ProcessLookupError:
-            sys.exit(0)
-        time.sleep(0.2)
-"""
-
-
 def stream(cmd: list[str], log_path: Path | None, ctx: Context, seq: int | None, env: dict | None = None,
-           cwd: Path | None = None, keep_fds: tuple[int, ...] = ()) -> int:
+           cwd: Path | None = None, keep_fds: tuple[int, ...] = (), run_dir: Path | None = None) -> int:
     """Run cmd, show progress from Megatron's iteration lines; append its output to log_path
     (None when the command keeps its own log, as the rendered scripts do).
 
-    The job runs in a process group of its own, watched by a process that stops the group
-    when this one dies; keep_fds (the run lock) are inherited, so the lock stays held for as
-    long as any process of the job lives."""
+    The job runs in a process group of its own, its processes marked (watchdog.py), and
+    all of it is stopped: when its leader ends while some of its processes still run (a kill of
+    torchrun leaves its workers, which have sessions of their own), and when this process dies,
+    by a watchdog process that then reports the job's end for run_dir. keep_fds (the run lock)
+    are inherited, so the lock stays held for as long as the job's leader lives."""
     import signal
+    import threading
+    import uuid
 
     started = time.time()
+    mark = uuid.uuid4().hex
     with (open(log_path, "a") if log_path else open(os.devnull, "w")) as log:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env={**os.environ, **(env or {})}, cwd=cwd, bufsize=1,
+                                env={**os.environ, **(env or {}), watchdog.MARK_ENV: mark}, cwd=cwd, bufsize=1,
                                 start_new_session=True, pass_fds=keep_fds)
         read_end, write_end = os.pipe()
-        watchdog = subprocess.Popen([sys.executable, "-c", WATCHDOG, str(proc.pid)], stdin=read_end,
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                    start_new_session=True)
+        guard = subprocess.Popen([sys.executable, watchdog.__file__, str(proc.pid), mark, str(run_dir or "")],
+                                 stdin=read_end, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                 start_new_session=True)
         os.close(read_end)
+
+        def leftovers() -> None:  # the leader ended: whatever of the job still runs is stopped
+            proc.wait()
+            if watchdog.stop(None, mark, grace_s=10.0):
+                ctx.progress("train: the job's leader ended while some of its processes ran on; stopped them")
+
+        threading.Thread(target=leftovers, daemon=True).start()
         try:
             for line in proc.stdout:  # type: ignore[union-attr]
                 log.write(line)
@@ -111,8 +103,10 @@ def stream(cmd: list[str], log_path: Path | None, ctx: Context, seq: int | None,
             proc.wait()
             raise
         finally:
-            os.close(write_end)  # the job is over (or being stopped): the watchdog sees the pipe close
-            watchdog.wait()
+            with contextlib.suppress(OSError):  # this process saw the job end (or stops it): nothing to report
+                os.write(write_end, b"ended")
+            os.close(write_end)
+            guard.wait()
 
 
 def run(req: dict, ctx: Context) -> dict[str, Any]:
@@ -174,6 +168,12 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
     events = None
     try:
         state, ckpt = read_state(run_dir), latest_checkpoint(run_dir / "checkpoints")
+        if state and state.get("status") == "running":  # the lock was free: that attempt's train died
+            ended = settle.report(run_dir, locked=True)
+            if ended:
+                ctx.progress(f"train: the last attempt's train stopped before its job's end; reported it "
+                             f"({ended['type']} of job {ended['job']['job_id']})")
+            state = read_state(run_dir)
         if state and state.get("status") == "finished":
             ctx.progress(f"train: run {run_id} already finished; returning its result (nothing launched)")
             return {**state["result"], "already_finished": True}
@@ -183,7 +183,7 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
         # --resume` is the same request again, which on-event's resume relies on.
         write_atomic(run_dir / "request.json", json.dumps(given, indent=1, sort_keys=True))
         write_state(run_dir, status="running", run_id=run_id, backend=backend, request=req, start=start,
-                    resumed_from=ckpt, attempts=attempt + 1, gpu=plan.get("gpu"),
+                    resumed_from=ckpt, attempts=attempt + 1, job_id=f"{run_id}.{attempt}", gpu=plan.get("gpu"),
                     layout=plan.get("layout"), cwd=os.getcwd())  # where its relative paths start
         plan["write"]()
         log_path = run_dir / "logs" / "train.log"
@@ -195,7 +195,7 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
         events.started(watch=backend == "cpu")  # a rendered script reports its own start and watches its log
         rc = stream(plan["command"], None if backend == "gpu" else log_path, ctx, plan["seq_length"],
                     env={**(plan.get("env") or {}), "MEGATRON_SKILL_JOB_ID": events.job_id}, cwd=run_dir,
-                    keep_fds=(lock.fd,))
+                    keep_fds=(lock.fd,), run_dir=run_dir)
         events.ended(rc)
         parsed = megatron_log.parse(log_path.read_text(errors="replace").splitlines())
         summary = megatron_log.summarize(parsed, plan["seq_length"], plan.get("peak_tflops"))

@@ -1,0 +1,103 @@
+"""A train attempt that died before it recorded its job's end: found, marked failed, and its end
+reported then (references/events.md, "Kills").
+
+train writes state.json "running" when its job starts and the result (finished, failed) when it
+ends; it holds the run's lock all along. A state left at "running" with the lock free is an
+attempt whose train process died (SIGKILL, the machine's OOM killer) without reporting the end:
+its watchdog reports it right away, and the next train or on-event call of the run does, should
+the watchdog have died too. The end is a job.failed of the attempt's job, cause killed unless
+the log names another. Standard library and the skill's own modules only: emit_event.py runs it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ..locks import Busy, FileLock, write_atomic
+from . import emit as emitter
+from . import event as ev
+
+STATE = "state.json"  # runs.STATE: the train tool's record of the run
+LOCK = "run.lock"  # runs.RunLock's file
+LAYOUT_KEYS = ("tp", "pp", "vp", "cp", "ep", "dp", "mbs", "gbs", "seq_length")
+
+
+def _state(run_dir: Path) -> dict[str, Any] | None:
+    try:
+        value = json.loads((run_dir / STATE).read_text())
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def job_id(run_dir: Path, state: dict[str, Any]) -> str:
+    """The attempt's job id as train gave it to its emitters (RUN_ID.ATTEMPT)."""
+    if isinstance(state.get("job_id"), str):
+        return state["job_id"]
+    return f"{state.get('run_id') or run_dir.name}.{max(0, int(state.get('attempts') or 1) - 1)}"
+
+
+def end_event(run_dir: Path, state: dict[str, Any]) -> dict[str, Any]:
+    """The unsigned job.failed of a dead attempt: killed (its job was stopped from outside, with
+    the train process that ran it), unless the log's end names a known failure."""
+    log = run_dir / "logs" / "train.log"
+    details = emitter.ending(1, log if log.exists() else None)
+    details.pop("exit_code", None)  # not known: the job was stopped, its status never collected
+    details.setdefault("failure", "killed")
+    details["message"] = ("train stopped before it recorded the job's end (it was killed, or its machine "
+                          "was); the job was stopped with it")
+    layout = {k: v for k, v in (state.get("layout") or {}).items() if k in LAYOUT_KEYS and isinstance(v, int)}
+    run_id = state.get("run_id") or run_dir.name
+    return ev.new("job.failed", run_id, {"job_id": job_id(run_dir, state), "scheduler": "local",
+                                         "host": os.uname().nodename[:255]}, "train", details=details,
+                  request_id=run_id, run_dir=str(run_dir), log=str(log), layout=layout or None)
+
+
+def dead_attempt(run_dir: Path, locked: bool = False) -> dict[str, Any] | None:
+    """When the run's last attempt died without recording its end: mark it failed in state.json
+    and answer the end event to send (None otherwise, and while the run's lock is held by a
+    live process). locked: the caller holds the run's lock itself (train, as it starts)."""
+    run_dir = Path(run_dir)
+    if not (run_dir / STATE).is_file():
+        return None
+    lock = FileLock(run_dir / LOCK)
+    if not locked:
+        try:
+            lock.acquire()
+        except (Busy, OSError):
+            return None
+    try:
+        state = _state(run_dir)
+        if not state or state.get("status") != "running":
+            return None
+        if (state.get("request") or {}).get("launcher") == "slurm" and state.get("backend") == "gpu":
+            return None  # a Slurm job outlives the train that submitted it: its trap and trigger report its end
+        event = end_event(run_dir, state)
+        write_atomic(run_dir / STATE, json.dumps({**state, "status": "failed", "returncode": None,
+                                                  "died": event["details"]["message"],
+                                                  "updated": time.time()}, indent=1))
+        return event
+    finally:
+        if not locked:
+            lock.release()
+
+
+def report(run_dir: Path, locked: bool = False, wait: bool = False) -> dict[str, Any] | None:
+    """Settle a dead attempt of the run (dead_attempt) and send its end: here (wait), or from a
+    process of its own (emit_event.py settle --event), so that the caller never waits for the
+    receiver. The event made, or None."""
+    event = dead_attempt(run_dir, locked)
+    if event is None:
+        return None
+    if wait:
+        emitter.emit(event, Path(run_dir))
+        return event
+    argv = [sys.executable, str(emitter.EMITTER), "settle", "--run-dir", str(run_dir), "--event", json.dumps(event)]
+    with open(os.devnull, "wb") as null:
+        subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=null, stderr=null, start_new_session=True)
+    return event
