@@ -462,3 +462,77 @@ def test_vocabulary_sizes_match_the_tokenizer_libraries(tmp_path):
     r = call("validate", {"args": (VOCAB_MODEL + f"--tokenizer-type GPT2BPETokenizer --vocab-file {vocab} "
                                    f"--merge-file {vocab}").split(), "num_gpus": 1})["result"]
     assert r["vocabulary"]["size"] == 777 and r["vocabulary"]["read"]
+
+
+STOCK_3B = ("--num-layers 28 --hidden-size 3072 --ffn-hidden-size 8192 --num-attention-heads 24 --group-query-attention "
+            "--num-query-groups 8 --swiglu --normalization RMSNorm --position-embedding-type rope --seq-length 4096 "
+            "--max-position-embeddings 4096 --micro-batch-size 1 --global-batch-size 8 --bf16 --lr 3e-4 "
+            "--train-iters 5000 --tokenizer-type NullTokenizer --vocab-size 128256 --transformer-impl local "
+            "--no-masked-softmax-fusion --no-persist-layer-norm --no-rope-fusion --no-gradient-accumulation-fusion")
+RECIPE = "--hidden-dropout 0.0 --attention-dropout 0.0 --adam-beta2 0.95 --weight-decay 0.1 --lr-warmup-iters 50"
+TRAPS = {"recipe_dropout", "recipe_adam_beta2", "recipe_weight_decay", "no_lr_warmup"}
+
+
+def _codes(args: str, **req):
+    res = call("validate", {"args": args.split(), "num_gpus": 1, **req})["result"]
+    return res, {f["code"]: f for f in res["errors"] + res["warnings"]}
+
+
+def test_recipe_traps_with_megatrons_own_defaults():
+    """A Llama-style launch that leaves dropout, beta2, weight decay and warm-up to Megatron gets a
+    warning for each, with Megatron's default as its parser reports it and the recipe's value as
+    the fix; setting them silences all four; --use-rotary-position-embeddings gets its
+    replacement; --distributed-backend is named for what it does."""
+    res, found = _codes(STOCK_3B + " --use-rotary-position-embeddings --distributed-backend gloo")
+    assert TRAPS <= set(found), found
+    assert "Megatron's parser" in res["checks"]["recipe"]
+    assert "0.1" in found["recipe_dropout"]["message"] and found["recipe_dropout"]["fix"] == \
+        "--hidden-dropout 0.0 --attention-dropout 0.0"
+    assert "0.999" in found["recipe_adam_beta2"]["message"] and found["recipe_adam_beta2"]["fix"] == "--adam-beta2 0.95"
+    assert "0.01" in found["recipe_weight_decay"]["message"]
+    assert "about 50 of its 5,000 iterations" in found["no_lr_warmup"]["fix"]
+    assert "gloo" in found["distributed_backend"]["message"] and all(
+        found[c]["severity"] == "warning" for c in TRAPS | {"distributed_backend"})
+    assert "--position-embedding-type rope" in found["obsolete_flag"]["fix"]
+    res, found = _codes(STOCK_3B + " " + RECIPE)
+    assert not TRAPS & set(found) and res["valid"], found
+    # a GPT-3-style model (GELU, LayerNorm) trains with dropout: no dropout warning there
+    _, found = _codes(STOCK_3B.replace("--swiglu --normalization RMSNorm ", ""))
+    assert "recipe_dropout" not in found and "recipe_adam_beta2" in found
+
+
+def test_tokenizer_package_and_memory_near_capacity():
+    sp = TOKENIZERS / "sentencepiece-300.model"
+    res, found = _codes(STOCK_3B.replace("--tokenizer-type NullTokenizer --vocab-size 128256",
+                                         f"--tokenizer-type Llama2Tokenizer --tokenizer-model {sp}") + " " + RECIPE)
+    assert "sentencepiece" in found["tokenizer_needs_package"]["message"]
+    assert found["tokenizer_needs_package"]["fix"] == "pip install sentencepiece in the job's Python (or its container)"
+    # 25 layers of the stock 3B shape with unfused attention: predicted above 90 % of an H200, below its 139.8 GiB
+    res, found = _codes(STOCK_3B.replace("--num-layers 28", "--num-layers 25"), gpu="h200")
+    assert 0.9 * 139.8 < res["predicted_peak_gib"] <= 139.8 and res["valid"]
+    near = found["memory_near_capacity"]
+    assert near["severity"] == "warning" and "unfused" in near["message"] and "S x S" in near["fix"]
+    res, found = _codes(STOCK_3B.replace("--num-layers 28", "--num-layers 20"), gpu="h200")
+    assert "memory_near_capacity" not in found
+
+
+def test_conditional_flags_are_a_finding_of_their_condition():
+    """The GPT-OSS example's --enable-gpt-oss and --export-force-local-attention (Megatron-LM's
+    pretrain_gpt.py adds them where nvidia-modelopt imports): warnings naming that condition
+    and their source, not unknown flags; their values are not taken for stray words or handed
+    to Megatron's parser (which runs); a value outside the group's choices is an error."""
+    from megatron_skill.adapter import flags as megatron_flags
+
+    res, found = _codes(STOCK_3B + " " + RECIPE + " --enable-gpt-oss --export-force-local-attention "
+                        "--export-kv-cache-quant fp8 --export-model-type=GPTModel")
+    assert res["valid"] and "unknown_flag" not in found and "stray_arguments" not in found, found
+    cond = [w for w in res["warnings"] if w["code"] == "conditional_flag"]
+    assert {w["message"].split()[0] for w in cond} == {"--enable-gpt-oss", "--export-force-local-attention",
+                                                         "--export-kv-cache-quant", "--export-model-type"}
+    assert all("nvidia-modelopt" in w["fix"] and "core_v0.19.0" in w["source"] for w in cond)
+    assert "ran at world size 1" in res["checks"]["megatron"]
+    res, found = _codes(STOCK_3B + " " + RECIPE + " --export-kv-cache-quant fp16")
+    assert not res["valid"] and "fp8_affine" in found["bad_value"]["fix"]
+    # none of the group is a flag of Megatron's own parser (else it would not be conditional)
+    known = megatron_flags.known_flags()
+    assert not any(f in known for g in megatron_flags.CONDITIONAL_GROUPS for f in g.flags)

@@ -79,6 +79,50 @@ OBSOLETE = {
 
 
 @dataclasses.dataclass(frozen=True)
+class ConditionalGroup:
+    """Flags an entry script adds to Megatron's parser only under a condition (an optional
+    package importing): each flag with the values it takes (0 or 1) and its choices."""
+    name: str
+    entry: str
+    condition: str
+    source: str
+    flags: dict[str, tuple[int, tuple[str, ...] | None]]
+
+
+# Read from NVIDIA/Megatron-LM at tag core_v0.19.0 (commit 5be9626709af2722333bf54797c954c09edeada3):
+# pretrain_gpt.py imports megatron.post_training.arguments.add_modelopt_args inside a try and,
+# where the import succeeds (has_nvidia_modelopt), passes it as extra_args_provider; the flags are
+# the add_argument calls of add_modelopt_args in megatron/post_training/arguments.py (its one
+# group, "modelopt-generic"). The megatron-core wheel ships no megatron.post_training.
+CONDITIONAL_GROUPS = (
+    ConditionalGroup(
+        name="modelopt", entry="pretrain_gpt",
+        condition="Megatron-LM's pretrain_gpt.py adds it only where NVIDIA Model Optimizer imports "
+                  "(nvidia-modelopt installed beside a Megatron-LM checkout, whose megatron.post_training "
+                  "the megatron-core wheel does not ship)",
+        source="NVIDIA/Megatron-LM core_v0.19.0, megatron/post_training/arguments.py (add_modelopt_args), "
+               "used by pretrain_gpt.py when has_nvidia_modelopt",
+        flags={"--export-model-type": (1, ("GPTModel", "HybridModel", "MambaModel")),
+               "--export-legacy-megatron": (0, None), "--export-te-mcore-model": (0, None),
+               "--export-default-te-spec": (0, None), "--export-force-local-attention": (0, None),
+               "--export-kv-cache-quant": (1, ("none", "fp8", "fp8_affine", "nvfp4", "nvfp4_affine", "nvfp4_rotate")),
+               "--export-real-quant-cfg": (1, ("fp8_real_quant", "fp8_blockwise_real_quant", "None")),
+               "--export-quant-cfg": (1, None), "--export-kd-teacher-load": (1, None),
+               "--export-kd-teacher-model-config": (1, None),
+               "--export-kd-teacher-ckpt-format": (1, ("torch", "torch_dist", "torch_dcp")),
+               "--export-kd-cfg": (1, None), "--finetune-hf-dataset": (1, None), "--finetune-data-split": (1, None),
+               "--qad-train-target": (1, ("base", "mtp", "both")), "--freeze-base-for-mtp": (0, None),
+               "--export-qk-l2-norm": (0, None), "--export-moe-apply-probs-on-input": (0, None),
+               "--export-offline-model": (0, None), "--modelopt-enabled": (0, None), "--enable-gpt-oss": (0, None)}),
+)
+
+
+def conditional_group(flag: str) -> ConditionalGroup | None:
+    """The optional argument group that holds flag, or None."""
+    return next((g for g in CONDITIONAL_GROUPS if flag in g.flags), None)
+
+
+@dataclasses.dataclass(frozen=True)
 class Retired:
     """A flag Megatron's own code says is retired: its words, and whether validate_args stops
     on it (an assert or an exit) or reads on (ignored or translated, said in its help)."""

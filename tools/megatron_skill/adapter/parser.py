@@ -233,3 +233,41 @@ def _set_env(env: dict[str, str | None]) -> None:
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+
+
+# Megatron 0.19's parser defaults for the values validate compares with training recipes, as
+# recorded from megatron-core 0.19.2; used only where megatron-core is not installed (defaults()
+# reads the installed parser otherwise).
+RECORDED_DEFAULTS = {"hidden_dropout": 0.1, "attention_dropout": 0.1, "adam_beta1": 0.9, "adam_beta2": 0.999,
+                     "weight_decay": 0.01, "lr_warmup_iters": 0, "lr_warmup_fraction": None,
+                     "lr_warmup_samples": 0, "distributed_backend": "nccl"}
+
+
+def defaults(dests: tuple[str, ...] = tuple(RECORDED_DEFAULTS)) -> tuple[dict[str, Any], str]:
+    """Megatron's own defaults for dests: its parser run on no arguments (the installed
+    megatron-core, remembered on disk per version), or the values recorded from 0.19 where it is
+    not installed; and which of the two answered."""
+    if not available():
+        return {d: RECORDED_DEFAULTS.get(d) for d in dests}, "recorded from megatron-core 0.19.2 (not installed here)"
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        megatron = version("megatron-core")
+    except PackageNotFoundError:
+        megatron = "unknown"
+    key = hashlib.sha256(json.dumps(["defaults", megatron, sorted(dests)]).encode()).hexdigest()[:32]
+    path = _cache_dir() / f"{key}.json"
+    try:
+        return json.loads(path.read_text()), f"Megatron's parser (megatron-core {megatron})"
+    except (OSError, ValueError):
+        pass
+    try:
+        args = parse([])
+    except ToolError:
+        return {d: RECORDED_DEFAULTS.get(d) for d in dests}, "recorded from megatron-core 0.19.2 (its parser failed here)"
+    found = {d: getattr(args, d, None) for d in dests}
+    found = {d: v if isinstance(v, (int, float, str, bool, type(None))) else str(v) for d, v in found.items()}
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, json.dumps(found))
+    return found, f"Megatron's parser (megatron-core {megatron})"

@@ -132,8 +132,12 @@ def _flag_findings(launch: Launch) -> tuple[list[dict], list[str]]:
     clean: list[str] = []
     skip_values = False
     owner, room, stray = None, 0, []   # the flag whose values are being read, and how many it still takes
+    choose = None   # a conditional flag whose value comes next, and the values it takes
     for a in launch.args:
         if not a.startswith("--"):
+            if choose is not None:
+                findings.extend(_choice(choose[0], a, choose[1], launch))
+                choose = None
             if skip_values:
                 continue
             if room == 0:
@@ -145,7 +149,7 @@ def _flag_findings(launch: Launch) -> tuple[list[dict], list[str]]:
             clean.append(a)
             continue
         flag = a.split("=", 1)[0]
-        skip_values = False
+        skip_values, choose = False, None
         if flag in known:
             owner = flag
             n = megatron_flags.arity(flag)
@@ -162,6 +166,22 @@ def _flag_findings(launch: Launch) -> tuple[list[dict], list[str]]:
                 clean.append(a)
             else:
                 skip_values = True
+            continue
+        group = megatron_flags.conditional_group(flag) if flag not in known else None
+        if group is not None:
+            n, choices = group.flags[flag]
+            value = a.split("=", 1)[1] if "=" in a else None
+            findings.append(_finding(
+                "conditional_flag", f"{flag} is a flag of Megatron's optional {group.name} arguments: "
+                f"{group.condition}; elsewhere (the skill's entry, or no nvidia-modelopt) the parser refuses it",
+                "run this launch where nvidia-modelopt imports (NGC's PyTorch container with a Megatron-LM "
+                f"checkout of the same tag), or drop {flag}" + (f" (values: {', '.join(choices)})" if choices else ""),
+                launch.where(flag), severity="warning", source=group.source))
+            if choices and value is not None:
+                findings.extend(_choice(flag, value, choices, launch))
+            owner, room = None, 0
+            skip_values = n > 0 and value is None
+            choose = (flag, choices) if skip_values and choices else None
             continue
         if flag not in known:
             hint = megatron_flags.suggest(flag)
@@ -187,6 +207,14 @@ def _flag_findings(launch: Launch) -> tuple[list[dict], list[str]]:
     return findings, clean
 
 
+def _choice(flag: str, value: str, choices: tuple[str, ...], launch: Launch) -> list[dict]:
+    """A bad_value error where a conditional flag's value is not one of its choices ($ left alone)."""
+    if value in choices or "$" in value:
+        return []
+    return [_finding("bad_value", f"{flag} {value}: not one of its choices ({', '.join(choices)})",
+                     f"give one of {', '.join(choices)}", launch.where(flag))]
+
+
 def _obsolete_message(flag: str, entry: megatron_flags.Obsolete, known: bool) -> str:
     """What Megatron 0.19 does with an obsolete flag, in its own words where its code has them."""
     retired = megatron_flags.megatron_retired().get(flag)
@@ -209,7 +237,7 @@ def fixed_vector(args: list[str]) -> list[str]:
     for a in out:
         flag, eq, value = a.partition("=")
         if a.startswith("--"):
-            if flag not in known:
+            if flag not in known and megatron_flags.conditional_group(flag) is None:
                 hint = megatron_flags.suggest(flag) or ""
                 m = re.fullmatch(r"did you mean (--[\w-]+)\?", hint)
                 if m:
@@ -262,8 +290,73 @@ def check_launch(launch: Launch, gpu_name: str | None, recheck_fix: bool = True)
             findings.append(_finding("local_needs_no_fusion", "--transformer-impl local without " + " ".join(missing),
                                      "add them where Transformer Engine and apex are absent (the fused paths import "
                                      "them and fail)", severity="warning"))
+    _recipe_traps(launch, ns, model, findings, checks)
     _megatron_checks(launch, clean, findings, checks, have_megatron)
     return _close(result, findings, launch, gpu_name, recheck_fix)
+
+
+# What training recipes (Llama, GPT-3, Qwen, NVIDIA's own) set where Megatron's defaults differ.
+RECIPE_VALUES = {"adam_beta2": 0.95, "weight_decay": 0.1}
+TOKENIZER_PACKAGES = {"SentencePieceTokenizer": "sentencepiece", "GPTSentencePieceTokenizer": "sentencepiece",
+                      "Llama2Tokenizer": "sentencepiece", "TikTokenizer": "tiktoken",
+                      "HuggingFaceTokenizer": "transformers"}
+
+
+def _recipe_traps(launch: Launch, ns: argparse.Namespace, model: ModelConfig | None, findings: list[dict],
+                  checks: dict[str, str]) -> None:
+    """Warnings for what a training launch leaves to Megatron's defaults where those differ from
+    what training recipes use (the defaults read from Megatron's own parser), for a backend flag
+    that old scripts carry, and for the package a tokenizer type needs where the job runs."""
+    if launch.kind == "other":
+        return   # inference, conversion: no training recipe, and an entry with its own tokenizer handling
+    given = {a.split("=", 1)[0] for a in launch.args if a.startswith("--")}
+    kind = getattr(ns, "tokenizer_type", None)
+    package = TOKENIZER_PACKAGES.get(kind or "")
+    if package:
+        import importlib.util
+        here = "installed here" if importlib.util.find_spec(package) else "not installed here"
+        findings.append(_finding("tokenizer_needs_package", f"--tokenizer-type {kind} needs the {package} package "
+                                 f"where the job runs ({here}); without it Megatron stops when it builds the "
+                                 "tokenizer", f"pip install {package} in the job's Python (or its container)",
+                                 launch.where("--tokenizer-type"), severity="warning"))
+    backend = getattr(ns, "distributed_backend", None)
+    if "--distributed-backend" in given:
+        if backend == "gloo":
+            findings.append(_finding("distributed_backend", "--distributed-backend gloo: every collective of a GPU "
+                                     "run goes through the host (far slower than NCCL, and Megatron's overlapped "
+                                     "communication assumes NCCL)", "drop --distributed-backend gloo (NCCL is "
+                                     "Megatron's default)", launch.where("--distributed-backend"), severity="warning"))
+        else:
+            findings.append(_finding("distributed_backend", f"--distributed-backend {backend} is Megatron's default "
+                                     "already: a flag old scripts carry that changes nothing", "drop it",
+                                     launch.where("--distributed-backend"), severity="warning"))
+    if launch.info.get("fragment"):
+        return   # flags kept elsewhere: the recipe is not all here
+    dflt, source = megatron_parser.defaults()
+    checks["recipe"] = f"Megatron's defaults from {source}"
+    llama_style = model is not None and (model.activation == "swiglu" or model.normalization == "RMSNorm")
+    unset_dropout = [f"--{d.replace('_', '-')}" for d in ("hidden_dropout", "attention_dropout")
+                     if f"--{d.replace('_', '-')}" not in given and (dflt.get(d) or 0) > 0]
+    if llama_style and unset_dropout:
+        findings.append(_finding("recipe_dropout", f"{' and '.join(unset_dropout)} not set: Megatron's default "
+                                 f"{dflt.get('hidden_dropout')} applies, while Llama-style recipes (SwiGLU, RMSNorm) "
+                                 "train without dropout; it also costs speed and memory (the dropout masks)",
+                                 " ".join(f"{f} 0.0" for f in unset_dropout), severity="warning"))
+    for dest, recipe in RECIPE_VALUES.items():
+        flag = f"--{dest.replace('_', '-')}"
+        if flag not in given and dflt.get(dest) is not None and dflt[dest] != recipe:
+            findings.append(_finding(f"recipe_{dest}", f"{flag} not set: Megatron's default {dflt[dest]} applies, "
+                                     f"while LLM pre-training recipes use {recipe}", f"{flag} {recipe}",
+                                     severity="warning"))
+    warmup = ("--lr-warmup-iters", "--lr-warmup-samples", "--lr-warmup-fraction")
+    if not given & set(warmup) and not (dflt.get("lr_warmup_iters") or dflt.get("lr_warmup_samples")
+                                        or dflt.get("lr_warmup_fraction")):
+        iters = getattr(ns, "train_iters", None)
+        hint = f" (about {max(1, iters // 100):,} of its {iters:,} iterations)" if isinstance(iters, int) and iters else ""
+        findings.append(_finding("no_lr_warmup", "no learning-rate warm-up: Megatron starts at the full --lr "
+                                 "(its default warm-up is 0), which recipes avoid; the first steps' loss can spike "
+                                 "or diverge", f"--lr-warmup-iters N, about 1 % of the run{hint}",
+                                 severity="warning"))
 
 
 def _readable(clean: list[str], launch: Launch, findings: list[dict],
@@ -423,6 +516,16 @@ def _memory(launch: Launch, ns: argparse.Namespace, model: ModelConfig, lay: Lay
                                  f"({gpu.memory_gib} GiB) with {attention} attention", fix))
     else:
         out["fit"] = f"fits {gpu.key}'s {gpu.memory_gib} GiB"
+        if peak > NEAR_CAPACITY * gpu.memory_gib:
+            fix = ("leave headroom: a smaller --micro-batch-size, selective recompute, or more TP/PP; "
+                   "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True against fragmentation")
+            if attention == "unfused":
+                fix = ("attention that keeps no S x S scores (Transformer Engine's layers, or the skill's entry "
+                       "with SDPA) frees the most; or " + fix)
+            findings.append(_finding("memory_near_capacity", f"predicted {peak:.1f} of {gpu.key}'s "
+                                     f"{gpu.memory_gib} GiB per GPU ({peak / gpu.memory_gib:.0%}) with {attention} "
+                                     "attention: the allocator's cache, fragmentation and NCCL's buffers can tip "
+                                     "it over", fix, severity="warning"))
     return out
 
 
@@ -513,6 +616,11 @@ def _close(result: dict[str, Any], findings: list[dict], launch: Launch, gpu_nam
             result["fixed_args"] = {"args": fixed, "valid": not errors,
                                     "remaining_errors": [f"{f['code']}: {f['message']}" for f in errors]}
     return result
+
+
+# A predicted peak above this share of the GPU's memory is a warning (the prediction's own
+# allowance for the CUDA context and NCCL is inside the peak; the allocator's cache is not).
+NEAR_CAPACITY = 0.9
 
 
 # ---- reading what was given ----------------------------------------------------------
