@@ -24,7 +24,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, missing
+from conftest import ROOT, missing, require_modules
 
 from megatron_skill.events import event as ev
 
@@ -400,3 +400,97 @@ def test_the_gateway_admits_signed_events_once_and_the_agent_runs_on_event_as_th
     assert refused["ok"] is False and refused["error"]["code"] == "refused"
     assert steps[-1]["step"]["text"] == "on-event refused the event: refused"
     assert forged["event_id"] not in (gateway.runs_root / ".events" / run_id / "ledger.json").read_text()
+
+
+def _records(run_dir: Path) -> list[dict]:
+    path = run_dir / "events.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def _outcomes(run_dir: Path) -> dict[str, str]:
+    path = run_dir / emitter_outbox()
+    out = {}
+    for line in path.read_text().splitlines() if path.exists() else []:
+        rec = json.loads(line)
+        if "done" in rec:
+            out[rec["done"]] = rec["outcome"]
+    return out
+
+
+def emitter_outbox() -> str:
+    from megatron_skill.events import emit
+
+    return emit.OUTBOX
+
+
+def _checkpoint(run_dir: Path) -> int:
+    f = run_dir / "checkpoints" / "latest_checkpointed_iteration.txt"
+    text = f.read_text().strip() if f.exists() else ""
+    return int(text) if text.isdigit() else 0
+
+
+@pytest.mark.slow
+def test_a_cpu_run_killed_then_finished_wakes_one_agent_run_per_event_with_the_intended_actions(gateway, tmp_path):
+    """A CPU training run reports to the Gateway: started, checkpoints, killed (SIGKILL to
+    torchrun's process group), started again, finished. Every event is admitted once and
+    wakes one agent run, whose on-event answers: the kill waits for a person with its resume,
+    the finish is summarised."""
+    require_modules("torch", "megatron.core")
+    request = {"model": "tiny-gpt", "backend": "cpu", "seq_length": 64, "global_batch_size": 4,
+               "runs_root": str(gateway.runs_root),
+               "training": {"train_iters": 30, "save_interval": 10, "log_interval": 1}}
+    req_file = tmp_path / "train.json"
+    req_file.write_text(json.dumps(request))
+    env = {**os.environ, **gateway.emitter_env()}
+    argv = [sys.executable, str(ROOT / "tools" / "launch.py"), "train", "--request", str(req_file)]
+    train = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    run_dir = _wait(lambda: next((p for p in gateway.runs_root.glob("*/cpu_run.json")), None), 120,
+                    "the run folder").parent
+    _wait(lambda: _checkpoint(run_dir) >= 10, 300, "the checkpoint at iteration 10")
+    torchrun = _wait(lambda: [int(p) for p in subprocess.run(["pgrep", "-f", f"torch.distributed.run.*{run_dir}"],
+                                                             capture_output=True, text=True).stdout.split()],
+                     30, "torchrun")
+    os.killpg(os.getpgid(torchrun[0]), signal.SIGKILL)  # its process group only: the worker has a session of its own
+    answer = json.loads(train.communicate(timeout=120)[0])
+    assert not answer["ok"] and answer["error"]["details"]["result"]["returncode"] == -signal.SIGKILL
+    killed_at = _checkpoint(run_dir)
+    assert killed_at < 30  # the worker was stopped with torchrun: the run did not go on to its end
+
+    finished = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600)
+    result = json.loads(finished.stdout)["result"]
+    assert result["returncode"] == 0 and result["resumed_from"] == killed_at
+
+    def delivered():
+        records, outcomes = _records(run_dir), _outcomes(run_dir)
+        ends = [r for r in records if r["type"] in ("job.failed", "job.finished")]
+        if len(ends) == 2 and all(outcomes.get(r["event_id"]) == "delivered" for r in records):
+            return records
+        from megatron_skill.events import emit
+        emit.flush(run_dir, gateway.url, HOOK_TOKEN, 30)  # what a later emitter call of the run would do
+        return None
+
+    records = _wait(delivered, 240, "every event of the run delivered")
+    kinds = [r["type"] for r in records]
+    assert kinds.count("job.started") == 2 and kinds.count("checkpoint.saved") >= 2
+    answers = {}
+    for record in records:
+        steps = _wait(lambda r=record: gateway.model.finished(r["event_id"]), 300, f"the agent's answer to {record['type']}")
+        assert len(gateway.model.runs(record["event_id"])) == 1, record["type"]
+        answers[record["event_id"]] = _answer(steps[-1]["results"][-1])["result"]
+    failed = next(r for r in records if r["type"] == "job.failed")
+    done = next(r for r in records if r["type"] == "job.finished")
+    assert failed["details"]["signal"] == "SIGKILL" and failed["job"]["job_id"] == f"{run_dir.name}.0"
+    kill = answers[failed["event_id"]]
+    assert kill["verdict"] == "handled" and kill["cause"] == "killed"
+    (resume,) = kill["actions"]
+    assert resume["kind"] == "resume" and resume["needs_person"] and not resume.get("applied")
+    summary = answers[done["event_id"]]
+    assert summary["verdict"] == "handled" and summary["actions"][0]["kind"] == "summary"
+    for record in records:
+        if record["type"] in ("job.started", "checkpoint.saved"):
+            assert answers[record["event_id"]]["verdict"] == "noted"
+    # The record on-event keeps: the killed job's incident decided once, nothing started.
+    ledger = json.loads((gateway.runs_root / ".events" / run_dir.name / "ledger.json").read_text())
+    text = json.dumps(ledger)
+    assert failed["event_id"] in text and done["event_id"] in text
+    assert not list((run_dir / "logs").glob("on-event-*.out"))
