@@ -144,3 +144,21 @@ def test_a_signed_nan_event_says_whether_the_log_shows_it(tmp_path, secret):
     (action,) = _on_event(seen, tmp_path / "runs")["result"]["actions"]
     assert action["evidence"]["source"] == "log" and "event alone" not in action["why"]
     assert contract.call("on-event", {"event": seen, "runs_root": str(tmp_path / "runs")})["ok"]
+
+
+def test_a_cpu_runs_diagnosis_points_at_its_own_ranks_and_no_gpu_tool(tmp_path, secret):
+    run = _cpu_run(tmp_path, ["5.0E+00"] * 12)
+    state = json.loads((run / "state.json").read_text())
+    (run / "state.json").write_text(json.dumps({**state, "backend": "cpu"}))
+    stall = ev.sign(_event("training.stalled", run_id=run.name, job_id=f"{run.name}.0", iteration=12,
+                           silent_s=900), secret)
+    (action,) = _on_event(stall, tmp_path / "runs")["result"]["actions"]
+    text = "\n".join(action["commands"])
+    assert action["kind"] == "diagnose" and "pretrain_gpt.py" not in text and "nvidia-smi" not in text
+    assert f"py-spy dump --pid $(pgrep -n -f 'cpu_loop.py {run / 'cpu_run.json'}')" in text
+    # A GPU run's diagnosis keeps them.
+    (run / "state.json").write_text(json.dumps({**state, "backend": "gpu"}))
+    gpu = ev.sign(_event("training.stalled", run_id=run.name, job_id=f"{run.name}.1", iteration=12,
+                         silent_s=900), secret)
+    text = "\n".join(_on_event(gpu, tmp_path / "runs")["result"]["actions"][0]["commands"])
+    assert "pretrain_gpt.py" in text and "nvidia-smi" in text

@@ -320,12 +320,17 @@ def diagnose(run: Run, event: dict[str, Any], found: dict[str, Any], what: str) 
     tail = event.get("details", {}).get("log_tail") or _tail(run.log)
     ranks = sorted({r for f in found.get("failures", []) for r in f.get("ranks", [])})
     commands = [_shell([sys.executable, str(LAUNCH), "logs", "--log", str(run.log)])]
-    if event["job"].get("scheduler") == "slurm":
+    if run.state.get("backend") == "cpu":
+        # train's CPU loop: its ranks are the newest processes naming the run's config (torchrun is older)
+        config = shlex.quote(f"cpu_loop.py {run.dir / 'cpu_run.json'}")
+        commands.append(f"py-spy dump --pid $(pgrep -n -f {config})   # the Python stack of a rank of the CPU run")
+    elif event["job"].get("scheduler") == "slurm":
         commands.append(f"srun --jobid {shlex.quote(event['job']['job_id'])} --overlap py-spy dump --pid $(pgrep -f "
                         "pretrain_gpt.py | head -n 1)   # the Python stack of a rank, on each node")
+        commands.append("nvidia-smi   # GPUs busy at 100 % in a collective, or idle")
     else:
         commands.append("py-spy dump --pid $(pgrep -f pretrain_gpt.py | head -n 1)   # the Python stack of a rank")
-    commands.append("nvidia-smi   # GPUs busy at 100 % in a collective, or idle")
+        commands.append("nvidia-smi   # GPUs busy at 100 % in a collective, or idle")
     why = {"training.stalled": f"no iteration for {event.get('details', {}).get('silent_s', '?')} s after iteration "
                                f"{event.get('details', {}).get('iteration', '?')}: a rank may hang in a collective "
                                "or on I/O",
