@@ -78,15 +78,60 @@ def test_the_flags_pass_megatrons_parser_and_read_back_as_the_same_options():
     from megatron_skill.adapter import arguments
     from megatron_skill.adapter import parser as megatron_parser
 
-    every = MegatronOptions(grad_reduce_in_bf16=True, fp8_param_gather=True, fsdp=True, cross_entropy_fusion=True)
-    argv = (arguments.model_args(LLAMA8B, 8192) + arguments.layout_args(DP8, LLAMA8B, H100) + every.flags()
-            + ["--transformer-impl", "transformer_engine"])
+    tp2 = Layout(tp=2, pp=1, dp=4, mbs=1, gbs=128, seq_length=8192, precision="fp8", sequence_parallel=True)
+    every = MegatronOptions(grad_reduce_in_bf16=True, fp8_param_gather=True, fsdp=True, cross_entropy_fusion=True,
+                            cuda_graph_impl="transformer_engine", cuda_graph_modules=("attn", "mlp"))
+    te = arguments.te_only_args(tp2, H100, False, LLAMA8B, None, every)
+    assert "--tp-comm-overlap" in te and te[-5:] == ["--cuda-graph-impl", "transformer_engine",
+                                                     "--cuda-graph-modules", "attn", "mlp"]
+    argv = (arguments.model_args(LLAMA8B, 8192) + arguments.layout_args(tp2, LLAMA8B, H100) + every.flags()
+            + ["--transformer-impl", "transformer_engine"] + te)
     ns = megatron_parser.parse(argv, world_size=8, env={})   # FSDP wants CUDA_DEVICE_MAX_CONNECTIONS unset
     assert MegatronOptions.from_args(ns) == every
-    assert MegatronOptions.from_args(megatron_parser.parse(argv[: -len(every.flags()) - 2]
-                                                           + ["--transformer-impl", "transformer_engine"],
-                                                           world_size=8, env={})) == MegatronOptions()
+    # a script without the flags: Megatron's defaults, the TP overlap off too
+    bare = arguments.model_args(LLAMA8B, 8192) + arguments.layout_args(tp2, LLAMA8B, H100)
+    one_queue = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}   # TP without FSDP wants one kernel queue
+    assert MegatronOptions.from_args(megatron_parser.parse(bare + ["--transformer-impl", "transformer_engine"],
+                                                           world_size=8, env=one_queue)) == \
+        MegatronOptions(tp_comm_overlap=False)
+    # the whole iteration captured: Megatron asserts the NaN check off, which the flags carry
+    whole = MegatronOptions(cuda_graph_impl="full_iteration", tp_comm_overlap=False)
+    ns = megatron_parser.parse(bare + ["--transformer-impl", "transformer_engine"] + whole.te_flags(),
+                               world_size=8, env=one_queue)
+    assert MegatronOptions.from_args(ns) == whole
+    # no TP overlap asked: none written, and the TP collectives cost more
+    assert "--tp-comm-overlap" not in arguments.te_only_args(tp2, H100, False, LLAMA8B, None,
+                                                             MegatronOptions(tp_comm_overlap=False))
 
+
+def test_the_tp_overlap_and_cuda_graphs_are_costed_where_they_run():
+    tp8 = Layout(tp=8, pp=1, dp=1, mbs=1, gbs=16, seq_length=8192, precision="bf16", sequence_parallel=True)
+    on = predict(LLAMA8B, H100, tp8, 128256, _opts()).time
+    off = predict(LLAMA8B, H100, tp8, 128256, _opts(tp_comm_overlap=False)).time
+    assert off.tp_comm > 2 * on.tp_comm > 0
+    # beyond one NVLink domain no overlap runs (render writes none), asked or not
+    tp16 = dataclasses.replace(tp8, tp=16)
+    assert predict(LLAMA8B, H100, tp16, 128256, _opts()).time.tp_comm == pytest.approx(
+        predict(LLAMA8B, H100, tp16, 128256, _opts(tp_comm_overlap=False)).time.tp_comm)
+    # graphs take the host's launch time of what they capture, nothing else
+    layers = predict(LLAMA8B, H100, tp8, 128256, _opts(cuda_graph_impl="transformer_engine")).time
+    half = predict(LLAMA8B, H100, tp8, 128256, _opts(cuda_graph_impl="transformer_engine",
+                                                      cuda_graph_modules=("attn",))).time
+    whole = predict(LLAMA8B, H100, tp8, 128256, _opts(cuda_graph_impl="full_iteration")).time
+    assert whole.host == 0 < layers.host < half.host < on.host
+    assert layers.total - layers.host == pytest.approx(on.total - on.host)
+
+
+@pytest.mark.parametrize("options, field", [
+    ({"cuda_graph_impl": "transformer_engine"}, "cuda_graph_impl"),           # without TE
+    ({"cuda_graph_modules": ["attn"]}, "cuda_graph_modules"),                 # modules without graphs
+])
+def test_cuda_graph_requests_that_cannot_run_are_bad_requests(options, field):
+    from megatron_skill.errors import ToolError
+
+    with pytest.raises(ToolError) as err:
+        MegatronOptions.from_request(options).check_request("bf16", te=False)
+    assert err.value.code == "bad_request" and err.value.where.endswith(field)
 
 def test_render_writes_them_from_a_plan_and_validate_reads_the_script_back_valid(tmp_path):
     require_modules("megatron.training")
@@ -137,3 +182,24 @@ def test_validate_reads_fsdps_gradient_dtype_as_megatron_turns_it():
         argv = base + (["--megatron-fsdp-main-grads-dtype", dtype] if dtype else [])
         ns = megatron_parser.parse(argv, world_size=8, env={})
         assert MegatronOptions.from_args(ns).bf16_grads is bf16, (dtype, ns.megatron_fsdp_main_grads_dtype)
+
+
+def test_render_writes_cuda_graphs_on_the_te_branch_with_the_environment_megatron_asserts():
+    require_modules("megatron.training")
+    from megatron_skill.contract import call
+
+    res = call("render", {"model": "llama3-8b", "num_gpus": 8, "launcher": "torchrun", "precision": "fp8",
+                          "layout": {"tp": 2, "pp": 1, "mbs": 1}, "training": {"mock_data": True}, "dry_run": True,
+                          "megatron_options": {"cuda_graph_impl": "transformer_engine",
+                                               "cuda_graph_modules": ["attn", "mlp"]}})
+    assert res["ok"], res
+    script = res["result"]["files"][0]["content"]
+    te_branch = next(line for line in script.splitlines() if "--transformer-impl transformer_engine" in line)
+    assert "--tp-comm-overlap --cuda-graph-impl transformer_engine --cuda-graph-modules attn mlp" in te_branch
+    assert "--cuda-graph-impl" not in " ".join(res["result"]["megatron_args"])   # not on the local branch
+    # TE's graphs under the script's expandable segments: Megatron asserts NCCL's graph registration off
+    assert "export NCCL_GRAPH_REGISTER=${NCCL_GRAPH_REGISTER:-0}" in script
+    off = call("render", {"model": "llama3-8b", "num_gpus": 8, "launcher": "torchrun",
+                          "layout": {"tp": 2, "pp": 1, "mbs": 1}, "training": {"mock_data": True}, "dry_run": True,
+                          "megatron_options": {"tp_comm_overlap": False}})
+    assert "--tp-comm-overlap" not in off["result"]["files"][0]["content"]

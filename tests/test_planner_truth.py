@@ -179,6 +179,27 @@ def test_the_step_temporaries_are_those_of_the_optimizer_shard():
     assert _stage(MODEL_3B, dp4, _local()).step_transient == pytest.approx(4 * min(128256 * 3072, four.params / 4))
 
 
+def test_the_fp32_copy_of_a_bf16_gradient_shard_lives_through_the_step_only():
+    """Megatron's distributed optimizer copies bf16 main gradients into fp32 for its shard at the
+    step (_copy_model_grads_to_main_grads) and frees them at the next zero_grad, before any
+    forward: a step temporary beside Adam's, never beside the activations."""
+    import dataclasses
+
+    from megatron_skill.core.memory import BF16, FP32, MemoryOptions, stage_memory
+
+    llama = resolve_model({"model": "llama3-8b"})
+    lay = Layout(tp=1, pp=1, dp=8, mbs=1, gbs=64, seq_length=8192)
+    fp32 = stage_memory(llama, lay, 0, 128256, MemoryOptions())
+    bf16 = stage_memory(llama, lay, 0, 128256, MemoryOptions(grad_bytes=BF16))
+    assert bf16.optimizer == pytest.approx(fp32.optimizer)
+    shard = fp32.optimizer / 12
+    assert bf16.step_transient == pytest.approx(fp32.step_transient + FP32 * shard)
+    assert bf16.gradients == pytest.approx(fp32.gradients / 2)
+    # at PP 2 the second rank is the last stage (it holds the output layer), named so
+    pp2 = memory_report(llama, dataclasses.replace(lay, pp=2, dp=4), 128256)
+    assert set(pp2) == {"first_stage", "last_stage"} and pp2["last_stage"].logits > 0
+
+
 def test_the_runtime_takes_the_fused_head_by_the_core_rule():
     """runtime/fused_head.py asks core.memory.fused_head_runs: 8 tokens in chunks of 4 with a tiny
     hidden size keep less than the logits, so the fused path runs (the layer's pre-hook fires);

@@ -11,6 +11,7 @@ from typing import Any
 
 from ..core.catalog import GPUSpec
 from ..core.layout import Layout
+from ..core.megatron_options import MegatronOptions
 from ..core.model import ModelConfig
 from ..core.moe import MoEOptions
 from ..core.options import RuntimeOptions
@@ -31,18 +32,21 @@ TE_FP8_FLAGS = ("--fp8-format", "--fp8-recipe")
 
 
 def te_only_args(lay: Layout, gpu: GPUSpec, fake_rank: bool, model: ModelConfig | None = None,
-                 moe: MoEOptions | None = None) -> list[str]:
+                 moe: MoEOptions | None = None, megatron: MegatronOptions | None = None) -> list[str]:
     """Flags for Transformer Engine's layers only: tensor-parallel communication overlapped with
     the GEMMs (TE's userbuffers: Megatron asserts sequence parallelism; the buffers are shared
     through NVLink, so every TP rank must sit in one NVLink domain; references/parallelism-guide.md,
-    "TP communication overlap", says where it comes from), and TE's fused token permutation of
-    an MoE model (Megatron refuses --moe-permute-fusion without TE's kernels)."""
+    "TP communication overlap", says where it comes from; unless megatron_options turn it off),
+    TE's fused token permutation of an MoE model (Megatron refuses --moe-permute-fusion without
+    TE's kernels) and the CUDA graphs the options ask for."""
+    megatron = megatron or MegatronOptions()
     a = []
-    if lay.tp > 1 and lay.sequence_parallel and lay.tp <= gpu.nvlink_domain and not fake_rank:
+    if (megatron.tp_comm_overlap and lay.tp > 1 and lay.sequence_parallel and lay.tp <= gpu.nvlink_domain
+            and not fake_rank):
         a.append("--tp-comm-overlap")
     if model is not None and model.is_moe and (moe or MoEOptions()).permute_fusion:
         a.append("--moe-permute-fusion")
-    return a
+    return a + megatron.te_flags()
 
 
 def split_te_fp8(argv: list[str]) -> tuple[list[str], list[str]]:

@@ -1,9 +1,10 @@
-"""Megatron's own options beyond the layout that change memory and communication, as NVIDIA's
-recipes set them: gradients reduced in bf16, FP8 weights gathered, Megatron-FSDP sharding
-weights and gradients too, and the fused cross-entropy. One value.
+"""Megatron's own options beyond the layout that change memory, communication and launch overhead,
+as NVIDIA's recipes set them: gradients reduced in bf16, FP8 weights gathered, Megatron-FSDP
+sharding weights and gradients too, the fused cross-entropy, TP communication overlapped with the
+GEMMs, CUDA graphs. One value.
 
 Its defaults are the request schema's (schemas/common.json, `megatron_options`), which are
-Megatron's own (all off). The planner costs them (core/memory.py, core/timing.py), render writes
+Megatron's own (all off) but for the TP overlap, which the skill turns on where TE can run it. The planner costs them (core/memory.py, core/timing.py), render writes
 them as Megatron's flags, validate reads them back from a script (adapter/described.py), and the
 rule book (core/layout.py, options_rules) holds their rules.
 """
@@ -22,11 +23,15 @@ class MegatronOptions:
     fp8_param_gather: bool = False       # --fp8-param-gather: TE's FP8 weights, gathered in FP8
     fsdp: bool = False                   # --use-megatron-fsdp, optim_grads_params: weights and gradients sharded
     cross_entropy_fusion: bool = False   # --cross-entropy-loss-fusion: no fp32 copy of the logits
+    tp_comm_overlap: bool = True         # --tp-comm-overlap where TE, SP and one NVLink domain allow it
+    cuda_graph_impl: str = "none"        # --cuda-graph-impl: none, local, transformer_engine, full_iteration
+    cuda_graph_modules: tuple[str, ...] = ()   # --cuda-graph-modules; empty: whole layers
     fsdp_grads_fp32: bool = False        # --megatron-fsdp-main-grads-dtype fp32 (read from scripts only)
 
     @classmethod
     def from_request(cls, options: dict[str, Any] | None) -> "MegatronOptions":
-        return cls(**{**schema_defaults("megatron_options"), **(options or {})})
+        values = {**schema_defaults("megatron_options"), **(options or {})}
+        return cls(**{**values, "cuda_graph_modules": tuple(values.get("cuda_graph_modules") or ())})
 
     @classmethod
     def from_args(cls, ns: Any) -> "MegatronOptions":
@@ -37,10 +42,20 @@ class MegatronOptions:
         # Megatron-FSDP keeps its main gradients in the dtype it is told, by default ('auto') the
         # parameters' (bf16); validate_args turns the name into a torch dtype
         fsdp_grads = str(getattr(ns, "megatron_fsdp_main_grads_dtype", None) or "auto").removeprefix("torch.")
+        # CUDA graphs: the deprecated --enable-cuda-graph / --external-cuda-graph name an
+        # implementation too; modules may be names or Megatron's enum values (after validate_args)
+        impl = str(getattr(ns, "cuda_graph_impl", None) or "none")
+        if impl == "none" and getattr(ns, "enable_cuda_graph", False):
+            impl = "local"
+        elif impl == "none" and getattr(ns, "external_cuda_graph", False):
+            impl = "transformer_engine"
+        modules = tuple(str(getattr(m, "name", m)) for m in (getattr(ns, "cuda_graph_modules", None) or ()))
         return cls(grad_reduce_in_bf16=bool(getattr(ns, "grad_reduce_in_bf16", False)),
                    fsdp_grads_fp32=fsdp and fsdp_grads in ("fp32", "float32"),
                    fp8_param_gather=bool(getattr(ns, "fp8_param_gather", False)), fsdp=fsdp,
-                   cross_entropy_fusion=bool(getattr(ns, "cross_entropy_loss_fusion", False)))
+                   cross_entropy_fusion=bool(getattr(ns, "cross_entropy_loss_fusion", False)),
+                   tp_comm_overlap=bool(getattr(ns, "tp_comm_overlap", False)),
+                   cuda_graph_impl=impl, cuda_graph_modules=tuple(m for m in modules if m != "full"))
 
     @property
     def bf16_grads(self) -> bool:
@@ -60,9 +75,52 @@ class MegatronOptions:
             raise ToolError("bad_request", "Megatron-FSDP runs with Transformer Engine's layers (its adapter asserts "
                             "Transformer Engine 2.10 or newer)", where="/megatron_options/fsdp",
                             fix="plan for Transformer Engine, or drop fsdp")
+        if self.cuda_graph_impl != "none" and not te:
+            raise ToolError("bad_request", "CUDA graphs are planned for Transformer Engine's layers only (the skill's "
+                            "local path is not captured)", where="/megatron_options/cuda_graph_impl",
+                            fix="plan for Transformer Engine, or set cuda_graph_impl to none")
+        if self.cuda_graph_modules and self.cuda_graph_impl in ("none", "full_iteration"):
+            raise ToolError("bad_request", f"cuda_graph_modules choose parts of per-layer graphs; with cuda_graph_impl "
+                            f"{self.cuda_graph_impl} they {'do nothing' if self.cuda_graph_impl == 'none' else 'are refused by Megatron'}",
+                            where="/megatron_options/cuda_graph_modules",
+                            fix="set cuda_graph_impl to transformer_engine or local, or leave cuda_graph_modules empty")
+        if "moe_preprocess" in self.cuda_graph_modules and "moe_router" not in self.cuda_graph_modules:
+            raise ToolError("bad_request", "the MoE preprocessing is captured only together with the router",
+                            where="/megatron_options/cuda_graph_modules", fix="add moe_router")
+
+    def graphed_layer_share(self, moe_layer: bool) -> float:
+        """The share of a layer's kernel launches that its CUDA graphs replay without the host: all
+        of it for whole layers (or the whole iteration); attention and MLP each half (assumed: the
+        two halves launch alike); the MoE router, with or without the dispatcher's preprocessing,
+        a quarter (assumed) of an MoE layer."""
+        if self.cuda_graph_impl == "none":
+            return 0.0
+        mods = set(self.cuda_graph_modules)
+        if self.cuda_graph_impl == "full_iteration" or not mods:
+            return 1.0
+        mlp = ("moe" in mods or 0.5 * ("moe_router" in mods)) if moe_layer else "mlp" in mods
+        return 0.5 * ("attn" in mods) + 0.5 * float(mlp)
+
+    def te_flags(self) -> list[str]:
+        """Flags that run only on Transformer Engine's layers (with the TP overlap, which depends on
+        the layout: adapter/arguments.py, te_only_args)."""
+        if self.cuda_graph_impl == "none":
+            return []
+        a = ["--cuda-graph-impl", self.cuda_graph_impl]
+        if self.cuda_graph_modules:
+            a += ["--cuda-graph-modules", *self.cuda_graph_modules]
+        if self.cuda_graph_impl == "full_iteration":   # Megatron asserts the NaN check off under it
+            a.append("--no-check-for-nan-in-loss-and-grad")
+        return a
+
+    def env(self) -> dict[str, str]:
+        """Environment the options need: TE's graphs with PyTorch's expandable segments (which render
+        sets) need NCCL's graph registration off (Megatron asserts it: illegal memory accesses)."""
+        return {"NCCL_GRAPH_REGISTER": "0"} if self.cuda_graph_impl == "transformer_engine" else {}
 
     def to_json(self) -> dict[str, Any]:
-        return {k: v for k, v in dataclasses.asdict(self).items() if k != "fsdp_grads_fp32"}
+        out = {k: v for k, v in dataclasses.asdict(self).items() if k != "fsdp_grads_fp32"}
+        return {**out, "cuda_graph_modules": list(self.cuda_graph_modules)}
 
     def flags(self) -> list[str]:
         """Megatron's flags for these options (the distributed optimizer comes with the layout;

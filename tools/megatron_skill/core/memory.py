@@ -335,11 +335,10 @@ def _state_bytes(model: ModelConfig, layers: tuple[int, ...], n_moe: int, first:
                       if model.is_moe else 0.0)
         weights = weights * (dense_local / shard + expert_local / eshard) / max(params, 1) + 2 * BF16 * layer_w
         gradients = grad_bytes * (dense_local / shard + expert_local / eshard) + 2 * BF16 * layer_w
-    # fp32 master weights and two Adam moments; with bf16 main gradients, the optimizer's fp32
-    # copy of its gradient shard too
-    per_param = 12 + (FP32 if grad_bytes < FP32 else 0)
+    # fp32 master weights and two Adam moments (the fp32 copy of a bf16 gradient shard lives only
+    # through the step: StageMemory.step_transient)
     shard_params = dense_local / shard + expert_local / eshard
-    return params, weights, gradients, per_param * shard_params, shard_params
+    return params, weights, gradients, 12 * shard_params, shard_params
 
 
 @functools.lru_cache(maxsize=65536)
@@ -427,6 +426,12 @@ def stage_memory(model: ModelConfig, lay: Layout, rank: int, padded_vocab: int,
         # clipping is done, its temporaries freed, before Adam's step allocates its own
         largest = max(padded_vocab * h / lay.tp if first or last else 0.0, _largest_layer_matrix(model, lay.tp, lay.etp))
         step_transient = max(step_transient, FP32 * min(largest, shard_params))
+    if opts.grad_bytes < FP32:
+        # Megatron's distributed optimizer gives its fp32 master shard a gradient copied from the
+        # bf16 main gradients at the step (_copy_model_grads_to_main_grads: .float()), alive through
+        # the clipping and Adam's step, freed by the next iteration's zero_grad (set_to_none)
+        # before any forward pass
+        step_transient += FP32 * shard_params
     groups = sum(x > 1 for x in (lay.tp, lay.pp, lay.cp, lay.dp, lay.ep))
     dynamic = max(activations + logits + transient, step_transient)
     allowance = (CONTEXT_GIB + NCCL_GIB_PER_GROUP * groups) * GIB + FRAGMENTATION * dynamic
@@ -462,5 +467,5 @@ def ranks_to_check(lay: Layout) -> list[int]:
 def memory_report(model: ModelConfig, lay: Layout, padded_vocab: int,
                   opts: MemoryOptions = MemoryOptions()) -> dict[str, StageMemory]:
     """Memory of the first, last (and a middle) pipeline rank; one entry when PP = 1."""
-    names = {0: "first_stage", lay.pp - 1: "last_stage", 1: "middle_stage"}
+    names = {0: "first_stage", 1: "middle_stage", lay.pp - 1: "last_stage"}   # at PP 2 rank 1 is the last
     return {names[r]: stage_memory(model, lay, r, padded_vocab, opts) for r in ranks_to_check(lay)}

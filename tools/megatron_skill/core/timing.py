@@ -74,11 +74,12 @@ class StepTime:
 class _Rates:
     """Seconds for the primitive operations on one GPU of a given kind."""
 
-    def __init__(self, gpu: GPUSpec, precision: str, te: bool):
+    def __init__(self, gpu: GPUSpec, precision: str, te: bool, tp_overlap: bool | None = None):
         cal = calibration(gpu.key)
-        # Transformer Engine overlaps TP collectives with GEMMs (--tp-comm-overlap); without
-        # it the forward ones are exposed and the backward ones half hidden behind wgrad GEMMs.
-        self.tp_exposed = cal["tp_exposed_te"] if te else cal["tp_exposed"]
+        # Transformer Engine overlaps TP collectives with GEMMs (--tp-comm-overlap, where it runs:
+        # tp_overlap); without it the forward ones are exposed and the backward ones half hidden
+        # behind wgrad GEMMs.
+        self.tp_exposed = cal["tp_exposed_te"] if (te if tp_overlap is None else tp_overlap) else cal["tp_exposed"]
         self.latency = cal["collective_latency_us"] * 1e-6
         self.cal = cal
         fp8 = precision == "fp8" and gpu.fp8_dense_tflops
@@ -298,14 +299,14 @@ ZERO_LAYER = (0.0,) * len(LAYER_FIELDS)
 @functools.lru_cache(maxsize=65536)
 def _layer_times(model: ModelConfig, gpu: GPUSpec, te: bool, fp8_linear: bool, tp: int, cp: int, ep: int, etp: int,
                  mbs: int, s: int, sp: bool, precision: str,
-                 moe_opts: MoEOptions = DEFAULT_MOE) -> dict[bool | str, tuple[float, ...]]:
+                 moe_opts: MoEOptions = DEFAULT_MOE, tp_overlap: bool | None = None) -> dict[bool | str, tuple[float, ...]]:
     """Seconds of one dense (key False) and one MoE layer (True) for one micro-batch, by
     LAYER_FIELDS, and one forward of the MoE block alone ("moe_forward"): what the layout decides
     of them (not the pipeline split or data parallelism, which the planner varies most), so cached
     across the layouts of a search."""
     lay = Layout(tp=tp, cp=cp, ep=ep, etp=etp, mbs=mbs, seq_length=s, sequence_parallel=sp, precision=precision)
-    rates = _Rates(gpu, precision if te else "bf16", te)
-    layer_rates = _Rates(gpu, "fp8", te) if fp8_linear else rates
+    rates = _Rates(gpu, precision if te else "bf16", te, tp_overlap)
+    layer_rates = _Rates(gpu, "fp8", te, tp_overlap) if fp8_linear else rates
     h, t = model.hidden_size, tp
     tokens = mbs * s / cp
     node = gpu.nvlink_domain
@@ -363,8 +364,10 @@ def step_time(model: ModelConfig, lay: Layout, gpu: GPUSpec, padded_vocab: int, 
 
     # the fused head takes the micro-batch only where it keeps less memory (the runtime's rule)
     head_fused = fused_head and not model.mtp_num_layers and fused_head_runs(tokens, h, padded_vocab / t)
+    # TE's TP overlap runs where render writes --tp-comm-overlap (adapter/arguments.py, te_only_args)
+    tp_overlap = te and megatron.tp_comm_overlap and sp and t <= node
     per_layer = _layer_times(model, gpu, te, fp8_linear, lay.tp, lay.cp, lay.ep, lay.etp, lay.mbs, s, sp,
-                             lay.precision, moe)
+                             lay.precision, moe, tp_overlap)
 
     # The busiest rank decides the pace of the pipeline: the one with most work per micro-batch.
     def rank_time(rank: int) -> tuple[StepTime, int]:
@@ -451,9 +454,18 @@ def step_time(model: ModelConfig, lay: Layout, gpu: GPUSpec, padded_vocab: int, 
     eshard = lay.expert_dp if lay.distributed_optimizer or megatron.fsdp else 1
     opt_params = dense_local / shard + expert_local / eshard
     st.optimizer = rates.memory_bound(opt_params * (3 * 2 * FP32 + FP32 + BF16) + (dense_local + expert_local) * FP32)
-    n_layers = max(len(rank_layers(model, lay, r)) for r in ranks)
     # Megatron's local layers launch a few dozen kernels a layer; the GPU waits on the host for
-    # part of them (calibrated per GPU); TE's fused layers launch far fewer.
+    # part of them (calibrated per GPU); TE's fused layers launch far fewer. CUDA graphs replay
+    # what they captured without the host: their share of each layer, and with the whole
+    # iteration captured the per-micro-batch work too.
     per_layer = rates.cal["layer_overhead_ms"] if te else rates.cal["layer_overhead_local_ms"]
-    st.host = m * (lay.vp * rates.cal["host_overhead_ms_per_microbatch"] + n_layers * per_layer) * 1e-3
+    layer_ms = 0.0
+    for r in ranks:
+        layers = rank_layers(model, lay, r)
+        n_moe = moe_layers_among(model, tuple(layers))
+        ungraphed = (len(layers) - n_moe) * (1 - megatron.graphed_layer_share(False)) + \
+            n_moe * (1 - megatron.graphed_layer_share(True))
+        layer_ms = max(layer_ms, ungraphed * per_layer)
+    per_mb = 0.0 if megatron.cuda_graph_impl == "full_iteration" else lay.vp * rates.cal["host_overhead_ms_per_microbatch"]
+    st.host = m * (per_mb + layer_ms) * 1e-3
     return st

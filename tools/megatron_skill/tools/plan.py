@@ -54,7 +54,9 @@ def _plan_json(rank: int, c: Candidate, gpu, model, include_args: bool, opts: Ru
     }
     if include_args:
         out["megatron_args"] = (megatron_args.model_args(model, lay.seq_length, opts.moe)
-                                + megatron_args.layout_args(lay, model, gpu, opts.moe) + opts.megatron.flags())
+                                + megatron_args.layout_args(lay, model, gpu, opts.moe) + opts.megatron.flags()
+                                + (megatron_args.te_only_args(lay, gpu, False, model, opts.moe, opts.megatron)
+                                   if opts.te else []))
     return out
 
 
@@ -204,6 +206,8 @@ def _warnings(result: dict[str, Any]) -> list[str]:
     if left < 0.05 * best["memory"]["gpu_gib"]:
         out.append(f"the best layout leaves only {left:.1f} GiB of {best['memory']['gpu_gib']} GiB free: "
                    "memory the planner does not model can still run it out of memory")
+    if ((result.get("request") or {}).get("megatron_options") or {}).get("cuda_graph_impl", "none") != "none":
+        out.append("CUDA graphs: the memory of their static buffers is not counted in the peak")
     if best["bottleneck"] not in ("gemm", "attention"):
         out.append(f"the best layout spends most of its step in {best['bottleneck']}, not in compute")
     return out

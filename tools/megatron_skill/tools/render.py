@@ -571,13 +571,15 @@ def build(req: dict, ctx: Context) -> dict[str, Any]:
                                         te=False)
     local_flags = megatron_args.local_impl_flags(local, skill_entry=skill_entry)
     common_argv, te_fp8 = megatron_args.split_te_fp8(argv)
-    te_args = te_fp8 + megatron_args.te_only_args(lay, gpu, fake is not None, model, moe)
+    te_args = te_fp8 + megatron_args.te_only_args(lay, gpu, fake is not None, model, moe, memory_options)
     # One kernel queue orders TP's and CP's communication before the GEMMs it overlaps (Hopper);
     # Megatron-FSDP refuses it (its prefetches need several queues).
     env = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if (lay.tp > 1 or lay.cp > 1) and not memory_options.fsdp else {}
     env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    env.update(memory_options.env())
     env.update(req.get("env") or {})
-    script_env = {"CUDA_DEVICE_MAX_CONNECTIONS": env.get("CUDA_DEVICE_MAX_CONNECTIONS")}
+    # what validate_args reads of the environment, as the script sets it
+    script_env = {k: env.get(k) for k in ("CUDA_DEVICE_MAX_CONNECTIONS", "PYTORCH_CUDA_ALLOC_CONF", "NCCL_GRAPH_REGISTER")}
     parser_check = megatron_flags.check(common_argv + ["--transformer-impl", "local"] + local_flags,
                                         world_size=lay.world_size, env=script_env)
     megatron_flags.check(common_argv + ["--transformer-impl", "transformer_engine"] + te_args, world_size=lay.world_size,
