@@ -221,3 +221,22 @@ def test_the_runtime_takes_the_fused_head_by_the_core_rule():
                  labels=torch.randint(0, 11, (2, 4)), loss_mask=torch.ones(2, 4),
                  config=SimpleNamespace(sequence_parallel=False), compute_language_model_loss=None, scale_logits=None)
     assert seen == [layer] and losses.shape == (2, 4)
+
+
+def test_te_fp8_experts_keep_their_inputs_in_fp8_for_the_backward():
+    """TE's grouped GEMMs save the FP8 copies they multiply: per token and routed copy, the
+    permuted input (h) and the activation output (the expert FFN) at one byte instead of two;
+    not on the local path (its FP8 layers are dense only), not under the MoE recompute."""
+    from megatron_skill.core.catalog import get_model
+    from megatron_skill.core.memory import MemoryOptions, _layer_acts
+
+    qwen = get_model("qwen3-30b-a3b")
+    args = (qwen, 1, False, "none", 4096, 1, 1)
+    bf16 = _layer_acts(*args, "bf16", MemoryOptions(te_fp8=True))[1]
+    fp8 = _layer_acts(*args, "fp8", MemoryOptions(te_fp8=True))[1]
+    assert bf16 - fp8 == pytest.approx(qwen.moe_router_topk * (qwen.hidden_size + qwen.expert_ffn))
+    assert _layer_acts(*args, "fp8", MemoryOptions(fp8_linear=True))[1] == pytest.approx(bf16)
+    no_act = MemoryOptions(te_fp8=True, recompute_modules=frozenset({"moe_act"}))
+    sel = (qwen, 1, False, "selective", 4096, 1, 1)
+    assert _layer_acts(*sel, "bf16", no_act)[1] - _layer_acts(*sel, "fp8", no_act)[1] == \
+        pytest.approx(qwen.moe_router_topk * qwen.hidden_size)

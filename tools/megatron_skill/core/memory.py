@@ -351,6 +351,15 @@ def _layer_acts(model: ModelConfig, tp: int, sequence_parallel: bool, recompute:
     act = {0: layer_activation_bytes(model, lay, False, opts) + (fp8_linear_saved_bytes(model, lay) if fp8_inputs else 0)}
     if model.is_moe:
         act[1] = layer_activation_bytes(model, lay, True, opts)
+        re_run = recomputed_modules(lay, opts)
+        if opts.te_fp8 and precision == "fp8" and "moe" not in re_run:
+            # TE's grouped GEMMs save their inputs as the FP8 copies they multiply (as its Linear
+            # does): the experts' permuted input, and the activation output where it is kept, at
+            # one byte an element instead of two; neither bf16 tensor is kept beside them (the
+            # permutation's backward needs only its index map, the activation's its input)
+            k, fe = model.moe_router_topk, model.expert_ffn
+            kept = model.hidden_size * etp + (0 if "moe_act" in re_run else fe)
+            act[1] -= opts.moe_routed_factor * k * kept / tp * (BF16 - FP8)
     return act
 
 
