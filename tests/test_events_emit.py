@@ -82,6 +82,24 @@ def test_an_event_the_receiver_missed_is_delivered_by_the_next_call(tmp_path):
         receiver.close()
 
 
+def test_event_types_the_user_skips_are_recorded_and_wake_no_one(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    run.mkdir()
+    monkeypatch.setenv(ev.SKIP_ENV, "job.started, checkpoint.saved")
+    receiver = Receiver()
+    try:
+        for argv in (["--type", "job.started"], ["--type", "checkpoint.saved", "--details", '{"checkpoint_iteration": 5}'],
+                     ["--end", "--exit-code", "1"]):
+            proc, _ = _send(run, receiver.url, *argv)
+            assert proc.returncode == 0
+        time.sleep(1)  # a start would be delivered in the background by now
+        assert [e["type"] for e in receiver.events()] == ["job.failed"]
+    finally:
+        receiver.close()
+    recorded = [json.loads(x)["type"] for x in (run / emitter.RECORD).read_text().splitlines()]
+    assert recorded == ["job.started", "checkpoint.saved", "job.failed"] and emitter.waiting(run) == []
+
+
 # ---- the Slurm trigger program -------------------------------------------------------------------
 def test_the_trigger_prints_its_help_and_takes_no_flag_for_a_job():
     shown = subprocess.run(["bash", str(TRIGGER), "--help"], capture_output=True, text=True, timeout=60)

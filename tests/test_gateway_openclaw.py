@@ -4,10 +4,10 @@ The Gateway runs with the hooks mapping references/events.md documents (included
 stand-in model: an OpenAI-compatible endpoint on 127.0.0.1 that acts as SKILL.md tells an agent
 to act on an event. It finds the skill in the skills the Gateway lists, reads its SKILL.md
 through the Gateway's `read` tool, saves the event from the hook message with `write`, and runs
-`on-event` with `exec`. The tests check the Gateway's answers to the emitters, one agent run per
+`on-event` with `exec`. The test checks the Gateway's answers to the emitters, one agent run per
 event, the wrapped text the model received, and the record `on-event` keeps, up to a CPU training
 run that is killed and then finishes. `tools/setup.sh` installs Node and the package into
-.openclaw/ (the tests are skipped without them, and fail under MEGATRON_SKILL_REQUIRE_SYSTEM=1).
+.openclaw/ (the test is skipped without them, and fails under MEGATRON_SKILL_REQUIRE_SYSTEM=1).
 """
 import http.server
 import json
@@ -347,8 +347,16 @@ def _event(kind: str, run_id: str, job_id: str, **details) -> dict:
                   details=details or None)
 
 
-# ---- the tests ---------------------------------------------------------------------------------
-def test_the_gateway_admits_signed_events_once_and_the_agent_runs_on_event_as_the_skill_says(gateway):
+# ---- the test: one Gateway start (about 30 s), then its answers, then a training run through it ----
+# (One test, not several sharing a module-scoped Gateway: the test workers would each start one.)
+@pytest.mark.slow
+def test_events_through_a_real_openclaw_gateway(gateway, tmp_path):
+    require_modules("torch", "megatron.core")
+    _the_gateway_admits_signed_events_once_and_the_agent_runs_on_event_as_the_skill_says(gateway)
+    _a_cpu_run_killed_then_finished_wakes_one_agent_run_per_event_with_the_intended_actions(gateway, tmp_path)
+
+
+def _the_gateway_admits_signed_events_once_and_the_agent_runs_on_event_as_the_skill_says(gateway):
     run_id = "gw-killed-run"
     _a_run(gateway.runs_root, run_id)
     event = ev.sign(_event("job.failed", run_id, "7", exit_code=137, signal="SIGKILL"), SECRET.encode())
@@ -429,13 +437,11 @@ def _checkpoint(run_dir: Path) -> int:
     return int(text) if text.isdigit() else 0
 
 
-@pytest.mark.slow
-def test_a_cpu_run_killed_then_finished_wakes_one_agent_run_per_event_with_the_intended_actions(gateway, tmp_path):
+def _a_cpu_run_killed_then_finished_wakes_one_agent_run_per_event_with_the_intended_actions(gateway, tmp_path):
     """A CPU training run reports to the Gateway: started, checkpoints, killed (SIGKILL to
     torchrun's process group), started again, finished. Every event is admitted once and
     wakes one agent run, whose on-event answers: the kill waits for a person with its resume,
     the finish is summarised."""
-    require_modules("torch", "megatron.core")
     request = {"model": "tiny-gpt", "backend": "cpu", "seq_length": 64, "global_batch_size": 4,
                "runs_root": str(gateway.runs_root),
                "training": {"train_iters": 30, "save_interval": 10, "log_interval": 1}}

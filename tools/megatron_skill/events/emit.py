@@ -176,9 +176,17 @@ def emit(event: dict[str, Any], run_dir: Path | None, env: dict[str, str] | None
     url = env.get(ev.URL_ENV)
     if not url:
         return {"event": signed, "delivery": "no receiver (MEGATRON_SKILL_EVENTS_URL unset)"}
+    if signed["type"] in skipped(env):
+        return {"event": signed, "delivery": f"recorded only ({ev.SKIP_ENV})"}
     status = _deliver(signed, Path(run_dir) if run_dir else None, url, env.get(ev.TOKEN_ENV), deadline_s)
     print(f"emit: {signed['type']} {signed['event_id']}: {status}", file=sys.stderr)
     return {"event": signed, "delivery": status}
+
+
+def skipped(env: dict[str, str]) -> set[str]:
+    """The event types the user does not want to wake an agent for (MEGATRON_SKILL_EVENTS_SKIP,
+    comma-separated, e.g. job.started,checkpoint.saved): recorded in the run, never POSTed."""
+    return {t.strip() for t in env.get(ev.SKIP_ENV, "").split(",") if t.strip()}
 
 
 def _deliver(signed: dict[str, Any], run_dir: Path | None, url: str, token: str | None, deadline_s: float) -> str:

@@ -21,6 +21,7 @@ SECRET_ENV = "MEGATRON_SKILL_EVENTS_SECRET"
 SECRET_FILE_ENV = "MEGATRON_SKILL_EVENTS_SECRET_FILE"
 URL_ENV = "MEGATRON_SKILL_EVENTS_URL"
 TOKEN_ENV = "MEGATRON_SKILL_EVENTS_TOKEN"
+SKIP_ENV = "MEGATRON_SKILL_EVENTS_SKIP"  # event types recorded in the run but not POSTed (no agent woken)
 SOURCE = "megatron-skill"  # the "source" of the POSTed body, which a Gateway mapping can match on
 MAX_BYTES = 32 * 1024  # an event's canonical size; the log tail is what makes one large
 
