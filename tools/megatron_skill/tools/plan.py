@@ -79,7 +79,7 @@ def run(req: dict[str, Any], ctx: Context) -> dict[str, Any]:
         nearest = nearest_feasible(
             lambda n, b: search(model, gpu, n, seq, b, precisions, req.get("constraints") or {},
                                 headroom_gib=req["headroom_gib"], opts=opts),
-            n_gpus, per_node, gbs, deadline=started + NEAREST_BUDGET_S, typical_s=time.perf_counter() - started,
+            n_gpus, per_node, gbs, budget=NEAREST_WORK * max(_work(res), 1),
             more_gpus_only=next(iter(rejected), None) == "out_of_memory")
         raise ToolError("infeasible", f"no layout of {model.name} fits {n_gpus} x {gpu.key} "
                         f"at seq_length {seq}, global batch {gbs}",
@@ -110,7 +110,10 @@ def run(req: dict[str, Any], ctx: Context) -> dict[str, Any]:
 
 # ---- an infeasible request: the nearest values that fit ---------------------------------
 
-NEAREST_BUDGET_S = 0.8   # of the plan's second: nearby searches stop when it is spent
+# Nearby searches stop when they have costed NEAREST_WORK times the layouts of the request's own
+# search: a budget of work, not of time, so the same request names the same values on an idle and
+# on a loaded machine (on this 2-core machine about the plan's second for the catalog's models).
+NEAREST_WORK = 8
 NEAREST_WANTED = 3       # feasible values of each kind worth naming
 
 
@@ -138,26 +141,33 @@ def batches_near(gbs: int, n_gpus: int) -> list[int]:
     return _by_distance(near, gbs)
 
 
-def nearest_feasible(feasible_search, n_gpus: int, per_node: int, gbs: int, deadline: float,
-                     typical_s: float = 0.0, more_gpus_only: bool = False) -> dict[str, Any]:
+def _work(res) -> int:
+    """Layouts a search costed or refused: its work, whatever the machine's speed."""
+    return res.evaluated + sum(r["count"] for r in res.rejected.values())
+
+
+def nearest_feasible(feasible_search, n_gpus: int, per_node: int, gbs: int, budget: int,
+                     more_gpus_only: bool = False) -> dict[str, Any]:
     """The nearest GPU counts (at this batch) and global batches (on these GPUs) with a layout
-    that fits, each with its best layout; searched nearest first while one more search (as long
-    as the longest so far, typical_s to begin with) ends before the deadline. more_gpus_only:
-    the model does not fit in memory, which fewer GPUs cannot mend."""
+    that fits, each with its best layout; searched nearest first while the layouts costed stay
+    within budget. more_gpus_only: the model does not fit in memory, which fewer GPUs cannot mend."""
     found: dict[str, list] = {"num_gpus": [], "global_batch_size": [], "searched": []}
     tries = [("num_gpus", n, gbs) for n in gpu_counts_near(n_gpus, per_node) if n > n_gpus or not more_gpus_only]
     tries += [("global_batch_size", n_gpus, b) for b in batches_near(gbs, n_gpus)]
     tries.sort(key=lambda t: abs(math.log((t[1] / n_gpus) if t[0] == "num_gpus" else (t[2] / gbs))))
-    longest = typical_s
+    spent = 0
     for kind, n, b in tries:
-        if time.perf_counter() + longest > deadline:
+        if spent >= budget:
             break
         if len(found[kind]) >= NEAREST_WANTED:
             continue
         found["searched"].append({"num_gpus": n, "global_batch_size": b})
-        began = time.perf_counter()
-        ranked = rank(search_candidates(feasible_search, n, b))
-        longest = max(longest, time.perf_counter() - began)
+        try:
+            res = feasible_search(n, b)
+        except ToolError:   # a value the search itself refuses has no layout
+            continue
+        spent += _work(res)
+        ranked = rank(res.candidates)
         if ranked:
             best = ranked[0]
             found[kind].append({"num_gpus": n, "global_batch_size": b, "best": best.layout.label(),
@@ -165,14 +175,6 @@ def nearest_feasible(feasible_search, n_gpus: int, per_node: int, gbs: int, dead
     for kind in ("num_gpus", "global_batch_size"):
         found[kind].sort(key=lambda f: f[kind])
     return found
-
-
-def search_candidates(feasible_search, n: int, b: int) -> list[Candidate]:
-    """The candidates of one nearby search; a value the search itself refuses has none."""
-    try:
-        return feasible_search(n, b).candidates
-    except ToolError:
-        return []
 
 
 def _nearest_in_words(nearest: dict[str, Any], n_gpus: int, gbs: int) -> str:
