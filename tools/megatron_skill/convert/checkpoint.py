@@ -47,6 +47,23 @@ def padded_vocab_of(folder: Path) -> int | None:
     return int(emb.global_shape[0]) if emb is not None else None
 
 
+def stored_dtype(folder: Path) -> str | None:
+    """The dtype a torch_dist checkpoint folder keeps its model's weights in (its metadata only): bf16,
+    fp16 or fp32, the one that holds most of the weights' elements (a bf16 checkpoint keeps its norms'
+    weights in fp32; the optimizer's fp32 copies of a GPU run do not count), or None."""
+    import math
+
+    from megatron.core import dist_checkpointing
+
+    names = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32"}
+    elements: dict[str, int] = {}
+    for key, t in dist_checkpointing.load_tensors_metadata(str(folder)).items():
+        name = names.get(str(getattr(t, "dtype", "")))
+        if name and not key.startswith("optimizer") and "_extra_state" not in key:
+            elements[name] = elements.get(name, 0) + math.prod(getattr(t, "global_shape", ()) or (1,))
+    return max(elements, key=elements.get) if elements else None
+
+
 def check_tracker(root: Path, where: str) -> None:
     """A tracker in root that is not one (a forged or damaged file) is an error, not a wrong folder."""
     from .. import files

@@ -37,10 +37,13 @@ def _source(req: dict) -> dict[str, Any]:
         raise ToolError("not_found", f"{folder} holds no Megatron checkpoint", where="/checkpoint",
                         fix="give a folder with latest_checkpointed_iteration.txt, or one iteration's folder")
     record = output.record_of(root) or {}
+    home = root
+    if not record and root.name == checkpoint.RELEASE:  # an import's release/ folder, given itself
+        record, home = output.record_of(root.parent) or {}, root.parent
     hf_dir = None
     stored = None
     if record.get("tool") == "import-hf":
-        hf_dir, stored = root / "hf", record["result"].get("dtype")
+        hf_dir, stored = home / "hf", record["result"].get("dtype")
     run_request, unread = _run_request(root)
     if req.get("model") is not None or req.get("hf_config") is not None:
         model = resolve_model(req)
@@ -62,8 +65,8 @@ def _source(req: dict) -> dict[str, Any]:
         if tok and Path(tok).is_dir():
             tokenizer_dir = Path(tok)
     dtype = req["dtype"]
-    if dtype == "auto":
-        dtype = stored or ("fp32" if what == "legacy" else "bf16")
+    if dtype == "auto":  # the checkpoint's own: its record's, else what its torch_dist metadata holds
+        dtype = stored or (checkpoint.stored_dtype(folder) if what == "torch_dist" else "fp32") or "bf16"
     layout = (run_request or {}).get("layout") or {}
     return {"root": root, "folder": folder, "kind": what, "model": model, "hf_dir": hf_dir,
             "tokenizer_dir": tokenizer_dir, "dtype": dtype, "layout": layout}
