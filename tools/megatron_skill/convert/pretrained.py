@@ -11,6 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ..core import catalog
+from ..core.resolve import training_defaults, with_training_defaults
 from ..errors import ToolError
 from . import checkpoint, output
 
@@ -59,3 +61,39 @@ def describe(path: str, model, tp: int, need_local: bool) -> dict[str, Any]:
     # Megatron's own padding at this TP gives other rows: make it give the checkpoint's
     info.update(padded_vocab=rows, vocab_divisor=rows // tp if padded_vocab_size(model.vocab_size, tp) != rows else None)
     return info
+
+
+# The learning rate of a run from pretrained weights, for render's scripts and the CPU loop alike.
+def with_pretrained_defaults(model, training: dict) -> dict:
+    """A run from pretrained weights: the rate, its floor and the warm-up of the from_pretrained row
+    (training_defaults.json) where the request gives none; the rest as for any run."""
+    row = catalog._load("training_defaults.json")["from_pretrained"]
+    defaults = training_defaults(model, training["train_iters"])
+    defaults.update(lr=row["lr"], min_lr=row["min_lr"],
+                    lr_warmup_iters=min(row["warmup_iters"], training["train_iters"] // 10))
+    if "lr" in training and "min_lr" not in training:
+        defaults["min_lr"] = training["lr"] * row["min_lr"] / row["lr"]
+    return {**defaults, **training}
+
+
+def training_settings(model, training: dict) -> dict:
+    """The request's training fields over the defaults for a run from scratch or from pretrained weights."""
+    if training.get("pretrained"):
+        return with_pretrained_defaults(model, training)
+    return with_training_defaults(model, training)
+
+
+def pretraining_rate_warning(model, training: dict) -> str | None:
+    """A warning for a run from pretrained weights given a learning rate at or above the floor a
+    from-scratch run of this size decays to: a rate that moves the weights as early pre-training
+    did, and can undo what the checkpoint learned."""
+    if not training.get("pretrained") or "lr" not in training:
+        return None
+    scratch = training_defaults(model, training["train_iters"])
+    if training["lr"] < scratch["min_lr"]:
+        return None
+    row = catalog._load("training_defaults.json")["from_pretrained"]
+    return (f"training.lr {training['lr']:g} is a pre-training rate for a model of this size (from scratch: peak "
+            f"{scratch['lr']:g}, decayed to {scratch['min_lr']:g}); a run from pretrained weights usually takes "
+            f"far less (full-parameter fine-tuning in NVIDIA's recipes: {row['lr']:g}); leave lr out for that "
+            "default, or keep it if you mean to re-warm the model on a large new corpus")

@@ -20,7 +20,7 @@ from ..adapter import flags as megatron_flags
 from ..adapter import images
 from ..contract import ROOT, Context, Tool, invoke
 from ..convert import pretrained
-from ..core import catalog
+from ..convert.pretrained import pretraining_rate_warning, training_settings
 from ..core.defaults import schema_defaults
 from ..core.flops import padded_vocab_size
 from ..core.layout import RULES, Layout, check_layout
@@ -34,8 +34,6 @@ from ..core.resolve import (
     default_seq_length,
     resolve_cluster,
     resolve_model,
-    training_defaults,
-    with_training_defaults,
 )
 from ..errors import ToolError
 from ..locks import write_atomic
@@ -367,41 +365,6 @@ FIRST_START_ARGS = ["--finetune", "--no-load-optim", "--no-load-rng"]
 CHECKPOINT_TRACKER = "latest_checkpointed_iteration.txt"  # Megatron's (and train's) sign of a checkpoint
 
 
-def with_pretrained_defaults(model, training: dict) -> dict:
-    """A run from pretrained weights: the rate, its floor and the warm-up of the from_pretrained row
-    (training_defaults.json) where the request gives none; the rest as for any run."""
-    row = catalog._load("training_defaults.json")["from_pretrained"]
-    defaults = training_defaults(model, training["train_iters"])
-    defaults.update(lr=row["lr"], min_lr=row["min_lr"],
-                    lr_warmup_iters=min(row["warmup_iters"], training["train_iters"] // 10))
-    if "lr" in training and "min_lr" not in training:
-        defaults["min_lr"] = training["lr"] * row["min_lr"] / row["lr"]
-    return {**defaults, **training}
-
-
-def training_settings(model, training: dict) -> dict:
-    """The request's training fields over the defaults for a run from scratch or from pretrained weights."""
-    if training.get("pretrained"):
-        return with_pretrained_defaults(model, training)
-    return with_training_defaults(model, training)
-
-
-def pretraining_rate_warning(model, training: dict) -> str | None:
-    """A warning for a run from pretrained weights given a learning rate at or above the floor a
-    from-scratch run of this size decays to: a rate that moves the weights as early pre-training
-    did, and can undo what the checkpoint learned."""
-    if not training.get("pretrained") or "lr" not in training:
-        return None
-    scratch = training_defaults(model, training["train_iters"])
-    if training["lr"] < scratch["min_lr"]:
-        return None
-    row = catalog._load("training_defaults.json")["from_pretrained"]
-    return (f"training.lr {training['lr']:g} is a pre-training rate for a model of this size (from scratch: peak "
-            f"{scratch['lr']:g}, decayed to {scratch['min_lr']:g}); a run from pretrained weights usually takes "
-            f"far less (full-parameter fine-tuning in NVIDIA's recipes: {row['lr']:g}); leave lr out for that "
-            "default, or keep it if you mean to re-warm the model on a large new corpus")
-
-
 def _start_description(training: dict) -> dict:
     """What the script loads on its first start and on a restart, in the answer's words."""
     tracker = f"{training['save']}/{CHECKPOINT_TRACKER}" if training.get("checkpoint", True) else None
@@ -654,7 +617,7 @@ def build(req: dict, ctx: Context) -> dict[str, Any]:
 
 def _import_description(step: dict, launcher: str) -> dict:
     """Where and how the job imports the weights, in the answer's words."""
-    where = {"slurm": "a job step before training (srun: one task on the allocation's first node), in the "
+    where = {"slurm": "a job step before training (srun: one task on one node of the allocation), in the "
                       "job's container where it has one",
              "torchrun": "the script, before torchrun starts",
              "torchrun-multinode": "the script on every node before torchrun starts: the first to take the "

@@ -13,7 +13,7 @@ from ..core.flops import padded_vocab_size, training_flops
 from ..core.layout import RULES, Layout, check_layout
 from ..core.model import ModelConfig
 from ..core.options import RuntimeOptions
-from ..core.resolve import default_global_batch, resolve_model, with_training_defaults
+from ..core.resolve import default_global_batch, resolve_model
 from ..errors import ToolError
 
 CPU_MAX_PARAMS = 60e6  # enough for tests and demos; anything larger belongs on a GPU
@@ -78,9 +78,9 @@ def plan_cpu_run(req: dict, run_dir: Path, run_id: str) -> dict[str, Any]:
     lay = cpu_layout(req, model, procs, seq)
     runtime = cpu_runtime(req.get("runtime"))
     tp, pp, mbs, gbs = lay.tp, lay.pp, lay.mbs, lay.gbs
+    from ..convert.pretrained import training_settings  # fine-tuning's defaults from pretrained weights, as render's
     from .prepare_data import is_weight, match_tokenizer
-    t = match_tokenizer(with_training_defaults(model, req["training"]),
-                        model.vocab_size)
+    t = match_tokenizer(training_settings(model, req["training"]), model.vocab_size)
     start = None
     if t.get("pretrained"):
         from ..convert import checkpoint, pretrained
