@@ -473,7 +473,7 @@ RECIPE = "--hidden-dropout 0.0 --attention-dropout 0.0 --adam-beta2 0.95 --weigh
 TRAPS = {"recipe_dropout", "recipe_adam_beta2", "recipe_weight_decay", "no_lr_warmup"}
 
 
-def _codes(args: str, **req):
+def _found(args: str, **req):
     res = call("validate", {"args": args.split(), "num_gpus": 1, **req})["result"]
     return res, {f["code"]: f for f in res["errors"] + res["warnings"]}
 
@@ -483,7 +483,7 @@ def test_recipe_traps_with_megatrons_own_defaults():
     warning for each, with Megatron's default as its parser reports it and the recipe's value as
     the fix; setting them silences all four; --use-rotary-position-embeddings gets its
     replacement; --distributed-backend is named for what it does."""
-    res, found = _codes(STOCK_3B + " --use-rotary-position-embeddings --distributed-backend gloo")
+    res, found = _found(STOCK_3B + " --use-rotary-position-embeddings --distributed-backend gloo")
     assert TRAPS <= set(found), found
     assert "Megatron's parser" in res["checks"]["recipe"]
     assert "0.1" in found["recipe_dropout"]["message"] and found["recipe_dropout"]["fix"] == \
@@ -494,25 +494,25 @@ def test_recipe_traps_with_megatrons_own_defaults():
     assert "gloo" in found["distributed_backend"]["message"] and all(
         found[c]["severity"] == "warning" for c in TRAPS | {"distributed_backend"})
     assert "--position-embedding-type rope" in found["obsolete_flag"]["fix"]
-    res, found = _codes(STOCK_3B + " " + RECIPE)
+    res, found = _found(STOCK_3B + " " + RECIPE)
     assert not TRAPS & set(found) and res["valid"], found
     # a GPT-3-style model (GELU, LayerNorm) trains with dropout: no dropout warning there
-    _, found = _codes(STOCK_3B.replace("--swiglu --normalization RMSNorm ", ""))
+    _, found = _found(STOCK_3B.replace("--swiglu --normalization RMSNorm ", ""))
     assert "recipe_dropout" not in found and "recipe_adam_beta2" in found
 
 
 def test_tokenizer_package_and_memory_near_capacity():
     sp = TOKENIZERS / "sentencepiece-300.model"
-    res, found = _codes(STOCK_3B.replace("--tokenizer-type NullTokenizer --vocab-size 128256",
+    res, found = _found(STOCK_3B.replace("--tokenizer-type NullTokenizer --vocab-size 128256",
                                          f"--tokenizer-type Llama2Tokenizer --tokenizer-model {sp}") + " " + RECIPE)
     assert "sentencepiece" in found["tokenizer_needs_package"]["message"]
     assert found["tokenizer_needs_package"]["fix"] == "pip install sentencepiece in the job's Python (or its container)"
     # 25 layers of the stock 3B shape with unfused attention: predicted above 90 % of an H200, below its 139.8 GiB
-    res, found = _codes(STOCK_3B.replace("--num-layers 28", "--num-layers 25"), gpu="h200")
+    res, found = _found(STOCK_3B.replace("--num-layers 28", "--num-layers 25"), gpu="h200")
     assert 0.9 * 139.8 < res["predicted_peak_gib"] <= 139.8 and res["valid"]
     near = found["memory_near_capacity"]
     assert near["severity"] == "warning" and "unfused" in near["message"] and "S x S" in near["fix"]
-    res, found = _codes(STOCK_3B.replace("--num-layers 28", "--num-layers 20"), gpu="h200")
+    res, found = _found(STOCK_3B.replace("--num-layers 28", "--num-layers 20"), gpu="h200")
     assert "memory_near_capacity" not in found
 
 
@@ -523,7 +523,7 @@ def test_conditional_flags_are_a_finding_of_their_condition():
     to Megatron's parser (which runs); a value outside the group's choices is an error."""
     from megatron_skill.adapter import flags as megatron_flags
 
-    res, found = _codes(STOCK_3B + " " + RECIPE + " --enable-gpt-oss --export-force-local-attention "
+    res, found = _found(STOCK_3B + " " + RECIPE + " --enable-gpt-oss --export-force-local-attention "
                         "--export-kv-cache-quant fp8 --export-model-type=GPTModel")
     assert res["valid"] and "unknown_flag" not in found and "stray_arguments" not in found, found
     cond = [w for w in res["warnings"] if w["code"] == "conditional_flag"]
@@ -531,7 +531,7 @@ def test_conditional_flags_are_a_finding_of_their_condition():
                                                          "--export-kv-cache-quant", "--export-model-type"}
     assert all("nvidia-modelopt" in w["fix"] and "core_v0.19.0" in w["source"] for w in cond)
     assert "ran at world size 1" in res["checks"]["megatron"]
-    res, found = _codes(STOCK_3B + " " + RECIPE + " --export-kv-cache-quant fp16")
+    res, found = _found(STOCK_3B + " " + RECIPE + " --export-kv-cache-quant fp16")
     assert not res["valid"] and "fp8_affine" in found["bad_value"]["fix"]
     # none of the group is a flag of Megatron's own parser (else it would not be conditional)
     known = megatron_flags.known_flags()
