@@ -392,3 +392,21 @@ def test_why_slow_predicts_the_fixed_run_measured_on_the_gpu():
     own = fixed["why_slow"]
     assert own["as_run"]["attention"] == "sdpa" and "attributed" not in own and abs(own["prediction_error_pct"]) < 15
     assert not any("skill's fused paths" in lv["lever"] or "causal attention" in lv["lever"] for lv in own["levers"])
+
+
+def test_the_memory_prediction_says_which_vocabulary(tmp_path):
+    """The log's dump names a Llama2Tokenizer whose model file lies here: its pieces are the
+    vocabulary the memory prediction used, not the assumed default."""
+    sp = Path(__file__).parent / "fixtures" / "tokenizers" / "sentencepiece-300.model"
+    text = STOCK.read_text().replace("  tokenizer_type .................................. NullTokenizer",
+                                     "  tokenizer_type .................................. Llama2Tokenizer")
+    text = text.replace("  tokenizer_model ................................. None",
+                        f"  tokenizer_model ................................. {sp}")
+    text = text.replace("  vocab_size ...................................... 128256",
+                        "  vocab_size ...................................... None")
+    log = tmp_path / "sp.log"
+    log.write_text(text)
+    vocab = call("logs", {"log": str(log)})["result"]["prediction"]["vocabulary"]
+    assert vocab == {"size": 300, "source": f"Llama2Tokenizer: the 300 pieces of {sp}", "read": True}
+    vocab = call("logs", {"log": str(STOCK)})["result"]["prediction"]["vocabulary"]
+    assert vocab["size"] == 128256 and vocab["source"].startswith("--vocab-size 128256 (NullTokenizer")

@@ -134,8 +134,9 @@ def _prediction(dumped: dict, gpu_name: str | None, summary: dict, ctx: Context)
         mem = memory_report(model, lay, padded_vocab_size(model.vocab_size, lay.tp), described.memory_options(ns, assumed))
     except (ZeroDivisionError, ValueError) as e:
         return {"skipped": f"the log's layout cannot be costed: {e}"}
+    size, source, read = described.vocabulary(ns)
     out: dict[str, Any] = {"layout": lay.label(), "predicted_peak_gib": round(peak(mem) / GIB, 2),
-                           "assumed": assumed}
+                           "assumed": assumed, "vocabulary": {"size": size, "source": source, "read": read}}
     if summary.get("max_allocated_gib"):
         out["measured_max_allocated_gib"] = summary["max_allocated_gib"]
         out["memory_error_pct"] = error_pct(peak(mem, "allocated") / GIB, summary["max_allocated_gib"])
