@@ -387,3 +387,21 @@ def test_import_hf_is_made_again_when_the_weights_changed(tmp_path, tiny_hf):
     env = call("import-hf", request)
     assert env["ok"] and not env["result"].get("already_done")
     assert call("import-hf", request)["result"].get("already_done")
+
+
+@pytest.mark.parametrize("escaped", ["\\ud800", "\\uDFFF"])
+def test_a_json_file_escaping_a_lone_surrogate_is_a_clear_error(tmp_path, escaped):
+    # a user's tokenizer_config.json: json.loads takes the escape, no later write could encode it
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_bytes((ROOT / "tests" / "fixtures" / "tokenizers" / "hf-bpe" / "tokenizer.json")
+                                         .read_bytes())
+    (tok / "tokenizer_config.json").write_text('{"eos_token": "' + escaped + '"}')
+    (tmp_path / "c.jsonl").write_text('{"text": "hi"}\n')
+    res = call("prepare-data", {"input": [str(tmp_path / "c.jsonl")], "output_prefix": str(tmp_path / "d" / "x"),
+                                "tokenizer": str(tok), "dry_run": True})
+    assert res["error"]["code"] == "bad_request" and "lone surrogate" in res["error"]["message"]
+    pair = tmp_path / "pair.json"
+    pair.write_text('{"t": "\\ud83d\\ude00"}')   # a surrogate pair is one character: fine
+    from megatron_skill import files
+    assert files.read_json(pair, "/x") == {"t": "\U0001F600"}

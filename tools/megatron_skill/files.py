@@ -205,10 +205,20 @@ def _no_constant(name: str) -> None:
     raise ValueError(f"{name} is not JSON")
 
 
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
 def parse_json(text: str, name: str, where: str, code: str = "bad_request") -> Any:
-    """Strict JSON (NaN and Infinity refused, as is nesting deeper than the parser follows)."""
+    """Strict JSON (NaN and Infinity refused, as is nesting deeper than the parser follows, and
+    text that is not Unicode: an escaped lone surrogate, which no later write could encode)."""
     try:
-        return json.loads(text, parse_constant=_no_constant)
+        value = json.loads(text, parse_constant=_no_constant)
+        if _SURROGATE_ESCAPE.search(text):   # a pair decodes to one character; a lone half stays
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        return value
+    except UnicodeEncodeError as e:
+        raise ToolError(code, f"{name} holds a lone surrogate (\\u{ord(e.object[e.start]):04x}), which is not "
+                        "Unicode", where=where, fix="write the file as valid UTF-8 text") from None
     except json.JSONDecodeError as e:
         raise ToolError(code, f"{name} is not JSON: {e}", where=where, fix="give one JSON document") from None
     except ValueError as e:
