@@ -512,8 +512,13 @@ def test_tokenizer_package_and_memory_near_capacity():
     assert 0.9 * 139.8 < res["predicted_peak_gib"] <= 139.8 and res["valid"]
     near = found["memory_near_capacity"]
     assert near["severity"] == "warning" and "unfused" in near["message"] and "S x S" in near["fix"]
+    assert "0.8 GiB in bf16" in found["unfused_attention"]["message"]   # 24 heads x 4096^2 x 2 bytes
+    assert "--no-create-attention-mask-in-dataloader" in found["unfused_attention"]["fix"]
     res, found = _found(STOCK_3B.replace("--num-layers 28", "--num-layers 20"), gpu="h200")
     assert "memory_near_capacity" not in found
+    # the skill's entry runs SDPA on the same local layers: no unfused attention there
+    _, found = _found(STOCK_3B + " --skill-linear-cross-entropy --skill-fused-adam", gpu="h200")
+    assert "unfused_attention" not in found
 
 
 def test_conditional_flags_are_a_finding_of_their_condition():

@@ -504,6 +504,16 @@ def _memory(launch: Launch, ns: argparse.Namespace, model: ModelConfig, lay: Lay
     peak = memory_peak(mem) / GIB
     out = {"peak_gib": round(peak, 2), "attention": attention,
            "stages": {name: round(m.total / GIB, 2) for name, m in mem.items()}}
+    if attention == "unfused":
+        scores = lay.mbs * model.num_attention_heads / lay.tp * lay.seq_length ** 2 * 2 / GIB
+        findings.append(_finding(
+            "unfused_attention", "Megatron's entry on --transformer-impl local runs the unfused DotProductAttention: "
+            f"it writes the whole S x S score matrix of each layer ({scores:.1f} GiB in bf16 at this micro-batch) "
+            "and passes over it several times, forward and backward; on one H100 a stock 1B run took 13.7k "
+            "tokens/s where the skill's entry took 50.9k (references/troubleshooting.md, 'Slower than expected')",
+            "Transformer Engine's layers (--transformer-impl transformer_engine, flash attention), or the skill's "
+            "entry script (tools/pretrain_gpt.py: torch SDPA) with --no-create-attention-mask-in-dataloader",
+            launch.where("--transformer-impl"), severity="warning"))
     if gpu is None:
         out["fit"] = "not checked: name the GPU (gpu) to compare with its memory"
     elif peak > gpu.memory_gib:
