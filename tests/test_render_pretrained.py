@@ -86,8 +86,15 @@ def test_torchrun_and_kubernetes_import_before_training_and_wait_for_each_other(
     _shellcheck(step)
 
 
-def test_an_import_the_job_cannot_do_is_refused_at_its_field():
+def test_an_import_the_job_cannot_do_is_refused_at_its_field(tmp_path):
+    import transformers
+
+    other = tmp_path / "other"  # a folder visible here that holds another model than the request's
+    transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                             num_attention_heads=8, num_key_value_heads=2).save_pretrained(other)
     for req, where in [
+        ({"import_hf": {"hf_model": str(other), "output": OUT}}, "/import_hf/hf_model"),
+        ({"container": {"runtime": "pyxis"}, "import_hf": {"hf_model": HF, "output": "/ckpt"}}, "/import_hf/output"),
         ({"import_hf": {"hf_model": HF}}, "/import_hf/output"),  # nowhere to go
         ({"import_hf": {"hf_model": HF, "output": OUT}, "training": {"pretrained": "/elsewhere"}},
          "/training/pretrained"),  # the run would not start from what the job imports
@@ -100,6 +107,11 @@ def test_an_import_the_job_cannot_do_is_refused_at_its_field():
         env = call("render", {**BASE, **req})
         assert not env["ok"] and env["error"]["where"] == where, (req, env)
         assert env["error"]["fix"]
+    assert f"hf_config {other}" in call("render", {**BASE, "import_hf": {"hf_model": str(other), "output": OUT}})[
+        "error"]["fix"]
+    # Megatron-LM's entry needs no skill folder, but the import does: the job says so before anything runs
+    res = _render(megatron_lm="/opt/Megatron-LM", import_hf={"hf_model": HF, "output": OUT})
+    assert "the job imports the Hugging Face weights with its tools/launch.py" in res["files"][0]["content"]
 
 
 @pytest.mark.slurm

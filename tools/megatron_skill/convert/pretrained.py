@@ -19,6 +19,19 @@ from . import checkpoint, output
 WHERE = "/training/pretrained"
 
 
+def same_model(hf_folder: Path, model, where: str, what: str) -> None:
+    """A bad_request when the Hugging Face model in hf_folder is not the request's model (its shape)."""
+    from ..core.model import from_hf_config
+
+    theirs = from_hf_config(hf_folder)
+    mine = {k: v for k, v in model.to_fields().items() if k not in ("name", "source")}
+    differ = sorted(k for k, v in theirs.to_fields().items() if k not in ("name", "source") and mine.get(k) != v)
+    if differ:
+        raise ToolError("bad_request", f"{what} holds {theirs.name}; the request's model differs in "
+                        f"{', '.join(differ[:5])}", where=where,
+                        fix=f"train it as the imported model: hf_config {hf_folder}")
+
+
 def describe(path: str, model, tp: int, need_local: bool) -> dict[str, Any]:
     """What a run from the checkpoint at path needs: the vocabulary divisor, the tokenizer of an
     import, and whether the checkpoint could be checked here (a rendered script's path may exist
@@ -36,15 +49,7 @@ def describe(path: str, model, tp: int, need_local: bool) -> dict[str, Any]:
                             "reads that format)", where=WHERE, fix="give an import-hf output or a GPU run's checkpoints")
         record = output.record_of(root) or {}
         if record.get("tool") == "import-hf":
-            from ..core.model import from_hf_config
-
-            theirs = from_hf_config(root / "hf")
-            mine = {k: v for k, v in model.to_fields().items() if k not in ("name", "source")}
-            differ = sorted(k for k, v in theirs.to_fields().items() if k not in ("name", "source") and mine.get(k) != v)
-            if differ:
-                raise ToolError("bad_request", f"the checkpoint holds {theirs.name}; the request's model differs in "
-                                f"{', '.join(differ[:5])}", where=WHERE,
-                                fix=f"train it as the imported model: hf_config {root / 'hf'}")
+            same_model(root / "hf", model, WHERE, "the checkpoint")
             if (root / "hf" / "tokenizer.json").is_file():
                 info["tokenizer"] = str(root / "hf")
         try:

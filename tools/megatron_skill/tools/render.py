@@ -407,7 +407,7 @@ def _fake_rank_args(fake: int | None, model) -> list[str]:
 MOUNTABLE = re.compile(r"^/[A-Za-z0-9._/@+-]*$")  # what a container mount list (SRC:DST,...) can carry
 
 
-def import_step(req: dict, launcher: str, k8s: dict | None) -> dict | None:
+def import_step(req: dict, model, k8s: dict | None) -> dict | None:
     """The import of a Hugging Face folder on the cluster that the job runs before training (None:
     the request starts from no such folder): its paths as the job sees them, and import-hf's words."""
     spec = req.get("import_hf")
@@ -443,10 +443,16 @@ def import_step(req: dict, launcher: str, k8s: dict | None) -> dict | None:
     if paths["hf_model"].rstrip("/") == output.rstrip("/"):
         raise ToolError("bad_request", "the import's output is the Hugging Face folder itself", where="/import_hf/output",
                         fix="give a new folder for the Megatron checkpoint")
+    if req.get("container") and str(Path(output).parent) == "/":  # its parent is mounted into the container
+        raise ToolError("bad_request", f"the import's output {output} lies in /, which the container cannot mount",
+                        where="/import_hf/output" if spec.get("output") else "/training/pretrained",
+                        fix="give a folder below a folder of its own (e.g. /shared/ckpt/NAME)")
     args = ["import-hf", "--hf-model", paths["hf_model"], "--output", output]
     if spec.get("dtype", "auto") != "auto":
         args += ["--dtype", spec["dtype"]]
     here = Path(paths["hf_model"])  # the folder as this machine sees it, where it does (a shared file system)
+    if (here / "config.json").is_file():
+        pretrained.same_model(here, model, "/import_hf/hf_model", f"the Hugging Face folder {here}")
     tokenizer = None if here.is_dir() and not (here / "tokenizer.json").is_file() else output.rstrip("/") + "/hf"
     return {"hf_model": paths["hf_model"], "output": output, "parent": str(Path(output).parent), "args": args,
             "tokenizer": tokenizer, "visible_here": here.is_dir(),
@@ -491,7 +497,7 @@ def build(req: dict, ctx: Context) -> dict[str, Any]:
     # Without a run_dir the job's own working folder holds it (runs/RUN_ID there): the script
     # carries no path of the machine that rendered it.
     run_dir = _job_path(req, "run_dir") or RUN_DIR_MARK
-    importing = import_step(req, launcher, k8s)
+    importing = import_step(req, model, k8s)
     if importing:  # the run starts from what the job imports
         req = {**req, "training": {**req["training"], "pretrained": importing["output"]}}
     training = match_tokenizer(training_settings(model, req["training"]), model.vocab_size)
