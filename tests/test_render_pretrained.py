@@ -204,6 +204,27 @@ def test_a_python_without_torch_or_megatron_is_told_each_and_another_megatron_ve
     assert _lines(proc, "warning: megatron-core 0.18.0 here") and (tmp_path / "run" / "probe-0.json").exists()
 
 
+@pytest.mark.slow
+def test_with_a_megatron_lm_checkout_the_check_reads_the_checkouts_own_version(tmp_path):
+    """Megatron-LM's entry imports the checkout's megatron.core, so the check does too (its
+    package_info), not the distribution installed beside it."""
+    checkout = tmp_path / "Megatron-LM"
+    (checkout / "megatron" / "core").mkdir(parents=True)
+    (checkout / "megatron" / "__init__.py").write_text("")
+    (checkout / "megatron" / "core" / "__init__.py").write_text("")
+    info = checkout / "megatron" / "core" / "package_info.py"
+    res = _one_gpu(tmp_path, megatron_lm=str(checkout))
+    want = res["environment_check"]["megatron_core"]
+    info.write_text("__version__ = '0.20.0rc0'\n")
+    proc = _run_script(res, tmp_path)
+    assert proc.returncode == 5
+    (error,) = _lines(proc, "error:")
+    assert f"megatron-core 0.20.0rc0 here, but the script's flags were checked against megatron-core {want}" in error
+    info.write_text(f"__version__ = '{want.split('+')[0]}'\n")
+    proc = _run_script(res, tmp_path)
+    assert proc.returncode == 0 and not _lines(proc, "error:"), proc.stderr[-3000:]
+
+
 # ---- the import in the job, for real -----------------------------------------------------------------
 @pytest.mark.slow
 def test_the_job_imports_the_hugging_face_folder_before_training_and_only_once(tmp_path):

@@ -328,7 +328,7 @@ def environment_check(context: dict, for_import: bool = False) -> dict:
         te = ("this job was planned to train in FP8 with Transformer Engine (or render with runtime.fp8_linear "
               f"true for the skill's own FP8 layers: {context['fp8_local_note']})")
     return {"megatron_core": context["megatron_core"], "tokenizer": context["tokenizer_check"], "te": te,
-            "modules": list(IMPORT_MODULES) if for_import else []}
+            "modules": list(IMPORT_MODULES) if for_import else [], "checkout": bool(context["megatron_lm"])}
 
 
 def _fp8_local_note(lay: Layout) -> str:
@@ -613,7 +613,7 @@ def build(req: dict, ctx: Context) -> dict[str, Any]:
         **({"fake_rank": fake} if fake is not None else {}),
         **({"pretrained": start} if start else {}),
         **({"import": _import_description(importing, launcher)} if importing else {}),
-        "environment_check": {k: v for k, v in context["env_need"].items() if k != "modules"},
+        "environment_check": {k: v for k, v in context["env_need"].items() if k not in ("modules", "checkout")},
         "_notes": notes,
         **({"container": {"runtime": container["runtime"], "image": container["image"],
                           "image_given": container["given_image"]}} if container else {}),
