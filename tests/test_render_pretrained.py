@@ -79,6 +79,7 @@ def test_torchrun_and_kubernetes_import_before_training_and_wait_for_each_other(
         (main,) = spec["template"]["spec"]["containers"]
         assert init["image"] == main["image"] and init["env"] == main["env"]
         assert init["volumeMounts"][0]["mountPath"] == "/workspace"
+        assert init["resources"]["limits"]["nvidia.com/gpu"] == main["resources"]["limits"]["nvidia.com/gpu"]
         assert "import-hf --hf-model /workspace/models/q --output /workspace/ckpt/q" in init["args"][0]
         assert "import-hf --hf-model" not in main["args"][0]
     step = tmp_path / "init.sh"
