@@ -1,8 +1,11 @@
+import contextlib
+import fcntl
 import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -137,10 +140,34 @@ def cli():
     return run_inproc
 
 
+# One Slurm test at a time over all xdist workers, and one start of the cluster: a file lock, since
+# xdist's loadgroup (the tests' xdist_group("slurm") marks) does not keep a group on one worker with
+# pytest 9.2 and xdist 3.8 (seen: the six tests of a group spread over three workers).
+SLURM_LOCK = Path(tempfile.gettempdir()) / "megatron-skill-tests-slurm.lock"
+
+
+@contextlib.contextmanager
+def slurm_lock():
+    with open(SLURM_LOCK, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 @pytest.fixture(scope="session")
-def slurm():
-    """A one-node Slurm cluster on this machine (tests/slurm_cluster.sh)."""
+def slurm_cluster():
+    """A one-node Slurm cluster on this machine (tests/slurm_cluster.sh), started once."""
     for name in ("sbatch", "slurmctld", "slurmd", "munged"):
         system_tool(name, "tools/setup.sh installs Slurm as root with apt (apt-get install slurmctld slurmd munge)")
-    subprocess.run([str(ROOT / "tests" / "slurm_cluster.sh"), "start"], check=True, timeout=120)
+    with slurm_lock():
+        subprocess.run([str(ROOT / "tests" / "slurm_cluster.sh"), "start"], check=True, timeout=120)
     return True
+
+
+@pytest.fixture
+def slurm(slurm_cluster):
+    """The cluster, to this test alone while it runs."""
+    with slurm_lock():
+        yield True

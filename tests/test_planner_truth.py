@@ -9,6 +9,7 @@ import sys
 import pytest
 from conftest import ROOT, require_modules
 
+from megatron_skill.core import timing
 from megatron_skill.core.catalog import get_gpu
 from megatron_skill.core.flops import padded_vocab_size
 from megatron_skill.core.layout import Layout
@@ -16,7 +17,6 @@ from megatron_skill.core.memory import GIB, fused_head_runs, memory_report, peak
 from megatron_skill.core.options import RuntimeOptions
 from megatron_skill.core.planner import predict, search
 from megatron_skill.core.resolve import resolve_model
-from megatron_skill.core import timing
 from megatron_skill.core.timing import MEGATRON_LOSS_BYTES_PER_LOGIT, calibration
 
 H100 = get_gpu("h100-sxm")

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, system_tool
+from conftest import ROOT, slurm_lock, system_tool
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
@@ -214,7 +214,7 @@ def test_rendered_sbatch_runs_under_slurm_with_the_right_rendezvous(tmp_path, sl
 
 
 @pytest.fixture(scope="session")
-def catalog_jobs(slurm, tmp_path_factory):
+def catalog_jobs(slurm_cluster, tmp_path_factory):
     """Each catalog model's script for its real cluster, all submitted at once to the one-node
     test cluster (--nodes=1 on the sbatch command line overrides the script's node count, so
     each starts one torchrun with its 8 ranks): model -> (render result, run dir, sbatch)."""
@@ -241,7 +241,7 @@ def catalog_jobs(slurm, tmp_path_factory):
 
     models = sorted(CLUSTERS)
     rendered = [render(i, m) for i, m in enumerate(models)]
-    with ThreadPoolExecutor(len(models)) as pool:
+    with slurm_lock(), ThreadPoolExecutor(len(models)) as pool:   # the cluster to these jobs alone
         return dict(zip(models, pool.map(submit, enumerate(rendered))))
 
 

@@ -4,7 +4,8 @@ sharding weights and gradients too, the fused cross-entropy, TP communication ov
 GEMMs, CUDA graphs. One value.
 
 Its defaults are the request schema's (schemas/common.json, `megatron_options`), which are
-Megatron's own (all off) but for the TP overlap, which the skill turns on where TE can run it. The planner costs them (core/memory.py, core/timing.py), render writes
+Megatron's own (all off) but for the TP overlap, which the skill turns on where TE can run it.
+The planner costs them (core/memory.py, core/timing.py), render writes
 them as Megatron's flags, validate reads them back from a script (adapter/described.py), and the
 rule book (core/layout.py, options_rules) holds their rules.
 """
@@ -80,8 +81,9 @@ class MegatronOptions:
                             "local path is not captured)", where="/megatron_options/cuda_graph_impl",
                             fix="plan for Transformer Engine, or set cuda_graph_impl to none")
         if self.cuda_graph_modules and self.cuda_graph_impl in ("none", "full_iteration"):
-            raise ToolError("bad_request", f"cuda_graph_modules choose parts of per-layer graphs; with cuda_graph_impl "
-                            f"{self.cuda_graph_impl} they {'do nothing' if self.cuda_graph_impl == 'none' else 'are refused by Megatron'}",
+            effect = "do nothing" if self.cuda_graph_impl == "none" else "are refused by Megatron"
+            raise ToolError("bad_request", f"cuda_graph_modules choose parts of per-layer graphs; with "
+                            f"cuda_graph_impl {self.cuda_graph_impl} they {effect}",
                             where="/megatron_options/cuda_graph_modules",
                             fix="set cuda_graph_impl to transformer_engine or local, or leave cuda_graph_modules empty")
         if "moe_preprocess" in self.cuda_graph_modules and "moe_router" not in self.cuda_graph_modules:
