@@ -97,6 +97,17 @@ def test_a_rope_scaling_that_is_a_list_is_refused(tmp_path):
     assert err["where"] == "hf_config.rope_scaling" and "list" in err["message"]
 
 
+@pytest.mark.parametrize("theta, words", [(10000.7, "not a whole number"), (-1, "not a positive number"),
+                                          ("1e4", "not a positive number")])
+def test_a_rope_base_megatron_cannot_take_is_refused_where_a_config_is_planned(tmp_path, theta, words):
+    # int() of it would plan (and render) another model than the config's; import-hf refuses it too
+    (tmp_path / "config.json").write_text(json.dumps(_llama_config(rope_theta=theta)))
+    err = _user_error(call("plan", {"hf_config": str(tmp_path), "num_gpus": 8}), "bad_model")
+    assert err["where"] == "/hf_config" and words in err["message"]
+    (tmp_path / "config.json").write_text(json.dumps(_llama_config(rope_theta=500000.0)))
+    assert call("plan", {"hf_config": str(tmp_path), "num_gpus": 8})["ok"]   # a whole float is a base
+
+
 def test_a_model_whose_heads_do_not_divide_its_width_is_refused():
     err = _user_error(call("plan", {"model": {**TINY, "num_attention_heads": 5}, "num_gpus": 8}), "bad_model")
     assert "num_attention_heads" in err["where"] and "multiple" in err["message"]

@@ -19,7 +19,6 @@ one Hugging Face's Llama weights are stored in (no permutation either way).
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Iterator
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
@@ -40,7 +39,7 @@ MOE_MLP = {"mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts
 def check_config(cfg: dict, where: str = "/hf_model") -> str:
     """The family of a Hugging Face config.json this module converts exactly, or a ToolError that
     says what in it has no Megatron counterpart here."""
-    from ..core.model import LLAMA3_ROPE_FIXED, rope_parameters, rope_scaling_type
+    from ..core.model import LLAMA3_ROPE_FIXED, rope_parameters, rope_scaling_type, rope_theta
     from ..errors import ToolError
 
     archs = cfg.get("architectures") or []
@@ -58,17 +57,7 @@ def check_config(cfg: dict, where: str = "/hf_model") -> str:
         if off:
             raise ToolError("bad_model", f"Llama 3 RoPE scaling with {off}: Megatron builds in {LLAMA3_ROPE_FIXED}",
                             where=f"{where}/config.json", fix="only the Llama 3.1 / 3.2 constants convert exactly")
-    theta = rope_parameters(cfg).get("rope_theta", cfg.get("rope_theta", 10000))
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta) or theta <= 0:
-        raise ToolError("bad_model", f"rope_theta {theta!r} is not a positive number", where=f"{where}/config.json",
-                        fix="give the RoPE base the model was trained with")
-    if theta != int(theta):
-        # Megatron's --rotary-base is an integer: a run would use int(theta), another model
-        raise ToolError("bad_model", f"rope_theta {theta!r} is not a whole number, and Megatron's --rotary-base "
-                        f"takes only whole numbers: trained as {int(theta)} the model would not be this one "
-                        "(its attention over far positions moves)", where=f"{where}/config.json",
-                        fix=f"only a whole RoPE base converts exactly; to accept the change, set rope_theta to "
-                            f"{round(theta)} in a copy of the folder and import that")
+    rope_theta(cfg, f"{where}/config.json")   # a base Megatron's --rotary-base cannot take is refused
     if cfg.get("hidden_act", "silu") != "silu" or cfg.get("mlp_bias") or (
             cfg.get("attention_bias") and ARCHITECTURES[arch] != "qwen2"):
         raise ToolError("bad_model", "the MLP activation or biases differ from the family's standard layer",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -433,8 +434,21 @@ def rope_parameters(cfg: dict) -> dict:
             **({"rope_theta": cfg["rope_theta"]} if "rope_theta" in cfg else {})}
 
 
-def rope_theta(cfg: dict) -> int:
-    return int(rope_parameters(cfg).get("rope_theta", cfg.get("rope_theta", 10000)))
+def rope_theta(cfg: dict, where: str = "/hf_config") -> int:
+    """The RoPE base as Megatron's --rotary-base takes it (an integer): a base that is not a whole
+    number is refused, since int() of it would plan and train another model (its attention over
+    far positions moves)."""
+    theta = rope_parameters(cfg).get("rope_theta", cfg.get("rope_theta", 10000))
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta) or theta <= 0:
+        raise ToolError("bad_model", f"rope_theta {theta!r} is not a positive number", where=where,
+                        fix="give the RoPE base the model was trained with")
+    if theta != int(theta):
+        raise ToolError("bad_model", f"rope_theta {theta!r} is not a whole number, and Megatron's --rotary-base "
+                        f"takes only whole numbers: trained as {int(theta)} the model would not be this one "
+                        "(its attention over far positions moves)", where=where,
+                        fix=f"only a whole RoPE base runs as given; to accept the change, set rope_theta to "
+                            f"{round(theta)} in a copy of the config")
+    return int(theta)
 
 
 # Megatron's --use-rope-scaling is Llama 3.1's scheme with these constants built in
