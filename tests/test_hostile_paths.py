@@ -416,3 +416,11 @@ def test_a_json_file_escaping_a_lone_surrogate_is_a_clear_error(tmp_path, escape
     pair.write_text('{"t": "\\ud83d\\ude00"}')   # a surrogate pair is one character: fine
     from megatron_skill import files
     assert files.read_json(pair, "/x") == {"t": "\U0001F600"}
+
+
+@pytest.mark.parametrize("name", [LONG, "a/" * 2100])
+def test_a_dataset_prefix_too_long_for_the_file_system_is_a_bad_request(name):
+    # Python 3.12's Path.is_file raises on a name too long instead of answering False
+    res = call("train", {"model": "llama3.2-1b", "runs_root": "runs", "dry_run": True,
+                         "training": {"data_path": [name]}})
+    assert res["error"]["code"] == "bad_request" and res["error"]["where"] == "/training/data_path/0"

@@ -552,7 +552,8 @@ def check_datasets(training: dict[str, Any]) -> None:
         if is_weight(entry):
             check_weight(entry, where=f"/training/data_path/{i}")
             continue
-        missing = [ext for ext in (".bin", ".idx") if not Path(entry + ext).is_file()]
+        guarded.check_names(entry + ".bin", f"/training/data_path/{i}")   # a name too long is the request's error
+        missing = [ext for ext in (".bin", ".idx") if guarded.kind_of(entry + ext) != "file"]
         if missing:
             raise ToolError("not_found", f"dataset {entry}: no {' or '.join(entry + m for m in missing)}",
                             where=f"/training/data_path/{i}",
