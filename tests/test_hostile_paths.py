@@ -424,3 +424,22 @@ def test_a_dataset_prefix_too_long_for_the_file_system_is_a_bad_request(name):
     res = call("train", {"model": "llama3.2-1b", "runs_root": "runs", "dry_run": True,
                          "training": {"data_path": [name]}})
     assert res["error"]["code"] == "bad_request" and res["error"]["where"] == "/training/data_path/0"
+
+
+def test_a_killed_writers_temporary_is_removed_by_the_next_write_and_nothing_else(tmp_path):
+    from megatron_skill.locks import write_atomic
+
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = int(done.stdout)   # a process that has ended: its temporary is stale
+    target = tmp_path / "state.json"
+    stale = tmp_path / f".state.json.{dead}.tmp"
+    live = tmp_path / f".state.json.{os.getppid()}.tmp"   # a writer still running
+    mine = tmp_path / ".state.json.backup.tmp"            # not the pattern: the user's
+    other = tmp_path / f".other.json.{dead}.tmp"          # another target's
+    for p in (stale, live, mine, other):
+        p.write_text("{}")
+    link = tmp_path / f".state.json.{dead + 1}.tmp"
+    link.symlink_to(mine)
+    write_atomic(target, '{"ok": true}')
+    assert json.loads(target.read_text()) == {"ok": True}
+    assert not stale.exists() and live.exists() and mine.exists() and other.exists() and link.is_symlink()

@@ -102,3 +102,36 @@ def write_atomic(path: Path, text: str, mode: int | None = None) -> None:
     if mode is not None:
         os.chmod(tmp, mode)
     os.replace(tmp, path)
+    _remove_stale_temporaries(path)
+
+
+def _remove_stale_temporaries(path: Path) -> None:
+    """The temporaries of path that a killed writer left (write_atomic's own name pattern, a
+    regular file, its process gone): a kill between the write and the rename leaves one, and no
+    later run would remove it otherwise. A live writer's is left alone."""
+    prefix, suffix = f".{path.name}.", ".tmp"
+    try:
+        names = os.listdir(path.parent)
+    except OSError:
+        return
+    for name in names:
+        pid = name[len(prefix):-len(suffix)] if name.startswith(prefix) and name.endswith(suffix) else ""
+        if not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)):
+            continue
+        stale = path.parent / name
+        if stale.is_symlink() or not stale.is_file():
+            continue
+        try:
+            stale.unlink()
+        except OSError:
+            pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True   # another user's process, or no process number at all: not ours to judge
+    return True
