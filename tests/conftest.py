@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -133,6 +134,17 @@ def run_inproc(*args: str, stdin: str | None = None, timeout: int = 600, env: di
     except json.JSONDecodeError:
         out = stdout
     return code, out, stderr
+
+
+def wait_until(predicate, timeout: float, what: str, every: float = 0.3):
+    """predicate's first true value within timeout seconds, polled every `every` seconds."""
+    end = time.time() + timeout
+    while time.time() < end:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture

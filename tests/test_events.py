@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, require_modules
+from conftest import ROOT, require_modules, wait_until
 
 from megatron_skill import contract
 from megatron_skill.events import emit as emitter
@@ -168,7 +168,7 @@ def _marked_run(tmp_path: Path, run_id: str = "r0123456789abcdef") -> tuple[Path
 def _starts(marker: Path, expected: int) -> int:
     """The marker's lines once the started processes had time to write them."""
     if expected:
-        _wait(lambda: marker.exists() and len(marker.read_text().splitlines()) >= expected, 30, "the resume")
+        wait_until(lambda: marker.exists() and len(marker.read_text().splitlines()) >= expected, 30, "the resume")
     time.sleep(0.5)  # a second start would have written by now
     return len(marker.read_text().splitlines()) if marker.exists() else 0
 
@@ -345,7 +345,7 @@ def test_a_stopped_watcher_reports_what_the_log_says_before_it_goes(tmp_path, re
     try:
         # The watcher handles SIGTERM (its start can take seconds on a loaded machine), has read the
         # (empty) log and sleeps its poll.
-        _wait(lambda: int(re.search(r"SigCgt:\s*([0-9a-f]+)", Path(f"/proc/{watch.pid}/status").read_text())
+        wait_until(lambda: int(re.search(r"SigCgt:\s*([0-9a-f]+)", Path(f"/proc/{watch.pid}/status").read_text())
                           .group(1), 16) & (1 << (signal.SIGTERM - 1)), 60, "the watcher's SIGTERM handler")
         time.sleep(1)
         with open(log, "a") as f:
@@ -517,14 +517,6 @@ def test_a_stall_answers_a_diagnosis_once(tmp_path, secret):
 
 
 # ---- end to end: a killed CPU run, one resume, the loss carries on ------------------------------
-def _wait(predicate, timeout: float, what: str):
-    end = time.time() + timeout
-    while time.time() < end:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.3)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _checkpoint(run_root: Path) -> int:
@@ -559,8 +551,8 @@ def test_a_killed_run_emits_job_failed_and_resumes_once_with_its_loss_carrying_o
     req_file.write_text(json.dumps(request))
     train = subprocess.Popen([sys.executable, str(ROOT / "tools" / "launch.py"), "train", "--request", str(req_file)],
                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=tmp_path)
-    _wait(lambda: _checkpoint(runs) >= 10, 240, "a checkpoint at iteration 10")
-    trainer = _wait(lambda: subprocess.run(["pgrep", "-f", f"cpu_loop.py {runs}"], capture_output=True,
+    wait_until(lambda: _checkpoint(runs) >= 10, 240, "a checkpoint at iteration 10")
+    trainer = wait_until(lambda: subprocess.run(["pgrep", "-f", f"cpu_loop.py {runs}"], capture_output=True,
                                            text=True).stdout.split(), 30, "the trainer")
     for pid in trainer:  # the job dies as on a failed node: torchrun and its worker (a session of its own)
         os.kill(int(pid), signal.SIGKILL)
@@ -589,7 +581,7 @@ def test_a_killed_run_emits_job_failed_and_resumes_once_with_its_loss_carrying_o
     second = [e for e in receiver.events("job.failed") if e["emitter"] == "scheduler"][0]
     assert _on_event(second, runs, apply=True, approve=["resume"])["result"]["verdict"] == "duplicate"
 
-    state = _wait(lambda: (json.loads((run_dir / "state.json").read_text()).get("status") == "finished"
+    state = wait_until(lambda: (json.loads((run_dir / "state.json").read_text()).get("status") == "finished"
                            and json.loads((run_dir / "state.json").read_text())), 300, "the resumed run to finish")
     assert state["attempts"] == 2 and state["result"]["resumed_from"] == killed_at
     log = (run_dir / "logs" / "train.log").read_text()
@@ -615,7 +607,7 @@ def test_a_training_run_with_a_silent_receiver_finishes_as_without_one(tmp_path,
     hole.close()
     assert out["ok"] and out["result"]["returncode"] == 0 and out["result"]["checkpoint_iteration"] == 10
     run_dir = Path(out["result"]["run_dir"])
-    recorded = _wait(lambda: [json.loads(x)["type"] for x in (run_dir / "events.jsonl").read_text().splitlines()
+    recorded = wait_until(lambda: [json.loads(x)["type"] for x in (run_dir / "events.jsonl").read_text().splitlines()
                               if "job.finished" in (run_dir / "events.jsonl").read_text()], 30, "the end event")
     assert recorded[0] == "job.started" and recorded[-1] == "job.finished" and "checkpoint.saved" in recorded
 
@@ -645,7 +637,7 @@ def test_a_slurm_job_and_slurms_own_trigger_report_one_end(tmp_path, slurm):
         failed = [e for e in found if e["type"] == "job.failed"]
         return (found, failed) if len(failed) == 2 else None
 
-    found, failed = _wait(ends, 180, "the job's and the trigger's reports")
+    found, failed = wait_until(ends, 180, "the job's and the trigger's reports")
     assert found[0]["type"] == "job.started" and found[0]["job"]["job_id"] == job
     trap, trigger = sorted(failed, key=lambda e: e["emitter"])
     assert (trap["emitter"], trigger["emitter"]) == ("job", "scheduler")

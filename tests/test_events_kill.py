@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, require_modules
+from conftest import ROOT, require_modules, wait_until
 from test_events import SECRET, TOKEN, Receiver, _event, _on_event
 
 from megatron_skill import watchdog
@@ -35,14 +35,6 @@ def receiver(monkeypatch):
     r.close()
 
 
-def _wait(predicate, timeout: float, what: str):
-    end = time.time() + timeout
-    while time.time() < end:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.3)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _pids(pattern: str) -> list[int]:
@@ -64,8 +56,8 @@ def _start_train(tmp_path: Path, iters: int = 200) -> tuple[subprocess.Popen, Pa
                                "training": {"train_iters": iters, "save_interval": 5, "log_interval": 1}}))
     train = subprocess.Popen([*LAUNCH, "train", "--request", str(req)], stdout=subprocess.PIPE,
                              stderr=subprocess.DEVNULL, text=True, cwd=tmp_path)
-    run_dir = _wait(lambda: next(iter(runs.glob("*/cpu_run.json")), None), 120, "the run folder").parent
-    _wait(lambda: _checkpoint(run_dir) >= 5, 300, "the first checkpoint")
+    run_dir = wait_until(lambda: next(iter(runs.glob("*/cpu_run.json")), None), 120, "the run folder").parent
+    wait_until(lambda: _checkpoint(run_dir) >= 5, 300, "the first checkpoint")
     return train, run_dir
 
 
@@ -84,14 +76,14 @@ def test_stopping_a_job_stops_a_process_that_left_its_group_and_session(tmp_path
               "time.sleep(600)")
     leader = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, watchdog.MARK_ENV: mark},
                               start_new_session=True)
-    _wait(lambda: len(watchdog.marked(mark)) == 2, 30, "the leader and its worker")
+    wait_until(lambda: len(watchdog.marked(mark)) == 2, 30, "the leader and its worker")
     worker = [p for p in watchdog.marked(mark) if p != leader.pid][0]
     assert os.getsid(worker) != os.getsid(leader.pid)
     os.killpg(leader.pid, signal.SIGKILL)  # the leader's group only, as a person's kill -9 -PGID
     leader.wait()
     assert watchdog.marked(mark) == [worker]  # left running: what the mark is for
     assert watchdog.stop(None, mark, grace_s=5)
-    _wait(lambda: not watchdog.marked(mark), 10, "the worker to be gone")
+    wait_until(lambda: not watchdog.marked(mark), 10, "the worker to be gone")
     assert not watchdog.stop(None, mark)  # nothing left
 
 
@@ -99,7 +91,7 @@ def test_stopping_a_job_stops_a_process_that_left_its_group_and_session(tmp_path
 def test_a_kill_of_torchruns_process_group_stops_its_worker_and_train_reports_it(tmp_path, receiver, secret):
     require_modules("torch", "megatron.core")
     train, run_dir = _start_train(tmp_path)
-    torchrun = _wait(lambda: _pids(f"torch.distributed.run.*{run_dir}"), 30, "torchrun")
+    torchrun = wait_until(lambda: _pids(f"torch.distributed.run.*{run_dir}"), 30, "torchrun")
     assert len(_job_processes(run_dir)) == 2  # torchrun and its worker, in a session of its own
     os.killpg(os.getpgid(torchrun[0]), signal.SIGKILL)
     answer = json.loads(train.communicate(timeout=120)[0])
@@ -144,7 +136,7 @@ def test_after_a_host_death_the_next_train_reports_the_dead_attempts_end_and_res
     for pid in doomed:
         os.kill(pid, signal.SIGKILL)
     train.wait()
-    _wait(lambda: not _job_processes(run_dir) and not RunLock(run_dir).held_elsewhere(), 30, "the job gone")
+    wait_until(lambda: not _job_processes(run_dir) and not RunLock(run_dir).held_elsewhere(), 30, "the job gone")
     assert json.loads((run_dir / "state.json").read_text())["status"] == "running"
     assert not receiver.events("job.failed")
     again = subprocess.run([*LAUNCH, "train", "--request", str(tmp_path / "train.json")], capture_output=True,

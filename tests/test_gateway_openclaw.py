@@ -24,7 +24,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, missing, require_modules
+from conftest import ROOT, missing, require_modules, wait_until
 
 from megatron_skill.events import event as ev
 
@@ -325,14 +325,6 @@ def gateway(tmp_path_factory):
     model.close()
 
 
-def _wait(predicate, timeout: float, what: str):
-    end = time.time() + timeout
-    while time.time() < end:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _a_run(runs_root: Path, run_id: str) -> Path:
@@ -370,7 +362,7 @@ def _the_gateway_admits_signed_events_once_and_the_agent_runs_on_event_as_the_sk
     oversized = json.dumps({"source": "megatron-skill", "event": {**event, "pad": "x" * 300_000}}).encode()
     assert gateway.post(oversized, key="oversized")[0] == 413
 
-    steps = _wait(lambda: gateway.model.finished(event["event_id"]), 240, "the agent's answer")
+    steps = wait_until(lambda: gateway.model.finished(event["event_id"]), 240, "the agent's answer")
     assert len(gateway.model.runs(event["event_id"])) == 1  # one agent run for the event and its retry
     # What the model received: OpenClaw's notice, then the mapping's text as data between markers.
     user = steps[0]["user"]
@@ -403,7 +395,7 @@ def _the_gateway_admits_signed_events_once_and_the_agent_runs_on_event_as_the_sk
     forged["details"]["exit_code"] = 1
     status, answer = gateway.post(json.dumps(ev.body(forged)).encode(), key=forged["event_id"])
     assert status == 200 and answer["runId"] != first["runId"]
-    steps = _wait(lambda: gateway.model.finished(forged["event_id"]), 240, "the agent's answer to the forgery")
+    steps = wait_until(lambda: gateway.model.finished(forged["event_id"]), 240, "the agent's answer to the forgery")
     refused = _answer(steps[-1]["results"][-1])
     assert refused["ok"] is False and refused["error"]["code"] == "refused"
     assert steps[-1]["step"]["text"] == "on-event refused the event: refused"
@@ -450,10 +442,10 @@ def _a_cpu_run_killed_then_finished_wakes_one_agent_run_per_event_with_the_inten
     env = {**os.environ, **gateway.emitter_env()}
     argv = [sys.executable, str(ROOT / "tools" / "launch.py"), "train", "--request", str(req_file)]
     train = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
-    run_dir = _wait(lambda: next((p for p in gateway.runs_root.glob("*/cpu_run.json")), None), 120,
+    run_dir = wait_until(lambda: next((p for p in gateway.runs_root.glob("*/cpu_run.json")), None), 120,
                     "the run folder").parent
-    _wait(lambda: _checkpoint(run_dir) >= 10, 300, "the checkpoint at iteration 10")
-    torchrun = _wait(lambda: [int(p) for p in subprocess.run(["pgrep", "-f", f"torch.distributed.run.*{run_dir}"],
+    wait_until(lambda: _checkpoint(run_dir) >= 10, 300, "the checkpoint at iteration 10")
+    torchrun = wait_until(lambda: [int(p) for p in subprocess.run(["pgrep", "-f", f"torch.distributed.run.*{run_dir}"],
                                                              capture_output=True, text=True).stdout.split()],
                      30, "torchrun")
     os.killpg(os.getpgid(torchrun[0]), signal.SIGKILL)  # its process group only: the worker has a session of its own
@@ -475,12 +467,12 @@ def _a_cpu_run_killed_then_finished_wakes_one_agent_run_per_event_with_the_inten
         emit.flush(run_dir, gateway.url, HOOK_TOKEN, 30)  # what a later emitter call of the run would do
         return None
 
-    records = _wait(delivered, 240, "every event of the run delivered")
+    records = wait_until(delivered, 240, "every event of the run delivered")
     kinds = [r["type"] for r in records]
     assert kinds.count("job.started") == 2 and kinds.count("checkpoint.saved") >= 2
     answers = {}
     for record in records:
-        steps = _wait(lambda r=record: gateway.model.finished(r["event_id"]), 300, f"the agent's answer to {record['type']}")
+        steps = wait_until(lambda r=record: gateway.model.finished(r["event_id"]), 300, f"the agent's answer to {record['type']}")
         assert len(gateway.model.runs(record["event_id"])) == 1, record["type"]
         answers[record["event_id"]] = _answer(steps[-1]["results"][-1])["result"]
     failed = next(r for r in records if r["type"] == "job.failed")
