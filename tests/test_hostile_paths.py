@@ -443,3 +443,15 @@ def test_a_killed_writers_temporary_is_removed_by_the_next_write_and_nothing_els
     write_atomic(target, '{"ok": true}')
     assert json.loads(target.read_text()) == {"ok": True}
     assert not stale.exists() and live.exists() and mine.exists() and other.exists() and link.is_symlink()
+
+
+@pytest.mark.parametrize("field, where", [
+    ({"training": {"pretrained": "/" + LONG}}, "/training/pretrained"),
+    ({"training": {"data_path": ["/" + LONG]}}, "/training/data_path/0"),
+    ({"import_hf": {"hf_model": "/" + LONG, "output": "/ckpt/x"}}, "/import_hf/hf_model"),
+    ({"import_hf": {"hf_model": "/models/x", "output": "/" + LONG}}, "/import_hf/output"),
+])
+def test_render_paths_no_file_system_can_hold_are_bad_requests(field, where):
+    # Path.is_file / is_dir of Python 3.12 raise on a name too long: each read answered internal
+    res = call("render", {"model": "llama3.2-1b", "num_gpus": 8, "launcher": "torchrun", "dry_run": True, **field})
+    assert res["error"]["code"] == "bad_request" and res["error"]["where"] == where

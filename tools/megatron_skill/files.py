@@ -284,6 +284,17 @@ def kind_of(path: str | Path) -> str:
     return "file" if stat.S_ISREG(mode) else "folder" if stat.S_ISDIR(mode) else "other"
 
 
+def is_file(path: str | Path) -> bool:
+    """Path.is_file that answers False where the name cannot exist (Python 3.12's raises on a name
+    too long for the file system, a request's error, not the tool's)."""
+    return kind_of(path) == "file"
+
+
+def is_dir(path: str | Path) -> bool:
+    """Path.is_dir, the same way."""
+    return kind_of(path) == "folder"
+
+
 def output_folder(path: str | Path, where: str, what: str = "output folder", room: int = 0) -> Path:
     """path, a folder to write into: it is one, or it can be made (no name too long, no file where
     it or one of its parents would be, no link that loops or points nowhere)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from .. import files as guarded
 from ..core import catalog
 from ..core.resolve import training_defaults, with_training_defaults
 from ..errors import ToolError
@@ -38,7 +39,7 @@ def describe(path: str, model, tp: int, need_local: bool) -> dict[str, Any]:
     only where the job runs). need_local: the run happens here, so the checkpoint must too."""
     from ..core.flops import padded_vocab_size
 
-    root = Path(path)
+    root = guarded.check_names(path, WHERE)
     rows = padded_vocab_size(model.vocab_size, 1)  # what the skill's imports hold
     info: dict[str, Any] = {"path": path, "checked": False, "tokenizer": None}
     if root.is_dir():

@@ -430,6 +430,7 @@ def import_step(req: dict, model, k8s: dict | None) -> dict | None:
     paths = {"hf_model": spec["hf_model"], "output": output}
     for key, path in paths.items():
         where = "/import_hf/" + key if key in spec else "/training/pretrained"
+        files.check_names(path, where)
         if not path.startswith("/") or path.rstrip("/") == "":
             raise ToolError("bad_request", f"{path!r} is not an absolute path below /", where=where,
                             fix="give the path as the job's nodes see it, from /")
@@ -451,11 +452,12 @@ def import_step(req: dict, model, k8s: dict | None) -> dict | None:
     if spec.get("dtype", "auto") != "auto":
         args += ["--dtype", spec["dtype"]]
     here = Path(paths["hf_model"])  # the folder as this machine sees it, where it does (a shared file system)
-    if (here / "config.json").is_file():
+    if files.is_file(here / "config.json"):
         pretrained.same_model(here, model, "/import_hf/hf_model", f"the Hugging Face folder {here}")
-    tokenizer = None if here.is_dir() and not (here / "tokenizer.json").is_file() else output.rstrip("/") + "/hf"
+    visible = files.is_dir(here)
+    tokenizer = None if visible and not files.is_file(here / "tokenizer.json") else output.rstrip("/") + "/hf"
     return {"hf_model": paths["hf_model"], "output": output, "parent": str(Path(output).parent), "args": args,
-            "tokenizer": tokenizer, "visible_here": here.is_dir(),
+            "tokenizer": tokenizer, "visible_here": visible,
             "command": "python tools/launch.py " + " ".join(shlex.quote(a) for a in args)}
 
 
@@ -513,6 +515,8 @@ def build(req: dict, ctx: Context) -> dict[str, Any]:
             training["tokenizer_model"] = tokenizer
     training["save"] = _path(training.get("save") or f"{run_dir}/checkpoints")
     if training.get("data_path"):
+        for i, entry in enumerate(training["data_path"]):
+            files.check_names(entry, f"/training/data_path/{i}", room=len(MASK_SUFFIX + ".bin"))
         training["data_path"] = [_path(p) for p in training["data_path"]]
     for field in TOKENIZER_FILES:
         if training.get(field):
@@ -648,7 +652,7 @@ def _unseen_datasets(req: dict) -> list[str]:
     from .prepare_data import is_weight
 
     entries = (req.get("training") or {}).get("data_path") or []
-    return [e for e in entries if not is_weight(e) and not (Path(e + ".bin").is_file() and Path(e + ".idx").is_file())]
+    return [e for e in entries if not is_weight(e) and not (files.is_file(e + ".bin") and files.is_file(e + ".idx"))]
 
 
 # What render takes from a plan: the fields of the plan request that say what is trained where.
@@ -713,7 +717,7 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
     if req.get("megatron_lm"):
         warnings += [f"dataset {p} has a chat loss mask ({p}{MASK_SUFFIX}.bin), which Megatron-LM's pretrain_gpt.py "
                      "does not read: the prompts would be learned too (leave megatron_lm out to use the skill's entry)"
-                     for p in (req.get("training") or {}).get("data_path") or [] if Path(p + MASK_SUFFIX + ".idx").is_file()]
+                     for p in (req.get("training") or {}).get("data_path") or [] if files.is_file(p + MASK_SUFFIX + ".idx")]
     if warnings:
         out["warnings"] = warnings
     if files.kind_of(path) != "missing" and RENDERED_MARK not in _head(path):
