@@ -41,8 +41,7 @@ def te_only_args(lay: Layout, gpu: GPUSpec, fake_rank: bool, model: ModelConfig 
     TE's kernels) and the CUDA graphs the options ask for."""
     megatron = megatron or MegatronOptions()
     a = []
-    if (megatron.tp_comm_overlap and lay.tp > 1 and lay.sequence_parallel and lay.tp <= gpu.nvlink_domain
-            and not fake_rank):
+    if megatron.tp_overlap_runs(lay.tp, lay.sequence_parallel, gpu.nvlink_domain) and not fake_rank:
         a.append("--tp-comm-overlap")
     if model is not None and model.is_moe and (moe or MoEOptions()).permute_fusion:
         a.append("--moe-permute-fusion")

@@ -90,6 +90,12 @@ class MegatronOptions:
             raise ToolError("bad_request", "the MoE preprocessing is captured only together with the router",
                             where="/megatron_options/cuda_graph_modules", fix="add moe_router")
 
+    def tp_overlap_runs(self, tp: int, sequence_parallel: bool, nvlink_domain: int) -> bool:
+        """Where TE's userbuffers overlap TP communication with the GEMMs (--tp-comm-overlap):
+        asked for, with TP > 1 under sequence parallelism (Megatron asserts it), every TP rank in
+        one NVLink domain (the buffers are shared through NVLink). On TE's layers only."""
+        return self.tp_comm_overlap and 1 < tp <= nvlink_domain and sequence_parallel
+
     def graphed_layer_share(self, moe_layer: bool) -> float:
         """The share of a layer's kernel launches that its CUDA graphs replay without the host: all
         of it for whole layers (or the whole iteration); attention and MLP each half (assumed: the

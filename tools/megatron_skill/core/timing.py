@@ -365,7 +365,7 @@ def step_time(model: ModelConfig, lay: Layout, gpu: GPUSpec, padded_vocab: int, 
     # the fused head takes the micro-batch only where it keeps less memory (the runtime's rule)
     head_fused = fused_head and not model.mtp_num_layers and fused_head_runs(tokens, h, padded_vocab / t)
     # TE's TP overlap runs where render writes --tp-comm-overlap (adapter/arguments.py, te_only_args)
-    tp_overlap = te and megatron.tp_comm_overlap and sp and t <= node
+    tp_overlap = te and megatron.tp_overlap_runs(t, lay.sequence_parallel, node)
     per_layer = _layer_times(model, gpu, te, fp8_linear, lay.tp, lay.cp, lay.ep, lay.etp, lay.mbs, s, sp,
                              lay.precision, moe, tp_overlap)
 
