@@ -14,25 +14,15 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-from ..locks import Busy, FileLock, write_atomic
+from .. import runs
+from ..errors import ToolError
 from . import emit as emitter
 from . import event as ev
 
-STATE = "state.json"  # runs.STATE: the train tool's record of the run
-LOCK = "run.lock"  # runs.RunLock's file
 LAYOUT_KEYS = ("tp", "pp", "vp", "cp", "ep", "dp", "mbs", "gbs", "seq_length")
-
-
-def _state(run_dir: Path) -> dict[str, Any] | None:
-    try:
-        value = json.loads((run_dir / STATE).read_text())
-    except (OSError, ValueError):
-        return None
-    return value if isinstance(value, dict) else None
 
 
 def job_id(run_dir: Path, state: dict[str, Any]) -> str:
@@ -63,24 +53,22 @@ def dead_attempt(run_dir: Path, locked: bool = False) -> dict[str, Any] | None:
     and answer the end event to send (None otherwise, and while the run's lock is held by a
     live process). locked: the caller holds the run's lock itself (train, as it starts)."""
     run_dir = Path(run_dir)
-    if not (run_dir / STATE).is_file():
+    if not (run_dir / runs.STATE).is_file():
         return None
-    lock = FileLock(run_dir / LOCK)
+    lock = runs.RunLock(run_dir)
     if not locked:
         try:
             lock.acquire()
-        except (Busy, OSError):
+        except (ToolError, OSError):   # held by a live train: its attempt is not dead
             return None
     try:
-        state = _state(run_dir)
+        state = runs.read_state(run_dir)
         if not state or state.get("status") != "running":
             return None
         if (state.get("request") or {}).get("launcher") == "slurm" and state.get("backend") == "gpu":
             return None  # a Slurm job outlives the train that submitted it: its trap and trigger report its end
         event = end_event(run_dir, state)
-        write_atomic(run_dir / STATE, json.dumps({**state, "status": "failed", "returncode": None,
-                                                  "died": event["details"]["message"],
-                                                  "updated": time.time()}, indent=1))
+        runs.write_state(run_dir, status="failed", returncode=None, died=event["details"]["message"])
         return event
     finally:
         if not locked:
