@@ -11,6 +11,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from .. import files
 from ..core.layout import Layout, pipeline_layout_chunks
 from ..core.megatron_options import MegatronOptions
 from ..core.memory import MemoryOptions, unfused_score_bytes
@@ -90,12 +91,6 @@ def hf_tokenizer_size(tokenizer_json: dict) -> int:
     return len(ids)
 
 
-def _read_limited(path: Path) -> bytes:
-    if path.stat().st_size > MAX_TOKENIZER_BYTES:
-        raise ValueError(f"larger than {MAX_TOKENIZER_BYTES >> 20} MiB")
-    return path.read_bytes()
-
-
 def vocabulary(ns: Any) -> tuple[int, str, bool]:
     """(vocabulary size, where it comes from, whether it was read rather than assumed): from the
     tokenizer the arguments name, as Megatron's build_tokenizer would size it; the padded size a
@@ -116,25 +111,25 @@ def vocabulary(ns: Any) -> tuple[int, str, bool]:
         if kind in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer") and model:
             path = Path(model)
             if path.is_file():
-                n = sentencepiece_pieces(_read_limited(path))
+                n = sentencepiece_pieces(files.read_regular(path, MAX_TOKENIZER_BYTES))
                 return n, f"{kind}: the {n} pieces of {model}", True
             missing = f"{kind}'s model file {model} is not here (it is read where the job runs)"
         elif kind == "HuggingFaceTokenizer" and model:
             folder = Path(model)
             tj = folder / "tokenizer.json" if folder.is_dir() else folder
             if tj.is_file() and tj.name.endswith(".json"):
-                n = hf_tokenizer_size(json.loads(_read_limited(tj)))
+                n = hf_tokenizer_size(json.loads(files.read_regular(tj, MAX_TOKENIZER_BYTES)))
                 return n, f"HuggingFaceTokenizer: len(tokenizer) of {tj} ({n})", True
             cfg = folder / "config.json"
             if cfg.is_file():
-                n = json.loads(_read_limited(cfg)).get("vocab_size")
+                n = json.loads(files.read_regular(cfg, MAX_TOKENIZER_BYTES)).get("vocab_size")
                 if isinstance(n, int) and n > 0:
                     return n, f"HuggingFaceTokenizer: vocab_size of {cfg} (no tokenizer.json beside it)", True
             missing = f"the Hugging Face tokenizer {model} is not a folder here (it is read where the job runs)"
         elif kind == "GPT2BPETokenizer":
             vocab_file = getattr(ns, "vocab_file", None)
             if vocab_file and Path(vocab_file).is_file():
-                n = len(json.loads(_read_limited(Path(vocab_file))))
+                n = len(json.loads(files.read_regular(vocab_file, MAX_TOKENIZER_BYTES)))
                 return n, f"GPT2BPETokenizer: the {n} entries of {vocab_file}", True
             return GPT2_VOCAB, f"{GPT2_VOCAB}, GPT-2's BPE vocabulary (GPT2BPETokenizer; its vocab file is not here)", \
                 False
