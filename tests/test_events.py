@@ -30,7 +30,7 @@ class Receiver:
     """A webhook receiver on 127.0.0.1, as OpenClaw's Gateway would be: it records each POSTed
     body with its Authorization header and answers 202."""
 
-    def __init__(self, delay_s: float = 0.0):
+    def __init__(self, delay_s: float = 0.0, port: int = 0):
         self.bodies: list[dict] = []
         self.auth: list[str | None] = []
         self.keys: list[str | None] = []
@@ -49,7 +49,7 @@ class Receiver:
             def log_message(self, *args):
                 pass
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hooks/megatron"
 
@@ -401,7 +401,8 @@ def test_a_receiver_that_is_down_or_silent_costs_at_most_the_deadline(tmp_path):
         t0 = time.monotonic()
         proc = subprocess.run(EMIT + ["send", "--type", "job.started", "--run-id", "r1", "--run-dir", str(run),
                                       "--deadline-s", str(deadline)],
-                              env={**os.environ, ev.URL_ENV: url}, capture_output=True, text=True, timeout=60)
+                              env={**os.environ, ev.URL_ENV: url, emitter.MAX_AGE_ENV: "5"},
+                              capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0 and "emit: job.started" in proc.stderr
         assert time.monotonic() - t0 < deadline + 5
     hole.close()
@@ -601,6 +602,7 @@ def test_a_training_run_with_a_silent_receiver_finishes_as_without_one(tmp_path,
     require_modules("torch", "megatron.core")
     hole = _black_hole()
     monkeypatch.setenv(ev.URL_ENV, f"http://127.0.0.1:{hole.getsockname()[1]}/hooks/megatron")
+    monkeypatch.setenv(emitter.MAX_AGE_ENV, "60")  # the senders left trying stop a minute on
     out = contract.call("train", {"model": "tiny-gpt", "backend": "cpu", "runs_root": str(tmp_path / "runs"),
                                   "training": {"train_iters": 10, "save_interval": 5, "log_interval": 1}},
                         contract.Context(progress=lambda m: None))

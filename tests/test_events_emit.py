@@ -1,5 +1,6 @@
 """The emitters' delivery to a real HTTP receiver on this machine: the Idempotency-Key, a slow
-Gateway admission, a job's start that never waits, the outbox a later call delivers; and the
+Gateway admission, a job's start that never waits, the outbox a later call delivers, the sender
+that keeps trying after the emitter has gone (a receiver down, then up on the same port); and the
 Slurm trigger program (its help, a node failure's nodes)."""
 import json
 import os
@@ -10,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, wait_until
 from test_events import EMIT, SECRET, TOKEN, Receiver, _on_event, _run_dir
 
 from megatron_skill.events import emit as emitter
@@ -32,11 +33,22 @@ def slow_receiver():
     r.close()
 
 
-def _send(run: Path, url: str, *argv: str) -> tuple[subprocess.CompletedProcess, float]:
+# The sender's schedule in these tests: an hour of retrying compressed into seconds.
+FAST = {emitter.RETRY_ENV: "0.2", emitter.RETRY_MAX_ENV: "1", emitter.MAX_AGE_ENV: "60"}
+
+
+def _send(run: Path, url: str, *argv: str, env: dict | None = None) -> tuple[subprocess.CompletedProcess, float]:
     t0 = time.monotonic()
     proc = subprocess.run(EMIT + ["send", *argv, "--run-id", "r1", "--run-dir", str(run)], capture_output=True,
-                          text=True, timeout=120, env={**os.environ, ev.URL_ENV: url, ev.TOKEN_ENV: TOKEN})
+                          text=True, timeout=120,
+                          env={**os.environ, ev.URL_ENV: url, ev.TOKEN_ENV: TOKEN, **(env or FAST)})
     return proc, time.monotonic() - t0
+
+
+def _a_port_nobody_listens_on() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def test_a_slow_admission_is_delivered_in_one_try_with_the_event_id_as_idempotency_key(tmp_path, slow_receiver):
@@ -98,6 +110,70 @@ def test_event_types_the_user_skips_are_recorded_and_wake_no_one(tmp_path, monke
         receiver.close()
     recorded = [json.loads(x)["type"] for x in (run / emitter.RECORD).read_text().splitlines()]
     assert recorded == ["job.started", "checkpoint.saved", "job.failed"] and emitter.waiting(run) == []
+
+
+def test_a_receiver_down_then_up_gets_every_event_once_with_no_emitter_call_in_between(tmp_path):
+    """The Gateway is down while the job starts, saves a checkpoint and fails; it comes up on the
+    same port later. The emitters have all returned by then: the outbox's one sender delivers
+    every event, each POSTed once, and then stops."""
+    run = tmp_path / "run"
+    run.mkdir()
+    port = _a_port_nobody_listens_on()
+    url = f"http://127.0.0.1:{port}/hooks/megatron"
+    took = []
+    for argv in (["--type", "job.started"], ["--type", "checkpoint.saved", "--details", '{"checkpoint_iteration": 10}'],
+                 ["--end", "--exit-code", "137"]):
+        proc, seconds = _send(run, url, *argv)
+        assert proc.returncode == 0, proc.stderr
+        took.append(seconds)
+    assert "a sender of its own keeps trying" in proc.stderr and max(took) < 20
+    assert [e["type"] for e in emitter.waiting(run)] == ["job.started", "checkpoint.saved", "job.failed"]
+    wait_until(lambda: emitter.sending(run), 30, "the sender")   # outside the emitters, which have gone
+    time.sleep(3)   # the receiver stays down through several rounds of the back-off
+    assert len(emitter.waiting(run)) == 3
+
+    # A second sender (as each later emitter would start) leaves the outbox to the first.
+    second = subprocess.run(EMIT + ["deliver", "--run-dir", str(run)], capture_output=True, text=True, timeout=60,
+                            env={**os.environ, ev.URL_ENV: url, **FAST})
+    assert second.returncode == 0 and "another sender delivers this outbox" in second.stderr
+
+    receiver = Receiver(port=port)
+    try:
+        wait_until(lambda: len(receiver.events()) >= 3 and not emitter.waiting(run), 30, "every event delivered")
+        wait_until(lambda: not emitter.sending(run), 30, "the sender to stop")
+        recorded = [json.loads(x) for x in (run / emitter.RECORD).read_text().splitlines()]
+        assert receiver.keys == [e["event_id"] for e in recorded]   # each once, oldest first
+        assert [e["type"] for e in receiver.events()] == ["job.started", "checkpoint.saved", "job.failed"]
+        time.sleep(1.5)   # more than the longest wait: nothing is sent again
+        assert len(receiver.bodies) == 3
+    finally:
+        receiver.close()
+    outcomes = [json.loads(x) for x in (run / emitter.OUTBOX).read_text().splitlines() if '"done"' in x]
+    assert [o["outcome"] for o in outcomes] == ["delivered"] * 3
+
+
+def test_the_sender_gives_up_an_event_once_it_is_too_old_and_stops(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    url = f"http://127.0.0.1:{_a_port_nobody_listens_on()}/hooks/megatron"
+    proc, _ = _send(run, url, "--end", "--exit-code", "1", env={**FAST, emitter.MAX_AGE_ENV: "3"})
+    assert proc.returncode == 0
+    wait_until(lambda: emitter.sending(run), 30, "the sender")
+    t0 = time.monotonic()
+    wait_until(lambda: not emitter.sending(run), 30, "the sender to stop")
+    assert time.monotonic() - t0 < 10
+    (left,) = emitter.waiting(run)   # left in the outbox (an hour's default age): a later call may send it
+    assert left["type"] == "job.failed"
+    assert not emitter.waiting(run, max_age_s=3)
+
+
+def test_the_senders_schedule_comes_from_the_environment_and_refuses_nonsense(capsys):
+    assert emitter.schedule({}) == (emitter.RETRY_S, emitter.RETRY_MAX_S, emitter.OUTBOX_MAX_AGE_S)
+    assert emitter.schedule(FAST) == (0.2, 1.0, 60.0)
+    assert emitter.schedule({emitter.RETRY_ENV: "30", emitter.RETRY_MAX_ENV: "2"})[:2] == (30.0, 30.0)
+    for bad in ("nan", "-1", "x", "1e999", "0"):
+        assert emitter.schedule({emitter.RETRY_ENV: bad, emitter.MAX_AGE_ENV: bad}) == emitter.schedule({})
+    assert "MEGATRON_SKILL_EVENTS_RETRY_S='nan' is not a number" in capsys.readouterr().err
 
 
 # ---- the Slurm trigger program -------------------------------------------------------------------

@@ -7,12 +7,16 @@
     emit_event.py watch --log LOG --pid PID ...     # checkpoints, NaN / spikes, slowdowns, NCCL
                                                     # and node failures, stalls; exits with PID
     emit_event.py flush --run-dir DIR               # deliver what the run's outbox still holds
+    emit_event.py deliver --run-dir DIR             # the same, and keep trying with a back-off until
+                                                    # it is delivered or too old (the emitters start
+                                                    # it themselves; one per outbox)
     emit_event.py settle --run-dir DIR              # a train that died before the job's end: the
                                                     # run marked failed, its job.failed sent
 
 Every event is appended to RUN_DIR/events.jsonl; where MEGATRON_SKILL_EVENTS_URL is set it is
-POSTed there as {"source": "megatron-skill", "event": {...}} (through RUN_DIR/events.outbox.jsonl,
-which later calls retry; a job.started from a process of its own), with the bearer token in
+POSTed there as {"source": "megatron-skill", "event": {...}} (through RUN_DIR/events.outbox.jsonl:
+what a call cannot deliver, a sender of its own keeps trying after it, as MEGATRON_SKILL_EVENTS_RETRY_S,
+_RETRY_MAX_S and _MAX_AGE_S say; a job.started is sent by that sender alone), with the bearer token in
 MEGATRON_SKILL_EVENTS_TOKEN and signed with MEGATRON_SKILL_EVENTS_SECRET (or the file named by
 MEGATRON_SKILL_EVENTS_SECRET_FILE). The job's id comes from SLURM_JOB_ID or
 MEGATRON_SKILL_JOB_ID unless --job-id gives it. This program always exits 0: a receiver that
@@ -89,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     flush = sub.add_parser("flush", help="deliver the events the run's outbox still holds")
     flush.add_argument("--run-dir", required=True)
     flush.add_argument("--deadline-s", type=float, default=emitter.DEADLINE_S)
+    deliver = sub.add_parser("deliver", help="deliver the run's outbox, trying again with a back-off until "
+                             "nothing waits in it (one sender per outbox)")
+    deliver.add_argument("--run-dir", required=True)
     settle = sub.add_parser("settle", help="a train that died before its job's end: mark the run failed and "
                             "send the end")
     settle.add_argument("--run-dir", required=True)
@@ -112,6 +119,8 @@ def main(argv: list[str]) -> int:
     try:
         if args.command == "flush":
             return _flush(args)
+        if args.command == "deliver":
+            return _deliver(args)
         if args.command == "settle":
             return _settle(args)
         if args.command == "watch":
@@ -139,6 +148,14 @@ def _flush(args: argparse.Namespace) -> int:
         for event_id, status in emitter.flush(Path(args.run_dir), url, os.environ.get(ev.TOKEN_ENV),
                                               args.deadline_s).items():
             print(f"emit: {event_id}: {status}", file=sys.stderr)
+    return 0
+
+
+def _deliver(args: argparse.Namespace) -> int:
+    url = os.environ.get(ev.URL_ENV)
+    if url and Path(args.run_dir).is_dir():
+        print(f"emit: {args.run_dir}: " + emitter.deliver(Path(args.run_dir), url, os.environ.get(ev.TOKEN_ENV)),
+              file=sys.stderr)
     return 0
 
 

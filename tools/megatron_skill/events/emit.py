@@ -2,14 +2,17 @@
 
 Nothing here may slow or fail training: every POST has a timeout and a total deadline, a job's
 start is delivered by a process of its own, errors are reported on stderr and swallowed, and the
-caller always gets on. What is not delivered stays in the run's outbox, and the next emitter call
-of the run tries it again (until it is an hour old: on-event would refuse it then).  Only the Python
-standard library is used (and the skill's log patterns), so the job's own Python runs it.
+caller always gets on. What is not delivered stays in the run's outbox, and a sender of its own
+(one per outbox, outside the job) keeps trying it with a growing back-off after the emitter has
+returned, until it is delivered or too old (an hour: on-event would refuse it then); any later
+emitter call of the run tries it too.  Only the Python standard library is used (and the skill's
+log patterns), so the job's own Python runs it.
 """
 from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import signal
 import subprocess
@@ -51,7 +54,13 @@ TRY_TIMEOUT_S = 20.0
 DEADLINE_S = 30.0  # all tries of one event at a job's end, and of the events still waiting
 OUTBOX = "events.outbox.jsonl"  # in the run directory: events to deliver, and each one's outcome
 OUTBOX_MAX_AGE_S = 3600.0  # on-event refuses older events (policy.max_age_s): delivering them is moot
+FUTURE_S = 300.0  # on-event refuses events dated further ahead (its clock skew): not sent either
 BACKGROUND = ("job.started",)  # delivered by a process of its own: a job never waits at its start
+# The sender's schedule, from the environment (a test compresses an hour into seconds with them):
+RETRY_ENV = "MEGATRON_SKILL_EVENTS_RETRY_S"  # the first wait before the outbox is tried again
+RETRY_MAX_ENV = "MEGATRON_SKILL_EVENTS_RETRY_MAX_S"  # the longest wait (each wait doubles until then)
+MAX_AGE_ENV = "MEGATRON_SKILL_EVENTS_MAX_AGE_S"  # an event older than this is no longer sent
+RETRY_S, RETRY_MAX_S = 5.0, 60.0
 EMITTER = Path(__file__).resolve().parents[2] / "emit_event.py"
 JOB_MARK_ENV = "MEGATRON_SKILL_JOB_MARK"  # every process of a job train runs has it (megatron_skill/watchdog.py)
 
@@ -84,7 +93,8 @@ def post(event: dict[str, Any], url: str, token: str | None, deadline_s: float =
                 return why, True
         except (urllib.error.URLError, OSError, ValueError) as e:
             why = str(getattr(e, "reason", e))
-        time.sleep(max(0.0, min(0.5 * 2 ** attempt, end - time.monotonic())))
+        if attempt + 1 < tries:
+            time.sleep(max(0.0, min(0.5 * 2 ** attempt, end - time.monotonic())))
     return why, False
 
 
@@ -103,9 +113,11 @@ def queue(run_dir: Path, event: dict[str, Any]) -> None:
     _append(run_dir / OUTBOX, {"event": event})
 
 
-def waiting(run_dir: Path, now: float | None = None) -> list[dict[str, Any]]:
-    """The outbox's events with no outcome yet and younger than OUTBOX_MAX_AGE_S, oldest first."""
+def waiting(run_dir: Path, now: float | None = None, max_age_s: float | None = None) -> list[dict[str, Any]]:
+    """The outbox's events with no outcome yet, younger than max_age_s (MEGATRON_SKILL_EVENTS_MAX_AGE_S,
+    an hour by default) and not dated ahead of this clock by more than FUTURE_S, oldest first."""
     now = time.time() if now is None else now
+    max_age_s = schedule()[2] if max_age_s is None else max_age_s
     try:
         lines = (run_dir / OUTBOX).read_text(errors="replace").splitlines()
     except OSError:
@@ -114,53 +126,149 @@ def waiting(run_dir: Path, now: float | None = None) -> list[dict[str, Any]]:
     for line in lines:
         try:
             record = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):
             continue  # a line cut by a crash
         if isinstance(record, dict) and isinstance(record.get("event"), dict):
-            queued.setdefault(record["event"].get("event_id"), record["event"])
-        elif isinstance(record, dict) and "done" in record:
+            if isinstance(record["event"].get("event_id"), str):
+                queued.setdefault(record["event"]["event_id"], record["event"])
+        elif isinstance(record, dict) and isinstance(record.get("done"), str):
             done.add(record["done"])
-    return [e for i, e in queued.items() if i not in done and _young(e, now)]
+    return [e for i, e in queued.items() if i not in done and _young(e, now, max_age_s)]
 
 
-def _young(event: dict[str, Any], now: float) -> bool:
+def _young(event: dict[str, Any], now: float, max_age_s: float) -> bool:
     try:
-        return now - ev.parse_time(event["time"]) < OUTBOX_MAX_AGE_S
-    except (KeyError, TypeError, ValueError):
+        return -FUTURE_S < now - ev.parse_time(event["time"]) < max_age_s
+    except (KeyError, TypeError, ValueError, OverflowError):
         return False
 
 
-def flush(run_dir: Path, url: str, token: str | None, deadline_s: float = DEADLINE_S) -> dict[str, str]:
-    """Deliver what waits in the run's outbox, oldest first, within deadline_s; each outcome
-    (delivered, or refused) is appended. {event_id: status} for those tried. Another emitter
-    delivering from this outbox now leaves it to that one."""
+def _seconds(env: dict[str, str], name: str, default: float, low: float, high: float) -> float:
+    text = env.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not low <= value <= high:  # NaN fails both
+        print(f"emit: {name}={text[:40]!r} is not a number of seconds from {low:g} to {high:g}; "
+              f"{default:g} is used", file=sys.stderr)
+        return default
+    return value
+
+
+def schedule(env: dict[str, str] | None = None) -> tuple[float, float, float]:
+    """The background sender's schedule: (first wait, longest wait, the age at which an event is
+    no longer sent), from MEGATRON_SKILL_EVENTS_RETRY_S, _RETRY_MAX_S and _MAX_AGE_S (5 s, 60 s,
+    an hour by default; a value that is not a number in range is replaced by its default)."""
+    env = os.environ if env is None else env
+    first = _seconds(env, RETRY_ENV, RETRY_S, 0.05, 3600.0)
+    longest = max(first, _seconds(env, RETRY_MAX_ENV, RETRY_MAX_S, 0.05, 3600.0))
+    return first, longest, _seconds(env, MAX_AGE_ENV, OUTBOX_MAX_AGE_S, 1.0, 7 * 86400.0)
+
+
+def _lock(path: Path, wait_s: float):
+    """An open file of path holding its exclusive flock, or None when another process held it for
+    all of wait_s (0: do not wait)."""
     import fcntl
 
+    handle = open(path, "a")
+    end = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return handle
+        except OSError:
+            if time.monotonic() >= end:
+                handle.close()
+                return None
+            time.sleep(0.05)
+
+
+def flush(run_dir: Path, url: str, token: str | None, deadline_s: float = DEADLINE_S,
+          tries: int = 3) -> dict[str, str]:
+    """Deliver what waits in the run's outbox, oldest first, within deadline_s; each outcome
+    (delivered, or refused) is appended. {event_id: status} for those tried. Delivery from one
+    outbox is one process at a time: another that delivers now is waited for (within deadline_s),
+    so that an event is never POSTed by two at once and an outcome is read before the next try."""
     end = time.monotonic() + deadline_s
     tried: dict[str, str] = {}
-    with open(run_dir / (OUTBOX + ".lock"), "a") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            return tried
+    lock = _lock(run_dir / (OUTBOX + ".lock"), deadline_s)
+    if lock is None:
+        return tried
+    with lock:
         for event in waiting(run_dir):
             left = end - time.monotonic()
             if left <= 0.05:
                 break
-            status, final = post(event, url, token, left)
+            status, final = post(event, url, token, left, tries)
             tried[event["event_id"]] = status
             if final:
                 _append(run_dir / OUTBOX, {"done": event["event_id"], "outcome": status})
     return tried
 
 
-def _in_background(run_dir: Path, deadline_s: float) -> None:
-    """A process of its own delivers the outbox; this one goes on at once."""
+# ---- the background sender: keeps trying after the emitter has gone ------------------------------
+SENDER_LOCK = OUTBOX + ".sender"  # held by the one sender of the outbox for as long as it runs
+
+
+def sending(run_dir: Path) -> bool:
+    """Whether a sender of this outbox runs now."""
+    from ..locks import FileLock
+
+    return FileLock(run_dir / SENDER_LOCK).held_elsewhere()
+
+
+def deliver(run_dir: Path, url: str, token: str | None, env: dict[str, str] | None = None,
+            say=lambda message: print(message, file=sys.stderr)) -> str:
+    """Keep delivering the run's outbox until nothing waits in it: one try of each waiting event
+    per round, rounds apart by a wait that starts at MEGATRON_SKILL_EVENTS_RETRY_S and doubles up
+    to _RETRY_MAX_S (back to the first after a round that delivered something), for at most
+    _MAX_AGE_S (by then every event it holds is too old to send). One sender per outbox: where
+    another runs, this one leaves it the work. Answers why it stopped."""
+    first, longest, max_age = schedule(env)
+    end = time.monotonic() + max_age
+    wait = first
+    while True:
+        lock = _lock(run_dir / SENDER_LOCK, 0)
+        if lock is None:
+            return "another sender delivers this outbox"
+        with lock:
+            while True:
+                left = waiting(run_dir, max_age_s=max_age)
+                if not left:
+                    break
+                if time.monotonic() >= end:
+                    return f"{len(left)} event(s) not delivered in {max_age:g} s; left in the outbox"
+                for event_id, status in flush(run_dir, url, token, min(DEADLINE_S, end - time.monotonic()),
+                                              tries=1).items():
+                    say(f"emit: {event_id}: {status}")
+                still = waiting(run_dir, max_age_s=max_age)
+                if not still:
+                    break
+                wait = first if len(still) < len(left) else wait
+                time.sleep(max(0.0, min(wait * random.uniform(1.0, 1.25), end - time.monotonic())))
+                wait = min(longest, wait * 2)
+        # The lock is given up: an event queued after the last look is taken again, unless a sender
+        # started meanwhile has it.
+        if not waiting(run_dir, max_age_s=max_age):
+            return "the outbox is delivered"
+        if time.monotonic() >= end:
+            return f"events left in the outbox after {max_age:g} s"
+
+
+def start_sender(run_dir: Path, env: dict[str, str] | None = None) -> bool:
+    """Start the outbox's sender, a process of its own outside the job (emit_event.py deliver),
+    unless one runs. Whether one was started."""
+    if sending(run_dir):
+        return False
     # Not one of the job's processes: without the job's mark, stopping the job leaves it delivering.
-    env = {k: v for k, v in os.environ.items() if k != JOB_MARK_ENV}
-    subprocess.Popen([sys.executable, str(EMITTER), "flush", "--run-dir", str(run_dir), "--deadline-s",
-                      str(deadline_s)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                     stderr=subprocess.DEVNULL, start_new_session=True, env=env)
+    env = {k: v for k, v in (os.environ if env is None else env).items() if k != JOB_MARK_ENV}
+    subprocess.Popen([sys.executable, str(EMITTER), "deliver", "--run-dir", str(run_dir)],
+                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                     start_new_session=True, env=env)
+    return True
 
 
 def emit(event: dict[str, Any], run_dir: Path | None, env: dict[str, str] | None = None,
@@ -178,7 +286,7 @@ def emit(event: dict[str, Any], run_dir: Path | None, env: dict[str, str] | None
         return {"event": signed, "delivery": "no receiver (MEGATRON_SKILL_EVENTS_URL unset)"}
     if signed["type"] in skipped(env):
         return {"event": signed, "delivery": f"recorded only ({ev.SKIP_ENV})"}
-    status = _deliver(signed, Path(run_dir) if run_dir else None, url, env.get(ev.TOKEN_ENV), deadline_s)
+    status = _deliver(signed, Path(run_dir) if run_dir else None, url, env, deadline_s)
     print(f"emit: {signed['type']} {signed['event_id']}: {status}", file=sys.stderr)
     return {"event": signed, "delivery": status}
 
@@ -189,7 +297,8 @@ def skipped(env: dict[str, str]) -> set[str]:
     return {t.strip() for t in env.get(ev.SKIP_ENV, "").split(",") if t.strip()}
 
 
-def _deliver(signed: dict[str, Any], run_dir: Path | None, url: str, token: str | None, deadline_s: float) -> str:
+def _deliver(signed: dict[str, Any], run_dir: Path | None, url: str, env: dict[str, str], deadline_s: float) -> str:
+    token = env.get(ev.TOKEN_ENV)
     if not run_dir or not run_dir.is_dir():
         return post(signed, url, token, deadline_s)[0]
     try:
@@ -198,9 +307,14 @@ def _deliver(signed: dict[str, Any], run_dir: Path | None, url: str, token: str 
         print(f"emit: no outbox in {run_dir}: {e.strerror}; sending once", file=sys.stderr)
         return post(signed, url, token, deadline_s)[0]
     if signed["type"] in BACKGROUND:
-        _in_background(run_dir, deadline_s)
+        start_sender(run_dir, env)
         return "queued: delivering in the background"
-    return flush(run_dir, url, token, deadline_s).get(signed["event_id"], "queued: another emitter delivers it")
+    status = flush(run_dir, url, token, deadline_s).get(signed["event_id"], "queued: another emitter delivers it")
+    if waiting(run_dir, max_age_s=schedule(env)[2]):
+        start_sender(run_dir, env)
+        if status != "delivered":
+            status += "; a sender of its own keeps trying"
+    return status
 
 
 # ---- what a job's end says --------------------------------------------------------------
