@@ -12,20 +12,6 @@ CYCLE_EDGES_ALLOWED = {
     ("megatron_skill.contract", "megatron_skill.tools"):
         "contract.tools() looks the registry up when a request is made: every tool is built on the contract",
 }
-# Tool modules that still import another tool, each with why; the list only shrinks.
-TOOL_IMPORTS_ALLOWED = {
-    # the CPU side of train, split out for size: part of the train tool, not a tool of its own
-    ("train", "train_cpu"): "train_cpu is train's own helper module",
-    # prepare-data's dataset helpers (is_weight, match_tokenizer, check_datasets, MASK_SUFFIX) are
-    # read by render, train and train_cpu; they move out of the tool together with render's import
-    ("render", "prepare_data"): "dataset helpers not yet moved out of prepare_data",
-    ("train", "prepare_data"): "dataset helpers not yet moved out of prepare_data",
-    ("train_cpu", "prepare_data"): "dataset helpers not yet moved out of prepare_data",
-    # fake_rank and pipeline_stage: move with bench.py's and render.py's next change
-    ("bench", "render"): "fake_rank and pipeline_stage not yet moved out of render",
-}
-
-
 def _module_name(path: Path) -> str:
     parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
@@ -96,10 +82,10 @@ def test_no_tool_imports_another_tool():
     graph = _graph()
     found = {(m[len(prefix):], t[len(prefix):]) for m, deps in graph.items() if m.startswith(prefix)
              for t in deps if t.startswith(prefix)}
-    assert found <= set(TOOL_IMPORTS_ALLOWED), sorted(found - set(TOOL_IMPORTS_ALLOWED))
+    assert not found, f"tool modules importing another tool (move what they share out of tools/): {sorted(found)}"
 
 
 def test_the_graph_sees_the_imports():
     graph = _graph()
-    assert "megatron_skill.core.layout" in graph["megatron_skill.tools.train_cpu"]
+    assert "megatron_skill.core.layout" in graph["megatron_skill.runtime.cpu_run"]
     assert "megatron_skill.errors" in graph["megatron_skill.convert.checkpoint"]   # a function's own import

@@ -320,7 +320,7 @@ def test_train_uses_the_dataset_with_matching_tokenizer_flags(tmp_path, cli):
 def test_data_paths_without_a_file_name_are_left_as_they_are():
     """'/' or '.' as a data path (hypothesis found '/') is no prepare-data dataset: no record
     is looked up for it, and render passes it to Megatron unchanged instead of failing."""
-    from megatron_skill.tools.prepare_data import dataset_record, match_tokenizer
+    from megatron_skill.data.datasets import dataset_record, match_tokenizer
 
     assert dataset_record("/") is None and dataset_record(".") is None
     assert match_tokenizer({"data_path": ["/", "."]}, 256) == {"data_path": ["/", "."]}

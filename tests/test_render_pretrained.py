@@ -258,7 +258,7 @@ def test_the_job_imports_the_hugging_face_folder_before_training_and_only_once(t
     # A CPU train from the same import takes fine-tuning's defaults as render's script does: 5e-6
     # cosine to 0 after 50 warm-up steps (from scratch: 3e-4 to 3e-5 after a tenth of the run).
     from megatron_skill.contract import validate_request
-    from megatron_skill.tools.train_cpu import plan_cpu_run
+    from megatron_skill.runtime.cpu_run import plan_cpu_run
 
     for training, lr, min_lr, warmup in (({"pretrained": str(out)}, 5e-6, 0.0, 50), ({}, 3e-4, 3e-5, 100)):
         request = validate_request("train", {"hf_config": str(hf), "backend": "cpu", "num_gpus": 1, "seq_length": 32,

@@ -70,7 +70,7 @@ def test_runtime_options_reach_the_loop_or_are_refused(tmp_path):
 
 def test_the_loops_config_carries_the_runtime_options(tmp_path):
     from megatron_skill.contract import validate_request
-    from megatron_skill.tools.train_cpu import plan_cpu_run
+    from megatron_skill.runtime.cpu_run import plan_cpu_run
 
     req = validate_request("train", {"model": "tiny-gpt", "num_gpus": 1, "seq_length": 64,
                                      "training": {"train_iters": 2},

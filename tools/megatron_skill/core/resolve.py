@@ -1,4 +1,5 @@
-"""Turn the model and cluster parts of a request into specs; shared by every tool."""
+"""Turn the model and cluster parts of a request into specs, and a fake_rank into the rank it names;
+shared by every tool."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,6 +9,7 @@ from typing import Any
 from ..errors import ToolError
 from . import catalog
 from .catalog import GPUSpec
+from .layout import Layout
 from .model import ModelConfig, build_spec, from_hf_config
 
 
@@ -88,3 +90,22 @@ def training_defaults(model, train_iters: int) -> dict[str, Any]:
     init = min(std["at_most"], std["anchor_std"] * math.sqrt(std["anchor_hidden"] / model.hidden_size))
     return {"lr": row["lr"], "min_lr": row["min_lr"], "lr_warmup_iters": min(row["warmup_iters"], train_iters // 10),
             "weight_decay": table["weight_decay"]["value"], "init_method_std": round(init, 4)}
+
+
+def fake_rank(value: int | str, lay: Layout) -> int:
+    """The global rank a fake_rank request names.  Megatron orders ranks tp-cp-ep-dp-pp (PP
+    outermost), so rank 0 and the first rank of the last stage are TP and DP rank 0, the
+    ranks whose memory report Megatron prints."""
+    if value == "first-stage":
+        return 0
+    if value == "last-stage":
+        return (lay.pp - 1) * (lay.world_size // lay.pp)
+    if value >= lay.world_size:
+        raise ToolError("bad_request", f"fake_rank {value} is not a rank of {lay.label()} ({lay.world_size} ranks)",
+                        where="/fake_rank", fix=f"give a rank below {lay.world_size}, or first-stage / last-stage")
+    return int(value)
+
+
+def pipeline_stage(rank: int, lay: Layout) -> int:
+    """The pipeline stage of a global rank (PP outermost in Megatron's order)."""
+    return rank // (lay.world_size // lay.pp)

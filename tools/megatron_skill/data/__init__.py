@@ -1,1 +1,2 @@
-"""Training data beyond plain text: conversations with their loss masks."""
+"""Training data as the tools meet it: indexed datasets and their records (datasets.py), and
+conversations with their loss masks (chat.py)."""

@@ -17,7 +17,7 @@ import torch
 from megatron.core.datasets.gpt_dataset import GPTDataset
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-MASK_SUFFIX = "_lossmask"
+from ..data.datasets import MASK_SUFFIX
 
 
 class MaskedGPTDataset(GPTDataset):

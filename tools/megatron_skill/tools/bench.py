@@ -24,7 +24,7 @@ from ..core.layout import Layout
 from ..core.memory import GIB, fused_head_runs, peak, stage_memory
 from ..core.options import RuntimeOptions
 from ..core.planner import error_pct, predict
-from ..core.resolve import resolve_model
+from ..core.resolve import fake_rank, pipeline_stage, resolve_model
 from ..environment import gpu_count_and_name, have_transformer_engine
 from ..errors import ToolError
 
@@ -180,8 +180,6 @@ def _fake_rank_result(req: dict, result: dict, parsed: dict, model, gpu, run_id:
     """One rank of a larger layout, run alone: its peak memory against the planner's for its
     pipeline stage.  No NCCL buffers exist in a fake process group, and the planner's
     allocated figure leaves them out too (they are in its allowance, outside the allocator)."""
-    from .render import fake_rank, pipeline_stage
-
     lay_json = result["layout"]
     lay = Layout.from_json(lay_json)
     rank = fake_rank(req["fake_rank"], lay)

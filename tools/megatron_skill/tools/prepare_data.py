@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import math
 import os
 import re
 import time
@@ -23,6 +22,7 @@ from typing import Any, Iterator
 
 from .. import files as guarded
 from ..contract import Context, Tool
+from ..data.datasets import MADE_BY, dataset_files, file_facts, read_record
 from ..errors import ToolError
 from ..locks import Busy, FileLock, write_atomic
 
@@ -254,8 +254,6 @@ def _encode_chat(obj: dict, tok, np, dtype) -> Any:
 
 
 # ---- the tool -----------------------------------------------------------------------
-MADE_BY = "megatron-core-training prepare-data"
-MASK_SUFFIX = "_lossmask"  # the same as runtime/masked_dataset.py's (which imports torch)
 GLOB_CHARS = set("*?[]")
 
 
@@ -279,14 +277,10 @@ def _leftover_names(files: dict[str, Path]) -> list[re.Pattern]:
 
 
 def _paths(prefix: Path) -> dict[str, Path]:
-    """The dataset's three files, and the two of the tool's own beside them: a lock (kept,
-    never written) and the journal of a run in progress (removed when it ends)."""
+    """The dataset's files, and the two of the tool's own beside them: a lock (kept, never
+    written) and the journal of a run in progress (removed when it ends)."""
     name = prefix.name
-    return {"bin": prefix.with_name(name + ".bin"), "idx": prefix.with_name(name + ".idx"),
-            "json": prefix.with_name(name + ".json"),
-            # the chat format's loss mask, read by runtime/masked_dataset.py
-            "mask_bin": prefix.with_name(name + MASK_SUFFIX + ".bin"),
-            "mask_idx": prefix.with_name(name + MASK_SUFFIX + ".idx"), "lock": prefix.with_name(f".{name}.prepare-data.lock"),
+    return {**dataset_files(prefix), "lock": prefix.with_name(f".{name}.prepare-data.lock"),
             "journal": prefix.with_name(f".{name}.prepare-data.journal")}
 
 
@@ -313,30 +307,6 @@ def _check(req: dict) -> Path:
     except (OSError, RuntimeError):  # a symbolic link loop (RuntimeError before Python 3.13)
         raise ToolError("bad_request", f"output_prefix {raw!r} is a symbolic link that loops", where="/output_prefix",
                         fix="give a prefix that is no symbolic link, or one that leads somewhere") from None
-
-
-def _file_facts(files: dict[str, Path]) -> dict[str, Any]:
-    """What the record says of the data it describes: sizes, and the index's hash (small,
-    and it holds every document's length)."""
-    import hashlib
-
-    return {"bin_bytes": files["bin"].stat().st_size, "idx_bytes": files["idx"].stat().st_size,
-            "idx_sha256": hashlib.sha256(files["idx"].read_bytes()).hexdigest()}
-
-
-def _read_record(files: dict[str, Path]) -> tuple[dict[str, Any] | None, str]:
-    """(PREFIX.json's record, 'ok') when it was written by this tool and describes the .bin and
-    .idx beside it; else (None or the record, why not: 'missing', 'foreign', 'stale')."""
-    if guarded.kind_of(files["json"]) == "missing":
-        return None, "missing"
-    record = guarded.read_record(files["json"])
-    if record is None or record.get("made_by") != MADE_BY:
-        return None, "foreign"
-    try:
-        facts = _file_facts(files)
-    except OSError:
-        return record, "stale"
-    return record, "ok" if record.get("files") == facts else "stale"
 
 
 def _recover(files: dict[str, Path]) -> None:
@@ -388,7 +358,7 @@ def _commit(files: dict[str, Path], temps: dict[str, Path]) -> None:
     other data), then .bin, .idx, and the new record last. Each step can be repeated, so a
     run killed half-way is finished by the next one (_recover). A loss mask the old record lists
     goes too when the new dataset has none (a chat dataset replaced by text)."""
-    old, _ = _read_record(files)
+    old, _ = read_record(files)
     listed = set((old or {}).get("result", {}).get("files", []))
     if temps["json"].exists():
         files["json"].unlink(missing_ok=True)
@@ -446,7 +416,7 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
 def _decide(req: dict, files: dict[str, Path], rid: str, ctx: Context, dry_run: bool) -> dict[str, Any] | None:
     """The recorded result when this same request made the dataset; an error when another
     request's dataset (or a file that is not ours) is in the way; None to go ahead."""
-    record, status = _read_record(files)
+    record, status = read_record(files)
     complete = files["bin"].exists() and files["idx"].exists()
     if status == "ok" and complete and record.get("request_id") == rid:  # type: ignore[union-attr]
         if record.get("inputs", _inputs(req)) == _inputs(req):  # type: ignore[union-attr]
@@ -528,7 +498,7 @@ def _build(req, ctx, tokenizer, files, workers, rid, dtype, IndexedDatasetBuilde
                   "bad_lines": bad[:MAX_REPORTED], "blank_lines": counts["blank"], "tokens": tokens,
                   "tokenizer": desc, "dtype": np.dtype(dtype).name, "seconds": round(time.time() - started, 2),
                   "training": training}
-        facts = _file_facts({"bin": temps["bin"], "idx": temps["idx"]})
+        facts = file_facts({"bin": temps["bin"], "idx": temps["idx"]})
         write_atomic(temps["json"], json.dumps({"made_by": MADE_BY, "request_id": rid, "request": req,
                                                 "files": facts, "inputs": inputs, "result": result}, indent=1))
         _write_journal(files, temps, "committing")  # from here on the dataset is done: roll forward
@@ -543,81 +513,6 @@ def _build(req, ctx, tokenizer, files, workers, rid, dtype, IndexedDatasetBuilde
     ctx.progress(f"prepare-data: {docs_out:,} documents, {tokens:,} tokens -> {result['output_prefix']}.bin/.idx"
                  + (f"; {len(bad)} bad line(s) skipped" if bad else ""))
     return result
-
-
-def check_datasets(training: dict[str, Any]) -> None:
-    """Every data_path prefix (weights aside) has its .bin and .idx: a missing dataset is
-    reported here, not by a rank inside torchrun minutes later."""
-    for i, entry in enumerate(training.get("data_path") or []):
-        if is_weight(entry):
-            check_weight(entry, where=f"/training/data_path/{i}")
-            continue
-        guarded.check_names(entry + ".bin", f"/training/data_path/{i}")   # a name too long is the request's error
-        missing = [ext for ext in (".bin", ".idx") if guarded.kind_of(entry + ext) != "file"]
-        if missing:
-            raise ToolError("not_found", f"dataset {entry}: no {' or '.join(entry + m for m in missing)}",
-                            where=f"/training/data_path/{i}",
-                            fix="give the prefix of an indexed dataset (PREFIX.bin and PREFIX.idx); "
-                                "launch.py prepare-data makes one from JSONL")
-
-
-def check_weight(entry: str, where: str) -> None:
-    """A blend weight is a finite number above 0 (Megatron normalises the weights to sum to 1: a
-    negative or NaN one would make a nonsense blend, or divide by zero)."""
-    weight = float(entry)
-    if not (math.isfinite(weight) and weight > 0):
-        raise ToolError("bad_request", f"data_path weight {entry!r} is not a number above 0", where=where,
-                        fix="give each dataset a weight above 0 before its prefix ('0.3 PREFIX_A 0.7 PREFIX_B'), "
-                            "or no weights (a dataset named like a number: write it as ./NAME)")
-
-
-def is_weight(entry: str) -> bool:
-    """A blend weight in Megatron's data path ('0.3 PREFIX_A 0.7 PREFIX_B'), not a prefix."""
-    try:
-        float(entry)
-        return True
-    except ValueError:
-        return False
-
-
-def dataset_record(prefix: str, where: str = "/training/data_path") -> dict[str, Any] | None:
-    """What prepare-data recorded about a dataset (PREFIX.json), or None for datasets made
-    elsewhere (and for a prefix with no file name of its own, such as "/" or "."). A record
-    that no longer matches its .bin / .idx is an error: its tokenizer may not be theirs."""
-    if not Path(prefix).name:
-        return None
-    files = _paths(Path(prefix))
-    record, status = _read_record(files)
-    if status == "stale" and files["bin"].exists() and files["idx"].exists():
-        raise ToolError("bad_request", f"{files['json']} no longer describes {prefix}.bin / .idx "
-                        "(they changed after prepare-data wrote it)", where=where,
-                        fix="run prepare-data again for this dataset (with overwrite true)")
-    return record["result"] if status == "ok" else None  # type: ignore[index]
-
-
-def match_tokenizer(training: dict[str, Any], model_vocab: int) -> dict[str, Any]:
-    """Training settings with the tokenizer flags that match datasets made by prepare-data:
-    a Hugging Face dataset gets its tokenizer folder, a byte dataset NullTokenizer with
-    vocabulary 257 (end of document 256).  Datasets made elsewhere are left as they are."""
-    out = dict(training)
-    for i, entry in enumerate(training.get("data_path") or []):
-        rec = dataset_record(entry, where=f"/training/data_path/{i}")
-        if rec is None:
-            continue
-        tok = rec["tokenizer"]
-        if tok["vocab_size"] > model_vocab:
-            raise ToolError("bad_request", f"dataset {entry} was tokenized with a {tok['vocab_size']}-token "
-                            f"vocabulary, larger than the model's {model_vocab}", where=f"/training/data_path/{i}",
-                            fix="use a model with a vocabulary at least that large, or re-tokenize")
-        if tok["type"] == "huggingface":
-            if out.get("tokenizer_model") not in (None, tok["path"]):
-                raise ToolError("bad_request", f"dataset {entry} was tokenized with {tok['path']}, not "
-                                f"{out['tokenizer_model']}", where="/training/tokenizer_model",
-                                fix="train with the tokenizer the dataset was made with")
-            out["tokenizer_model"] = tok["path"]
-        elif tok["type"] == "byte" and "vocab_size" not in training and not out.get("tokenizer_model"):
-            out["vocab_size"] = tok["vocab_size"]
-    return out
 
 
 TOOL = Tool(name="prepare-data", summary="Tokenize JSONL into a Megatron indexed dataset (.bin/.idx) "

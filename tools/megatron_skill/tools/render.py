@@ -32,12 +32,13 @@ from ..core.resolve import (
     DEFAULT_TRAIN_ITERS,
     default_global_batch,
     default_seq_length,
+    fake_rank,
     resolve_cluster,
     resolve_model,
 )
+from ..data.datasets import MASK_SUFFIX, is_weight, match_tokenizer
 from ..errors import ToolError
 from ..locks import write_atomic
-from .prepare_data import MASK_SUFFIX, match_tokenizer
 
 TEMPLATES = ROOT / "templates"
 LAUNCHERS = {"torchrun": "torchrun.sh.j2", "torchrun-multinode": "torchrun_multinode.sh.j2",
@@ -200,8 +201,6 @@ def _k8s_context(context: dict, k8s: dict, run_id: str, nodes: int, req: dict, t
 def _data_checks(training: dict) -> list[str]:
     """The files the job checks for where it runs (shell words): each dataset's .bin and .idx, the
     tokenizer folder; from the job's environment when the request gives no data."""
-    from .prepare_data import is_weight
-
     start = [_quote(training["pretrained"])] if training.get("pretrained") else []  # the weights to start from
     if training.get("mock_data"):
         return start
@@ -374,25 +373,6 @@ def _start_description(training: dict) -> dict:
                     "run has no checkpoint of its own; once it has saved, a restart resumes from that checkpoint "
                     "with its optimizer, RNG and iteration" if tracker else
                     "checkpoint false: every start is a first start from the pretrained weights"}
-
-
-def fake_rank(value: int | str, lay: Layout) -> int:
-    """The global rank a fake_rank request names.  Megatron orders ranks tp-cp-ep-dp-pp (PP
-    outermost), so rank 0 and the first rank of the last stage are TP and DP rank 0, the
-    ranks whose memory report Megatron prints."""
-    if value == "first-stage":
-        return 0
-    if value == "last-stage":
-        return (lay.pp - 1) * (lay.world_size // lay.pp)
-    if value >= lay.world_size:
-        raise ToolError("bad_request", f"fake_rank {value} is not a rank of {lay.label()} ({lay.world_size} ranks)",
-                        where="/fake_rank", fix=f"give a rank below {lay.world_size}, or first-stage / last-stage")
-    return int(value)
-
-
-def pipeline_stage(rank: int, lay: Layout) -> int:
-    """The pipeline stage of a global rank (PP outermost in Megatron's order)."""
-    return rank // (lay.world_size // lay.pp)
 
 
 def _fake_rank_args(fake: int | None, model) -> list[str]:
@@ -649,8 +629,6 @@ RENDERED_MARK = "# Rendered by the megatron-core-training skill"
 def _unseen_datasets(req: dict) -> list[str]:
     """Dataset prefixes whose .bin / .idx this machine cannot see: a warning, not an error (the
     job may run where other paths hold); train, which launches here, refuses them."""
-    from .prepare_data import is_weight
-
     entries = (req.get("training") or {}).get("data_path") or []
     return [e for e in entries if not is_weight(e) and not (files.is_file(e + ".bin") and files.is_file(e + ".idx"))]
 

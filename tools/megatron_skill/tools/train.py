@@ -27,12 +27,12 @@ from ..adapter import log as megatron_log
 from ..contract import Context, Tool, invoke, request_fields
 from ..core.catalog import gpu_by_device_name
 from ..core.resolve import DEFAULT_TRAIN_ITERS
+from ..data.datasets import check_datasets
 from ..environment import gpu_count_and_name, have_transformer_engine
 from ..errors import ToolError
 from ..events import settle
 from ..locks import write_atomic
 from ..runs import RunLock, latest_checkpoint, read_state, write_state
-from .prepare_data import check_datasets
 
 EMITTER = Path(__file__).resolve().parents[2] / "emit_event.py"
 
@@ -146,7 +146,7 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
                              "checkpoint folder")
         req = {**req, "training": {**req["training"], "pretrained": str(start)}}
     if backend == "cpu":
-        from .train_cpu import plan_cpu_run
+        from ..runtime.cpu_run import plan_cpu_run
         plan = plan_cpu_run(req, run_dir, run_id)
     else:
         plan = _plan_gpu_run(req, ctx, run_dir)

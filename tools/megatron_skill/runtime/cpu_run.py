@@ -1,4 +1,6 @@
-"""The CPU side of train: a tiny model through runtime/cpu_loop.py under torchrun (gloo)."""
+"""train on CPU, planned here: the request checked against the CPU loop (the rule book, its size
+and runtime limits) and turned into cpu_loop.py's config and torchrun command (gloo). Imports
+neither torch nor Megatron: the loop does, in its own processes."""
 from __future__ import annotations
 
 import dataclasses
@@ -17,7 +19,7 @@ from ..core.resolve import default_global_batch, resolve_model
 from ..errors import ToolError
 
 CPU_MAX_PARAMS = 60e6  # enough for tests and demos; anything larger belongs on a GPU
-LOOP = Path(__file__).resolve().parents[1] / "runtime" / "cpu_loop.py"
+LOOP = Path(__file__).resolve().parent / "cpu_loop.py"
 
 
 def estimate_seconds(step_flops: float, iters: int) -> float:
@@ -79,7 +81,7 @@ def plan_cpu_run(req: dict, run_dir: Path, run_id: str) -> dict[str, Any]:
     runtime = cpu_runtime(req.get("runtime"))
     tp, pp, mbs, gbs = lay.tp, lay.pp, lay.mbs, lay.gbs
     from ..convert.pretrained import training_settings  # fine-tuning's defaults from pretrained weights, as render's
-    from .prepare_data import is_weight, match_tokenizer
+    from ..data.datasets import is_weight, match_tokenizer
     t = match_tokenizer(training_settings(model, req["training"]), model.vocab_size)
     start = None
     if t.get("pretrained"):
