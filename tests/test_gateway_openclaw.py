@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, missing, require_modules, wait_until
 
+from megatron_skill.events import emit
 from megatron_skill.events import event as ev
 
 OPENCLAW = ROOT / ".openclaw"
@@ -256,12 +257,18 @@ class Gateway:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("MEGATRON_SKILL_", "OPENCLAW_"))}
         env.update(OPENCLAW_HOME=str(base / "home"), OPENCLAW_HOOKS_TOKEN=HOOK_TOKEN,
                    PATH=f"{NODE.parent}{os.pathsep}{env.get('PATH', '')}")
-        self.log = open(base / "gateway.log", "wb")
+        self.env, self.proc = env, None
+
+    def start(self) -> float:
+        """Start the Gateway on its port and wait until it is ready; the seconds that took."""
+        self.log = open(self.base / "gateway.log", "wb")
         self.started = time.monotonic()
         self.proc = subprocess.Popen([str(NODE), str(GATEWAY), "gateway", "run", "--port", str(self.port),
-                                      "--bind", "loopback"], env=env, stdout=self.log, stderr=subprocess.STDOUT,
+                                      "--bind", "loopback"], env=self.env, stdout=self.log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
         self.ready_s = self._wait_ready()
+        print(f"the Gateway was ready in {self.ready_s:.0f} s", file=sys.stderr)
+        return self.ready_s
 
     def _wait_ready(self) -> float:
         end = time.monotonic() + READY_S
@@ -299,6 +306,8 @@ class Gateway:
         return {ev.URL_ENV: self.url, ev.TOKEN_ENV: HOOK_TOKEN, ev.SECRET_ENV: SECRET}
 
     def stop(self):
+        if self.proc is None:
+            return
         for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
             try:
                 os.killpg(self.proc.pid, sig)
@@ -318,8 +327,7 @@ def gateway(tmp_path_factory):
         missing(f"OpenClaw's Gateway (npm openclaw {VERSION} with Node >= 24.16)",
                 "tools/setup.sh installs both into .openclaw/ (SETUP_OPENCLAW=0 leaves them out)")
     model = StandInModel(sys.executable)
-    gw = Gateway(tmp_path_factory.mktemp("openclaw"), model)
-    print(f"the Gateway was ready in {gw.ready_s:.0f} s", file=sys.stderr)
+    gw = Gateway(tmp_path_factory.mktemp("openclaw"), model)  # not started: the test starts it
     yield gw
     gw.stop()
     model.close()
@@ -339,13 +347,59 @@ def _event(kind: str, run_id: str, job_id: str, **details) -> dict:
                   details=details or None)
 
 
-# ---- the test: one Gateway start (about 30 s), then its answers, then a training run through it ----
+# ---- the test: a job's events while the Gateway is down, one Gateway start (20-80 s), the events
+# that waited, the Gateway's answers, then a training run through it ----
 # (One test, not several sharing a module-scoped Gateway: the test workers would each start one.)
 @pytest.mark.slow
 def test_events_through_a_real_openclaw_gateway(gateway, tmp_path):
     require_modules("torch", "megatron.core")
+    waited = _a_job_reports_while_the_gateway_is_down(gateway)
+    gateway.start()
+    _what_waited_arrives_once_when_the_gateway_is_up_with_no_emitter_call_in_between(gateway, *waited)
     _the_gateway_admits_signed_events_once_and_the_agent_runs_on_event_as_the_skill_says(gateway)
     _a_cpu_run_killed_then_finished_wakes_one_agent_run_per_event_with_the_intended_actions(gateway, tmp_path)
+
+
+# The outbox sender's schedule for the outage: a try every 1 to 4 s, for 15 minutes at most.
+OUTAGE = {emit.RETRY_ENV: "1", emit.RETRY_MAX_ENV: "4", emit.MAX_AGE_ENV: "900"}
+
+
+def _a_job_reports_while_the_gateway_is_down(gateway) -> tuple[Path, list[dict]]:
+    """A job starts, saves a checkpoint and finishes while nothing listens on the Gateway's port:
+    each emitter call returns (the job goes on), its event left in the run's outbox, and one
+    sender of that outbox keeps trying."""
+    run_id = "gw-outage-run"
+    run = _a_run(gateway.runs_root, run_id)
+    env = {**os.environ, **gateway.emitter_env(), **OUTAGE}
+    send = [sys.executable, str(ROOT / "tools" / "emit_event.py"), "send", "--run-id", run_id, "--run-dir", str(run),
+            "--job-id", "outage.0", "--scheduler", "local"]
+    for argv in (["--type", "job.started"], ["--type", "checkpoint.saved", "--details", '{"checkpoint_iteration": 10}'],
+                 ["--end", "--exit-code", "0"]):
+        t0 = time.monotonic()
+        proc = subprocess.run(send + argv, env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0 and time.monotonic() - t0 < 60, proc.stderr
+    records = _records(run)
+    assert [r["type"] for r in records] == ["job.started", "checkpoint.saved", "job.finished"]
+    assert [e["event_id"] for e in emit.waiting(run)] == [r["event_id"] for r in records]
+    wait_until(lambda: emit.sending(run), 60, "the outbox's sender")
+    assert _outcomes(run) == {}
+    return run, records
+
+
+def _what_waited_arrives_once_when_the_gateway_is_up_with_no_emitter_call_in_between(gateway, run: Path,
+                                                                                       records: list[dict]):
+    wait_until(lambda: not emit.waiting(run), 120, "the events that waited, delivered by the sender")
+    assert _outcomes(run) == {r["event_id"]: "delivered" for r in records}
+    wait_until(lambda: not emit.sending(run), 60, "the sender to stop once the outbox is delivered")
+    answers = {}
+    for record in records:
+        steps = wait_until(lambda r=record: gateway.model.finished(r["event_id"]), 300,
+                           f"the agent's answer to {record['type']}")
+        assert len(gateway.model.runs(record["event_id"])) == 1, record["type"]  # one agent run: arrived once
+        answers[record["type"]] = _answer(steps[-1]["results"][-1])["result"]
+    assert answers["job.started"]["verdict"] == answers["checkpoint.saved"]["verdict"] == "noted"
+    assert answers["job.finished"]["verdict"] == "handled"
+    assert answers["job.finished"]["actions"][0]["kind"] == "summary"
 
 
 def _the_gateway_admits_signed_events_once_and_the_agent_runs_on_event_as_the_skill_says(gateway):
@@ -408,19 +462,13 @@ def _records(run_dir: Path) -> list[dict]:
 
 
 def _outcomes(run_dir: Path) -> dict[str, str]:
-    path = run_dir / emitter_outbox()
+    path = run_dir / emit.OUTBOX
     out = {}
     for line in path.read_text().splitlines() if path.exists() else []:
         rec = json.loads(line)
         if "done" in rec:
             out[rec["done"]] = rec["outcome"]
     return out
-
-
-def emitter_outbox() -> str:
-    from megatron_skill.events import emit
-
-    return emit.OUTBOX
 
 
 def _checkpoint(run_dir: Path) -> int:
@@ -458,13 +506,11 @@ def _a_cpu_run_killed_then_finished_wakes_one_agent_run_per_event_with_the_inten
     result = json.loads(finished.stdout)["result"]
     assert result["returncode"] == 0 and result["resumed_from"] == killed_at
 
-    def delivered():
+    def delivered():  # by the emitters, or by the outbox's sender after them: no flush from here
         records, outcomes = _records(run_dir), _outcomes(run_dir)
         ends = [r for r in records if r["type"] in ("job.failed", "job.finished")]
         if len(ends) == 2 and all(outcomes.get(r["event_id"]) == "delivered" for r in records):
             return records
-        from megatron_skill.events import emit
-        emit.flush(run_dir, gateway.url, HOOK_TOKEN, 30)  # what a later emitter call of the run would do
         return None
 
     records = wait_until(delivered, 240, "every event of the run delivered")
