@@ -4,14 +4,15 @@ what its publisher measured: the error in tokens/s per GPU (TFLOP/s per GPU wher
 published). plan's forecasts carry the error band of these rows (core/evidence.py).
 
     python benchmarks/published_runs.py          # prints the table and the summary
-    python benchmarks/published_runs.py --fit    # re-fits the four fitted constants of calibration.json
+    python benchmarks/published_runs.py --fit    # re-fits the five fitted constants of calibration.json
 
 The fit, in two steps: gemm_te_fraction (the share of the measured GEMM rate TE's GEMMs reach in
 these multi-GPU runs) on the dense H100 runs whose whole layout is published; then
-ep_overlap_exposed, moe_dropless_us_per_token and moe_dropless_us_per_token_expert on a grid,
-against the MoE runs only (no dense row depends on them), keeping the triple with the smallest sum
-of squared errors. Rows padded to capacity without all-to-all overlap depend on none
-of the three: they check the rest of the model out of the fit.
+ep_overlap_exposed, moe_us_per_token_expert, moe_dropless_us_per_token and
+moe_dropless_us_per_token_expert on a grid, against the H100 MoE runs only (no dense row depends
+on them; dropless and token-drop alike), keeping the four with the smallest sum of squared errors.
+Each run is also predicted by the constants fitted without it (leave one out), and the Blackwell
+rows stay out of the fit: they check how far it carries to another GPU.
 """
 import itertools
 import json
@@ -26,7 +27,8 @@ from megatron_skill.core import evidence, timing  # noqa: E402
 DENSE_GRID = [round(0.70 + 0.01 * i, 2) for i in range(31)]   # 0.70 .. 1.00
 GRID = {"moe_dropless_us_per_token": (0.0, 0.04, 0.08, 0.1, 0.12, 0.14, 0.16, 0.2, 0.3),
         "moe_dropless_us_per_token_expert": (0.0, 0.05, 0.1, 0.12, 0.14, 0.15, 0.16, 0.18, 0.2, 0.25),
-        "ep_overlap_exposed": (0.1, 0.2, 0.3, 0.4, 0.5, 0.7, 1.0)}
+        "ep_overlap_exposed": (0.1, 0.2, 0.3, 0.4, 0.5, 0.7, 1.0),
+        "moe_us_per_token_expert": (0.0, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06)}
 
 
 def summary(rows) -> dict:
@@ -80,8 +82,8 @@ def fit_dense(cal: dict) -> dict:
 
 
 def fit() -> dict:
-    """First the dense share of the GEMM rate (fit_dense), then the grid's best triple over the
-    MoE runs with it, and each dropless run predicted by the triple fitted without it (leave one
+    """First the dense share of the GEMM rate (fit_dense), then the grid's best values over the
+    MoE runs with it, and each MoE run predicted by the values fitted without it (leave one
     out: how far the fit carries to a run it has not seen)."""
     # the H100's runs: the calibration they are costed with is the one the fit changes (the
     # Blackwell rows stay out of the fit: they check how far it carries to another GPU)
@@ -98,8 +100,7 @@ def fit() -> dict:
         return min(table, key=lambda t: sum(e * e for i, e in enumerate(t[1]) if i != skip))
 
     values, errors = best()
-    fitted = [i for i, r in enumerate(runs) if r["moe"].get("capacity_factor") is None]   # the dropless ones
-    held_out = {f"{runs[i]['model']} {runs[i]['source']}": round(best(skip=i)[1][i], 1) for i in fitted}
+    held_out = {f"{r['model']} {r['source']}": round(best(skip=i)[1][i], 1) for i, r in enumerate(runs)}
     return {"best": {"gemm_te_fraction": dense["gemm_te_fraction"], **values}, "dense": dense,
             "max_abs_error_pct": round(max(map(abs, errors)), 1),
             "errors_pct": [round(e, 1) for e in errors], "runs": [f"{r['model']} {r['source']}" for r in runs],

@@ -54,7 +54,7 @@ class StepTime:
     tp_comm: float = 0.0
     cp_comm: float = 0.0
     ep_comm: float = 0.0
-    moe_dropless: float = 0.0
+    moe_experts: float = 0.0
     pp_comm: float = 0.0
     bubble: float = 0.0
     dp_comm_exposed: float = 0.0
@@ -266,19 +266,23 @@ def _dispatch_time(model: ModelConfig, lay: Layout, rates: _Rates, tokens: float
     return exchange * (rates.cal["ep_overlap_exposed"] if opts.overlap_ep_comm else 1.0)
 
 
-def _dropless_time(model: ModelConfig, lay: Layout, cal: dict[str, Any], tokens: float, opts: MoEOptions) -> float:
-    """Seconds one MoE layer spends beyond its GEMMs, exchanges and element-wise work when its
-    dispatcher reads the routing counts back to the host (dropless routing, or a capacity without
-    padding; padded to capacity the shapes are static). Fitted to NVIDIA's published dropless runs
-    (catalog/calibration.json, moe_dropless_*): per token of the micro-batch, and per local expert,
-    whose GEMMs and casts run one expert at a time; the fit scales with tokens, not with
-    micro-batches, so it is not the sync's launch latency alone. Without grouped GEMMs the
-    per-expert part is taken as larger (moe_sequential_factor, assumed)."""
-    if not opts.host_sync:
-        return 0.0
+def _expert_overhead_time(model: ModelConfig, lay: Layout, cal: dict[str, Any], tokens: float, opts: MoEOptions) -> float:
+    """Seconds one MoE layer spends beyond its modelled GEMMs, exchanges and element-wise work,
+    fitted to NVIDIA's published H100 MoE runs (catalog/calibration.json; python
+    benchmarks/published_runs.py --fit). Two parts, both per token of the micro-batch and per
+    local expert (the experts' GEMMs, casts and permutations run expert by expert inside the
+    grouped kernels): one every MoE layer pays (moe_us_per_token_expert: the token-drop runs,
+    padded to capacity, pay it too), and one more where the dispatcher reads the routing counts
+    back to the host (dropless routing, or a capacity without padding: moe_dropless_*). The fit
+    scales with tokens, not with micro-batches, so it is not the sync's launch latency alone.
+    Without grouped GEMMs the per-expert part is taken as larger (moe_sequential_factor, assumed)."""
     local = model.num_experts // lay.ep
-    per_expert = cal["moe_dropless_us_per_token_expert"] * (1 if opts.grouped_gemm else cal["moe_sequential_factor"])
-    return tokens * (cal["moe_dropless_us_per_token"] + per_expert * local) * 1e-6
+    sequential = 1 if opts.grouped_gemm else cal["moe_sequential_factor"]
+    every = cal["moe_us_per_token_expert"] * sequential * local
+    if not opts.host_sync:
+        return tokens * every * 1e-6
+    synced = cal["moe_dropless_us_per_token"] + cal["moe_dropless_us_per_token_expert"] * sequential * local
+    return tokens * (every + synced) * 1e-6
 
 
 def clear_caches() -> None:
@@ -292,7 +296,7 @@ def clear_caches_keep_calibration() -> None:
     _layer_times.cache_clear()
 
 
-LAYER_FIELDS = ("gemm", "attention", "elementwise", "tp_comm", "cp_comm", "ep_comm", "moe_dropless")
+LAYER_FIELDS = ("gemm", "attention", "elementwise", "tp_comm", "cp_comm", "ep_comm", "moe_experts")
 ZERO_LAYER = (0.0,) * len(LAYER_FIELDS)
 
 
@@ -333,7 +337,7 @@ def _layer_times(model: ModelConfig, gpu: GPUSpec, te: bool, fp8_linear: bool, t
         act = BF16 * tokens * h
         tp_one = rates.collective(act, t, min(t, node), "ag") + (rates.latency if t > 1 else 0.0)
         tp_comm = tp_one * 8 * rates.tp_exposed
-        cp_comm = ep_comm = dropless = 0.0
+        cp_comm = ep_comm = experts = 0.0
         if cp > 1:
             kv = (2 * model.query_groups * model.head_dim if not model.multi_latent_attention
                   else model.num_attention_heads * (model.qk_head_dim + model.qk_pos_emb_head_dim + model.v_head_dim))
@@ -343,11 +347,11 @@ def _layer_times(model: ModelConfig, gpu: GPUSpec, te: bool, fp8_linear: bool, t
             cp_comm = max(rates.cal["cp_ring_min_exposed"] * ring, ring - 3 * core / attn_rate)
         if moe:
             ep_comm = _dispatch_time(model, lay, rates, tokens / (t if sp else 1), node, moe_opts)
-            dropless = _dropless_time(model, lay, rates.cal, tokens, moe_opts)
-        out[moe] = (gemm, attention, elementwise, tp_comm, cp_comm, ep_comm, dropless)
+            experts = _expert_overhead_time(model, lay, rates.cal, tokens, moe_opts)
+        out[moe] = (gemm, attention, elementwise, tp_comm, cp_comm, ep_comm, experts)
         if moe:   # one forward of the MoE block: what recomputing it ('moe' in --recompute-modules) re-runs
-            # (GEMMs and the dropless cost: a third of forward and backward; the exchanges: half)
-            out["moe_forward"] = (_moe_gemms(model, lay, rates, tokens, routed) / 3 + ep_comm / 2 + dropless / 3,)
+            # (GEMMs and the experts' overhead: a third of forward and backward; the exchanges: half)
+            out["moe_forward"] = (_moe_gemms(model, lay, rates, tokens, routed) / 3 + ep_comm / 2 + experts / 3,)
     return out
 
 

@@ -28,8 +28,9 @@ ASSUMPTIONS = [
     "with the last micro-batch, pipeline bubble (PP-1)/VP micro-batch slots.",
     "MoE: balanced routing (no capacity overflow, no imbalance); the MoE options of the request's `moe` "
     "(dispatcher, grouped GEMM, dropless or capacity, router precision, all-to-all overlap) as costed in "
-    "core/timing.py; a dropless layer's extra cost per token and local expert (time.moe_dropless_ms) is fitted "
-    "to NVIDIA's published dropless runs (references/benchmarks.md).",
+    "core/timing.py; an MoE layer's cost per token and local expert beyond its modelled work "
+    "(time.moe_experts_ms: a part every layer pays, a larger one where dropless routing reads the counts back "
+    "to the host) is fitted to NVIDIA's published H100 MoE runs (references/benchmarks.md).",
 ]
 
 
