@@ -74,7 +74,7 @@ def lex(text: str) -> list[Tok]:
             while i < n and text[i] != "\n":
                 i += 1
         elif text.startswith("((", i):
-            j = _match_parens(text, i + 1, line)
+            j = _closing(text, i + 1, line)
             if text.startswith("))", j - 1):
                 toks.append(Tok("arith", text[i + 2:j - 1], line))
                 line += text.count("\n", i, j + 1)
@@ -140,7 +140,7 @@ def _word_end(text: str, i: int, line: int) -> tuple[int, int]:
         c = text[i]
         if c in META:
             if c == "(" and ASSIGN_HEAD.fullmatch(text[start:i]):
-                j = _match_parens(text, i, line)
+                j = _closing(text, i, line)
                 nl += text.count("\n", i, j)
                 i = j + 1
                 continue
@@ -166,7 +166,7 @@ def _word_end(text: str, i: int, line: int) -> tuple[int, int]:
             nl += text.count("\n", i, j)
             i = j + 1
         elif c == "$" and i + 1 < n and text[i + 1] in "({":
-            j = _match_parens(text, i + 1, line + nl) if text[i + 1] == "(" else _match_brace(text, i + 1, line + nl)
+            j = _closing(text, i + 1, line + nl)
             nl += text.count("\n", i, j)
             i = j + 1
         else:
@@ -183,7 +183,7 @@ def _dquote_end(text: str, i: int, line: int) -> int:
         elif c == '"':
             return i
         elif c == "$" and i + 1 < n and text[i + 1] in "({":
-            i = (_match_parens if text[i + 1] == "(" else _match_brace)(text, i + 1, line) + 1
+            i = _closing(text, i + 1, line) + 1
         elif c == "`":
             j = text.find("`", i + 1)
             i = (j if j >= 0 else n) + 1
@@ -192,47 +192,33 @@ def _dquote_end(text: str, i: int, line: int) -> int:
     raise ShellSyntax("a double quote is never closed", line)
 
 
-def _match_parens(text: str, i: int, line: int) -> int:
-    """Index of the ")" closing the "(" at i, across quotes and comments."""
+def _closing(text: str, i: int, line: int) -> int:
+    """Index of the ")" or "}" closing the "(" or "{" at i: a parenthesis across quotes and
+    comments; a ${ by its braces alone (quotes inside ${...} are rare)."""
+    opening = text[i]
+    parens = opening == "("
+    closing = ")" if parens else "}"
     depth, n = 0, len(text)
     while i < n:
         c = text[i]
-        if c == "(":
+        if c == opening:
             depth += 1
-        elif c == ")":
+        elif c == closing:
             depth -= 1
             if depth == 0:
                 return i
-        elif c == "'":
-            j = text.find("'", i + 1)
-            i = (j if j >= 0 else n)
-        elif c == '"':
-            i = _dquote_end(text, i + 1, line)
         elif c == "\\":
             i += 1
-        elif c == "#" and (i == 0 or text[i - 1] in " \t\n("):
+        elif parens and c == "'":
+            j = text.find("'", i + 1)
+            i = (j if j >= 0 else n)
+        elif parens and c == '"':
+            i = _dquote_end(text, i + 1, line)
+        elif parens and c == "#" and (i == 0 or text[i - 1] in " \t\n("):
             j = text.find("\n", i)
             i = (j if j >= 0 else n) - 1
         i += 1
-    raise ShellSyntax("a parenthesis is never closed", line)
-
-
-def _match_brace(text: str, i: int, line: int) -> int:
-    depth, n = 0, len(text)
-    while i < n:
-        c = text[i]
-        if c == "{":
-            depth += 1
-        elif c == "}":
-            depth -= 1
-            if depth == 0:
-                return i
-        elif c == "'" and depth > 0:
-            pass  # quotes inside ${...} are rare; braces are what matter
-        elif c == "\\":
-            i += 1
-        i += 1
-    raise ShellSyntax("a ${ is never closed", line)
+    raise ShellSyntax("a parenthesis is never closed" if parens else "a ${ is never closed", line)
 
 
 # ---------------------------------------------------------------- parser
@@ -282,15 +268,19 @@ class Parser:
             raise ShellSyntax(f"expected '{word}' for the construct opened at line {line}", line)
         self.take()
 
-    def skip_newlines(self) -> None:
-        while self.peek() is not None and (self.peek().kind == "nl" or self.op_is(";")):
+    def skip_newlines(self, ops: tuple = (";",)) -> None:
+        while self.peek() is not None and (self.peek().kind == "nl" or self.op_is(*ops)):
             self.take()
+
+    def take_word(self, message: str, line: int) -> Tok:
+        if self.peek() is None or self.peek().kind != "w":
+            raise ShellSyntax(message, line)
+        return self.take()
 
     def parse_list(self, stop_words: frozenset = frozenset(), stop_ops: tuple = ()) -> Node:
         seq = Node("seq", self.peek().line if self.peek() else 0)
         while True:
-            while self.peek() is not None and (self.peek().kind == "nl" or self.op_is(";", "&")):
-                self.take()
+            self.skip_newlines((";", "&"))
             tok = self.peek()
             if tok is None or (tok.kind == "w" and tok.text in stop_words) or (tok.kind == "op" and tok.text in stop_ops):
                 return seq
@@ -304,8 +294,7 @@ class Parser:
         node = Node("andor", self.peek().line, [(None, self.parse_pipe())])
         while self.op_is("&&", "||"):
             op = self.take().text
-            while self.peek() is not None and self.peek().kind == "nl":
-                self.take()
+            self.skip_newlines(())
             node.parts.append((op, self.parse_pipe()))
         return node
 
@@ -317,8 +306,7 @@ class Parser:
         node = Node("pipe", self.peek().line if self.peek() else 0, [self.parse_command()])
         while self.op_is("|", "|&"):
             self.take()
-            while self.peek() is not None and self.peek().kind == "nl":
-                self.take()
+            self.skip_newlines(())
             node.parts.append(self.parse_command())
         return Node("not", node.line, [node]) if negate else node
 
@@ -353,15 +341,9 @@ class Parser:
 
     def _redirected(self, node: Any) -> Any:
         while self.peek() is not None and (self.op_is(*REDIRECTS, "io") or self.peek().kind == "hd"):
-            if self.op_is("io"):
-                self.take()
-                continue
-            if self.peek().kind == "hd":
-                self.take()
-                continue
-            self.take()
-            if self.peek() is not None and self.peek().kind == "w":
-                self.take()
+            tok = self.take()
+            if tok.kind == "op" and tok.text != "io" and self.peek() is not None and self.peek().kind == "w":
+                self.take()   # the redirection's target
         return node
 
     def parse_simple(self) -> Cmd:
@@ -380,9 +362,7 @@ class Parser:
                 if tok.text not in REDIRECTS:
                     break
                 op = self.take().text
-                if self.peek() is None or self.peek().kind != "w":
-                    raise ShellSyntax(f"a redirection '{op}' has no target", tok.line)
-                cmd.redirs.append((op, self.take()))
+                cmd.redirs.append((op, self.take_word(f"a redirection '{op}' has no target", tok.line)))
             else:
                 if not cmd.words and ASSIGN_HEAD.match(tok.text):
                     cmd.assigns.append(self.take())
@@ -413,9 +393,7 @@ class Parser:
 
     def parse_case(self) -> Node:
         opened = self.take()
-        if self.peek() is None or self.peek().kind != "w":
-            raise ShellSyntax("case without a word", opened.line)
-        word = self.take()
+        word = self.take_word("case without a word", opened.line)
         self.skip_newlines()
         self.expect_word("in", opened)
         node = Node("case", opened.line, text=word.text)
@@ -428,15 +406,10 @@ class Parser:
                 break
             if self.op_is("("):
                 self.take()
-            patterns = []
-            while True:
-                if self.peek() is None or self.peek().kind != "w":
-                    raise ShellSyntax("a case pattern is missing", opened.line)
-                patterns.append(self.take())
-                if self.op_is("|"):
-                    self.take()
-                    continue
-                break
+            patterns = [self.take_word("a case pattern is missing", opened.line)]
+            while self.op_is("|"):
+                self.take()
+                patterns.append(self.take_word("a case pattern is missing", opened.line))
             if not self.op_is(")"):
                 raise ShellSyntax("a case pattern needs ')'", patterns[-1].line)
             self.take()
@@ -453,34 +426,28 @@ class Parser:
         if tok is not None and tok.kind == "arith":  # for ((i=0; i<n; i++))
             self.take()
             self.skip_newlines()
-            self.expect_word("do", opened)
-            body = self.parse_list(frozenset({"done"}))
-            self.expect_word("done", opened)
-            return self._redirected(Node("for", opened.line, [None, None, body], text=tok.text))
-        if tok is None or tok.kind != "w":
-            raise ShellSyntax("for without a variable", opened.line)
-        name = self.take().text
+            return self._redirected(Node("for", opened.line, [None, None, self.do_group(opened)], text=tok.text))
+        name = self.take_word("for without a variable", opened.line).text
         words = None
-        while self.peek() is not None and self.peek().kind == "nl":
-            self.take()
+        self.skip_newlines(())
         if self.word_is("in"):
             self.take()
             words = []
             while self.peek() is not None and self.peek().kind == "w":
                 words.append(self.take())
         self.skip_newlines()
+        return self._redirected(Node("for", opened.line, [name, words, self.do_group(opened)]))
+
+    def do_group(self, opened: Tok) -> Node:
         self.expect_word("do", opened)
         body = self.parse_list(frozenset({"done"}))
         self.expect_word("done", opened)
-        return self._redirected(Node("for", opened.line, [name, words, body]))
+        return body
 
     def parse_while(self) -> Node:
         opened = self.take()
         cond = self.parse_list(frozenset({"do"}))
-        self.expect_word("do", opened)
-        body = self.parse_list(frozenset({"done"}))
-        self.expect_word("done", opened)
-        return self._redirected(Node("while", opened.line, [cond, body], text=opened.text))
+        return self._redirected(Node("while", opened.line, [cond, self.do_group(opened)], text=opened.text))
 
     def parse_group(self) -> Node:
         opened = self.take()
@@ -490,9 +457,7 @@ class Parser:
 
     def parse_function(self) -> Node:
         opened = self.take()
-        if self.peek() is None or self.peek().kind != "w":
-            raise ShellSyntax("function without a name", opened.line)
-        name = self.take().text
+        name = self.take_word("function without a name", opened.line).text
         if self.op_is("("):
             self.take()
             if not self.op_is(")"):
@@ -566,10 +531,6 @@ class Path_:
 
 
 UNKNOWN = object()   # the value of an assignment from something the script leaves to its caller
-
-
-class _Exit(Exception):
-    pass
 
 
 class _Return(Exception):
@@ -657,44 +618,27 @@ class Reader:
             return paths
         if isinstance(node, Cmd):
             return self._each(paths, lambda p: self.command(node, p))
-        kind = node.kind
-        if kind == "seq":
+        if node.kind in ("seq", "pipe", "group"):
             for part in node.parts:
                 paths = self.eval(part, paths)
             return paths
-        if kind == "andor":
+        if node.kind == "andor":
             return self.andor(node, paths)
-        if kind == "pipe":
-            for part in node.parts:
-                paths = self.eval(part, paths)
-            return paths
-        if kind in ("group",):
-            return self.eval(node.parts[0], paths)
-        if kind == "subshell":
-            out = []
-            for p in paths:
-                saved_vars, saved_exp = dict(p.vars), set(p.exported)
-                for q in self.eval(node.parts[0], [p]):
-                    q.vars, q.exported = dict(saved_vars), set(saved_exp)
-                    if q.ended and q.ended.startswith("exit"):
-                        q.ended = None
-                    out.append(q)
-            return out
-        if kind == "func":
-            for p in paths:
-                p.funcs[node.text] = node.parts[0]
-            return paths
-        if kind == "if":
-            return self.if_(node, paths)
-        if kind == "case":
-            return self.case(node, paths)
-        if kind == "for":
-            return self.for_(node, paths)
-        if kind == "while":
-            return self.while_(node, paths)
-        if kind in ("cond", "arith", "not"):
+        if node.kind in ("cond", "arith", "not"):
             return paths  # a test on its own changes nothing we read
-        raise AssertionError(kind)
+        if node.kind == "func":
+            return self._each(paths, lambda p: p.funcs.update({node.text: node.parts[0]}))
+        one = {"subshell": self.subshell, "if": self.if_, "case": self.case, "for": self.for_, "while": self.while_}
+        return self._each(paths, lambda p: one[node.kind](node, p))
+
+    def subshell(self, node: Node, p: Path_) -> list[Path_]:
+        saved_vars, saved_exp = dict(p.vars), set(p.exported)
+        outs = self.eval(node.parts[0], [p])
+        for q in outs:
+            q.vars, q.exported = dict(saved_vars), set(saved_exp)
+            if q.ended and q.ended.startswith("exit"):
+                q.ended = None
+        return outs
 
     def _each(self, paths: list[Path_], fn: Callable[[Path_], list[Path_] | None]) -> list[Path_]:
         out = []
@@ -861,31 +805,21 @@ class Reader:
 
     _live_paths = 1
 
-    def if_(self, node: Node, paths: list[Path_]) -> list[Path_]:
-        out = []
-        for p in paths:
-            ways, decided = [], False
-            for cond, body in node.parts:
-                if cond is None:
-                    ways.append(("the else branch", body))
-                    decided = True
-                    break
-                value = self.truth(cond, p)
-                if value is True:
-                    ways.append((f"{self.source_line(cond.line)} true", body))
-                    decided = True
-                    break
-                if value is None:
-                    ways.append((f"{self.source_line(cond.line)} true", body))
-            if not decided:
-                tried = [self.source_line(c.line) for c, _ in node.parts if c is not None]
-                ways.append((" and ".join(tried) + " false" if len(tried) == 1 else "no condition true", None))
-            if len(ways) == 1:
-                body = ways[0][1]
-                out.extend(self.eval(body, [p]) if body is not None else [p])
-            else:
-                out.extend(self.branch(p, f"if at {self.where(node.line)}", ways))
-        return out
+    def if_(self, node: Node, p: Path_) -> list[Path_]:
+        ways = []
+        for cond, body in node.parts:
+            if cond is None:
+                ways.append(("the else branch", body))
+                break
+            value = self.truth(cond, p)
+            if value is not False:
+                ways.append((f"{self.source_line(cond.line)} true", body))
+            if value is True:
+                break
+        else:
+            tried = [self.source_line(c.line) for c, _ in node.parts if c is not None]
+            ways.append((" and ".join(tried) + " false" if len(tried) == 1 else "no condition true", None))
+        return self.branch(p, f"if at {self.where(node.line)}", ways)
 
     def where(self, line: int) -> str:
         """line N, and inside what: 'line 5 of bash -c at line 13 of the heredoc at line 219'."""
@@ -897,88 +831,61 @@ class Reader:
         text = re.sub(r"^(el)?if\s+|;?\s*then\s*$", "", text)
         return "`" + (text[:77] + "..." if len(text) > 80 else text) + "`"
 
-    def case(self, node: Node, paths: list[Path_]) -> list[Path_]:
+    def case(self, node: Node, p: Path_) -> list[Path_]:
         word_tok, items = node.parts
-        out = []
-        for p in paths:
-            fields, unknown = self.expand(word_tok.text, p, split=False)
-            subject = " ".join(fields)
-            ways = []
-            for patterns, body in items:
-                pats = [" ".join(self.expand(t.text, p, split=False)[0]) for t in patterns]
-                if unknown:
-                    ways.append((f"'{'|'.join(t.text for t in patterns)})'", body))
-                elif any(fnmatch.fnmatchcase(subject, pat) for pat in pats):
-                    ways = [("match", body)]
-                    break
+        fields, unknown = self.expand(word_tok.text, p, split=False)
+        subject = " ".join(fields)
+        ways = []
+        for patterns, body in items:
+            pats = [" ".join(self.expand(t.text, p, split=False)[0]) for t in patterns]
             if unknown:
-                ways.append(("no pattern matched", None))
-            if not ways:
-                out.append(p)
-            elif len(ways) == 1:
-                out.extend(self.eval(ways[0][1], [p]) if ways[0][1] is not None else [p])
-            else:
-                out.extend(self.branch(p, f"case {word_tok.text} at {self.where(node.line)}", ways))
-        return out
+                ways.append((f"'{'|'.join(t.text for t in patterns)})'", body))
+            elif any(fnmatch.fnmatchcase(subject, pat) for pat in pats):
+                ways = [("match", body)]
+                break
+        if unknown:
+            ways.append(("no pattern matched", None))
+        return self.branch(p, f"case {word_tok.text} at {self.where(node.line)}", ways) if ways else [p]
 
-    def for_(self, node: Node, paths: list[Path_]) -> list[Path_]:
+    def for_(self, node: Node, p: Path_) -> list[Path_]:
         name, words, body = node.parts
-        out = []
-        for p in paths:
-            if name is None:  # for ((...)): run the body once, its count is rarely what matters
-                self.note(f"line {node.line}: an arithmetic for loop is read once")
-                out.extend(self.eval(body, [p]))
-                continue
-            if words is None:
-                items = list(p.positional or ())
-            else:
-                items, unknown = [], False
-                for t in words:
-                    fields, unk = self.expand(t.text, p)
-                    items += fields
-                    unknown |= unk
-            cur = [p]
-            for item in items[:MAX_LOOP]:
-                for q in cur:
-                    q.vars[name] = item
-                cur = self.eval(body, cur)
-            out.extend(cur)
-        return out
+        if name is None:  # for ((...)): run the body once, its count is rarely what matters
+            self.note(f"line {node.line}: an arithmetic for loop is read once")
+            return self.eval(body, [p])
+        items = list(p.positional or ()) if words is None else [f for t in words for f in self.expand(t.text, p)[0]]
+        cur = [p]
+        for item in items[:MAX_LOOP]:
+            for q in cur:
+                q.vars[name] = item
+            cur = self.eval(body, cur)
+        return cur
 
-    def while_(self, node: Node, paths: list[Path_]) -> list[Path_]:
+    def while_(self, node: Node, p: Path_) -> list[Path_]:
         cond, body = node.parts
-        out = []
-        for p in paths:
-            cur, n = [p], 0
-            while cur and n < MAX_LOOP:
-                value = self.truth(cond, cur[0]) if len(cur) == 1 else None
-                if node.text == "until" and value is not None:
-                    value = not value
-                if value is None:
-                    self.note(f"line {node.line}: a {node.text} loop whose condition is not known here is not followed")
-                    break
-                if not value:
-                    break
-                cur = self.eval(body, cur)
-                n += 1
-            out.extend(cur)
-        return out
+        cur = [p]
+        for _ in range(MAX_LOOP):
+            value = self.truth(cond, cur[0]) if len(cur) == 1 else None
+            if node.text == "until" and value is not None:
+                value = not value
+            if value is None:
+                self.note(f"line {node.line}: a {node.text} loop whose condition is not known here is not followed")
+            if not value:
+                break
+            cur = self.eval(body, cur)
+            if not cur:
+                break
+        return cur
 
     # -------------------------------------------------------------- simple commands
     def command(self, cmd: Cmd, p: Path_) -> list[Path_] | None:
         self._current = p
-        if not cmd.words:
-            for a in cmd.assigns:
-                self.assign(a.text, p, export=False, line=a.line)
-            return None
-        argv, lines, unknown_words = [], [], False
+        argv, lines = [], []
         for t in cmd.words:
             if argv and argv[0] in ("export", "declare", "typeset", "local", "readonly") and ASSIGN_HEAD.match(t.text):
                 argv.append(t.text)
                 lines.append(t.line)
                 continue
-            fields, unknown = self.expand(t.text, p)
-            unknown_words |= unknown
+            fields = self.expand(t.text, p)[0]
             argv += fields
             lines += [t.line] * len(fields)
         if not argv:
@@ -1378,17 +1285,17 @@ class Reader:
             return "$", i + 1, False, None
         nxt = s[i + 1]
         if s.startswith("$((", i):
-            j = _match_parens(s, i + 1, 0)
+            j = _closing(s, i + 1, 0)
             text = s[i:j + 1]
             try:
                 return str(self.arith(s[i + 3:j - 1], p)), j + 1, False, None
             except _Unknown:
                 return text, j + 1, True, None
         if nxt == "(":
-            j = _match_parens(s, i + 1, 0)
+            j = _closing(s, i + 1, 0)
             return self._subst_result(s[i + 2:j], s[i:j + 1], j + 1, p)
         if nxt == "{":
-            j = _match_brace(s, i + 1, 0)
+            j = _closing(s, i + 1, 0)
             try:
                 return self._brace(s[i + 2:j], s[i:j + 1], j + 1, p, quoted)
             except _Unknown:
@@ -1489,8 +1396,6 @@ class Reader:
                 if op:
                     items = tuple(self._apply_op(x, op, p) for x in items)
                 return (" ".join(items), end, False, None) if index == "*" and quoted else ("", end, False, items)
-            if value is None:
-                value = None
         if length:
             if value is None:
                 self.unresolved(name, p)
@@ -1506,8 +1411,6 @@ class Reader:
                 return (self._word(word, p) if is_set else ""), end, False, None
             if is_set:
                 return value, end, False, None
-            if value is None and name.isdigit() and p.positional is None or value is None:
-                pass
             if kind == "?":
                 self.unresolved(name, p)
                 return text, end, True, None
@@ -1523,19 +1426,15 @@ class Reader:
     def _word(self, word: str, p: Path_) -> str:
         fields, unknown = self.expand(word, p, split=False)
         if unknown:
-            raise _UnknownDefault(" ".join(fields))
+            raise _Unknown()
         return " ".join(fields)
 
     def _apply_op(self, value: str, op: str, p: Path_) -> str:
         if not op:
             return value
-        for pat, fn in ((r"##(.*)", lambda v, a: _strip_prefix(v, a, longest=True)),
-                        (r"#(.*)", lambda v, a: _strip_prefix(v, a, longest=False)),
-                        (r"%%(.*)", lambda v, a: _strip_suffix(v, a, longest=True)),
-                        (r"%(.*)", lambda v, a: _strip_suffix(v, a, longest=False))):
-            mm = re.fullmatch(pat, op, re.S)
-            if mm:
-                return fn(value, self._word(mm.group(1), p))
+        mm = re.fullmatch(r"(##?|%%?)(.*)", op, re.S)
+        if mm:
+            return _strip(value, self._word(mm.group(2), p), longest=len(mm.group(1)) == 2, suffix=mm.group(1)[0] == "%")
         mm = re.fullmatch(r"(//?)([^/]*)(?:/(.*))?", op, re.S)
         if mm:
             pat, rep = fnmatch.translate(self._word(mm.group(2), p)).removesuffix(r"\Z"), self._word(mm.group(3) or "", p)
@@ -1590,23 +1489,12 @@ class Reader:
         return _safe_eval(value, lambda n: self._int_var(n, p))
 
 
-class _UnknownDefault(_Unknown):
-    pass
-
-
-def _strip_prefix(value: str, pattern: str, longest: bool) -> str:
-    rng = range(len(value), -1, -1) if longest else range(len(value) + 1)
-    for k in rng:
-        if fnmatch.fnmatchcase(value[:k], pattern):
-            return value[k:]
-    return value
-
-
-def _strip_suffix(value: str, pattern: str, longest: bool) -> str:
-    rng = range(len(value) + 1) if longest else range(len(value), -1, -1)
-    for k in rng:
-        if fnmatch.fnmatchcase(value[k:], pattern):
-            return value[:k]
+def _strip(value: str, pattern: str, longest: bool, suffix: bool) -> str:
+    """${V#p}, ${V##p}, ${V%p}, ${V%%p}: the shortest or longest match of p cut from the start or end."""
+    cuts = range(len(value) + 1) if longest == suffix else range(len(value), -1, -1)
+    for k in cuts:
+        if fnmatch.fnmatchcase(value[k:] if suffix else value[:k], pattern):
+            return value[:k] if suffix else value[k:]
     return value
 
 
