@@ -149,24 +149,13 @@ def _word_end(text: str, i: int, line: int) -> tuple[int, int]:
             if text.startswith("\\\n", i):
                 nl += 1
             i += 2
-        elif c == "'":
-            j = text.find("'", i + 1)
-            if j < 0:
-                raise ShellSyntax("a single quote is never closed", line + nl)
-            nl += text.count("\n", i, j)
-            i = j + 1
-        elif c == '"':
-            j = _dquote_end(text, i + 1, line + nl)
-            nl += text.count("\n", i, j)
-            i = j + 1
-        elif c == "`":
-            j = text.find("`", i + 1)
-            if j < 0:
-                raise ShellSyntax("a backquote is never closed", line + nl)
-            nl += text.count("\n", i, j)
-            i = j + 1
-        elif c == "$" and i + 1 < n and text[i + 1] in "({":
-            j = _closing(text, i + 1, line + nl)
+        elif c in "'\"`" or c == "$" and i + 1 < n and text[i + 1] in "({":
+            if c == '"':
+                j = _dquote_end(text, i + 1, line + nl)
+            elif c == "$":
+                j = _closing(text, i + 1, line + nl)
+            elif (j := text.find(c, i + 1)) < 0:
+                raise ShellSyntax(("a single quote" if c == "'" else "a backquote") + " is never closed", line + nl)
             nl += text.count("\n", i, j)
             i = j + 1
         else:
@@ -559,6 +548,9 @@ NOT_LAUNCHERS = {"echo", "printf", "cat", "ls", "cp", "mv", "rm", "mkdir", "touc
 PURE_SUBST = {"echo", "dirname", "basename", "pwd", "printf", "realpath", "readlink", "cd", "true"}
 
 
+_PLAIN = re.compile(r"[^\\$`]+|\\")   # a run of text with no expansion in it, or a backslash kept
+
+
 class Reader:
     def __init__(self, script_path: Path | None, env: dict[str, str] | None,
                  positional: tuple[str, ...] | None = None):
@@ -714,18 +706,14 @@ class Reader:
         value, rest = self._cond_or(words, double)
         return value if not rest else None
 
-    def _cond_or(self, w: list[str], double: bool) -> tuple[bool | None, list[str]]:
-        value, w = self._cond_and(w, double)
-        while w and w[0] in ("||", "-o"):
-            right, w = self._cond_and(w[1:], double)
-            value = True if value is True or right is True else (None if value is None or right is None else False)
-        return value, w
-
-    def _cond_and(self, w: list[str], double: bool) -> tuple[bool | None, list[str]]:
-        value, w = self._cond_not(w, double)
-        while w and w[0] in ("&&", "-a"):
-            right, w = self._cond_not(w[1:], double)
-            value = False if value is False or right is False else (None if value is None or right is None else True)
+    def _cond_or(self, w: list[str], double: bool, ops: tuple = ("||", "-o")) -> tuple[bool | None, list[str]]:
+        """a || b over a && b (which binds closer): True decides an ||, False an &&."""
+        decides = ops[0] == "||"
+        operand = (lambda x: self._cond_or(x, double, ("&&", "-a"))) if decides else (lambda x: self._cond_not(x, double))
+        value, w = operand(w)
+        while w and w[0] in ops:
+            right, w = operand(w[1:])
+            value = decides if decides in (value, right) else (None if None in (value, right) else not decides)
         return value, w
 
     def _cond_not(self, w: list[str], double: bool) -> tuple[bool | None, list[str]]:
@@ -1223,23 +1211,12 @@ class Reader:
                 # "${A[@]}" of an empty array (or "$@" with no arguments) is no word at all
                 if not re.fullmatch(r"\$\{[A-Za-z_]\w*\[@\]\}|\$@|\$\{@\}", inner):
                     have = True
-                k = 0
-                while k < len(inner):
-                    ch = inner[k]
-                    if ch == "\\" and k + 1 < len(inner) and inner[k + 1] in '$`"\\\n':
-                        if inner[k + 1] != "\n":
-                            cur.append(inner[k + 1])
-                        k += 2
-                    elif ch == "$" or ch == "`":
-                        value, k, unk, items = self._dollar(inner, k, p, quoted=True)
-                        unknown |= unk
-                        if items is not None:
-                            add_items(items, quoted=True)
-                        else:
-                            cur.append(value)
+                for piece, unk in self._double_quoted(inner, p, '$`"\\\n'):
+                    unknown |= unk
+                    if isinstance(piece, tuple):
+                        add_items(piece, quoted=True)
                     else:
-                        cur.append(ch)
-                        k += 1
+                        cur.append(piece)
                 i = j + 1
             elif c == "$" or c == "`":
                 value, i, unk, items = self._dollar(raw, i, p, quoted=False)
@@ -1260,20 +1237,24 @@ class Reader:
         return fields, unknown
 
     def expand_heredoc(self, body: str, p: Path_) -> str:
-        out, k = [], 0
-        while k < len(body):
-            ch = body[k]
-            if ch == "\\" and k + 1 < len(body) and body[k + 1] in "$`\\\n":
-                if body[k + 1] != "\n":
-                    out.append(body[k + 1])
+        return "".join(" ".join(x) if isinstance(x, tuple) else x for x, _ in self._double_quoted(body, p, "$`\\\n"))
+
+    def _double_quoted(self, s: str, p: Path_, escapable: str) -> list[tuple[str | tuple, bool]]:
+        """The pieces of a double-quoted text or a heredoc body: text, or what a $-expansion gives
+        (its text or its array items), each with whether it is unknown."""
+        pieces, k = [], 0
+        while k < len(s):
+            if s[k] == "\\" and k + 1 < len(s) and s[k + 1] in escapable:
+                pieces.append((s[k + 1] if s[k + 1] != "\n" else "", False))
                 k += 2
-            elif ch in "$`":
-                value, k, _unk, items = self._dollar(body, k, p, quoted=True)
-                out.append(" ".join(items) if items is not None else value)
+            elif s[k] in "$`":
+                value, k, unk, items = self._dollar(s, k, p, quoted=True)
+                pieces.append((value if items is None else items, unk))
             else:
-                out.append(ch)
-                k += 1
-        return "".join(out)
+                plain = _PLAIN.match(s, k).group(0)
+                pieces.append((plain, False))
+                k += len(plain)
+        return pieces
 
     def _dollar(self, s: str, i: int, p: Path_, quoted: bool) -> tuple[str, int, bool, tuple | None]:
         """Expand the $-thing at s[i]: (text, next index, unknown, array items or None)."""
@@ -1555,7 +1536,7 @@ def _safe_eval(expr: str, var: Callable[[str], int]) -> int:
                 return ~v
         if isinstance(node, ast.BinOp):
             a, b = ev(node.left), ev(node.right)
-            if isinstance(node.op, (ast.Div, ast.FloorDiv)) or isinstance(node.op, ast.Mod):
+            if isinstance(node.op, (ast.Div, ast.FloorDiv, ast.Mod)):
                 if b == 0:
                     raise _Unknown()
                 if isinstance(node.op, ast.Mod):
