@@ -13,6 +13,14 @@ Nothing is executed.  A command substitution other than a few pure ones (echo, d
 basename, pwd) has an unknown value; a condition that depends on an unknown value or on the
 machine (`[ -f x ]`, `python -c 'import te'`) is not decided: both ways are followed, and
 each path through the script says which way it went at which line.
+
+Why the lexer and parser are our own (measured 2026-12, on the 327 scripts the tests read and
+NVIDIA's Megatron-LM examples): tree-sitter-bash 0.25.1 turns `if ! cmd <<'X'; then` (a heredoc
+with more on its line, an open upstream bug) into an error node, and render's own scripts are
+written so; as the front end of this evaluation it made 12 tests fail, for 1,517 lines. shfmt
+3.14 refuses an array item that starts with `[` (the DeepSeek-V3 example's
+`--moe-layer-freq [0]*3+[1]*58`) and costs a process, about 20 ms, per parse; bashlex reads no
+arrays.
 """
 from __future__ import annotations
 
