@@ -254,6 +254,13 @@ class Parser:
         tok = self.peek()
         return tok is not None and tok.kind == "op" and tok.text in ops
 
+    def accept(self, *texts: str) -> bool:
+        """Take the next token if it is one of these words or operators."""
+        if self.word_is(*texts) or self.op_is(*texts):
+            self.take()
+            return True
+        return False
+
     def take(self) -> Tok:
         tok = self.t[self.i]
         self.i += 1
@@ -296,13 +303,9 @@ class Parser:
         return node
 
     def parse_pipe(self) -> Node:
-        negate = False
-        if self.word_is("!"):
-            self.take()
-            negate = True
+        negate = self.accept("!")
         node = Node("pipe", self.peek().line if self.peek() else 0, [self.parse_command()])
-        while self.op_is("|", "|&"):
-            self.take()
+        while self.accept("|", "|&"):
             self.skip_newlines(())
             node.parts.append(self.parse_command())
         return Node("not", node.line, [node]) if negate else node
@@ -317,9 +320,8 @@ class Parser:
         if tok.kind == "op" and tok.text == "(":
             self.take()
             body = self.parse_list(stop_ops=(")",))
-            if not self.op_is(")"):
+            if not self.accept(")"):
                 raise ShellSyntax("a subshell '(' is never closed", tok.line)
-            self.take()
             return self._redirected(Node("subshell", tok.line, [body]))
         if tok.kind == "w":
             compound = {"if": self.parse_if, "case": self.parse_case, "for": self.parse_for,
@@ -379,11 +381,9 @@ class Parser:
             self.expect_word("then", opened)
             body = self.parse_list(frozenset({"elif", "else", "fi"}))
             node.parts.append((cond, body))
-            if self.word_is("elif"):
-                self.take()
+            if self.accept("elif"):
                 continue
-            if self.word_is("else"):
-                self.take()
+            if self.accept("else"):
                 node.parts.append((None, self.parse_list(frozenset({"fi"}))))
             self.expect_word("fi", opened)
             return self._redirected(node)
@@ -398,22 +398,17 @@ class Parser:
         items = []
         while True:
             self.skip_newlines()
-            if self.word_is("esac"):
-                self.take()
+            if self.accept("esac"):
                 break
-            if self.op_is("("):
-                self.take()
+            self.accept("(")
             patterns = [self.take_word("a case pattern is missing", opened.line)]
-            while self.op_is("|"):
-                self.take()
+            while self.accept("|"):
                 patterns.append(self.take_word("a case pattern is missing", opened.line))
-            if not self.op_is(")"):
+            if not self.accept(")"):
                 raise ShellSyntax("a case pattern needs ')'", patterns[-1].line)
-            self.take()
             body = self.parse_list(frozenset({"esac"}), (";;", ";&", ";;&"))
             items.append((patterns, body))
-            if self.op_is(";;", ";&", ";;&"):
-                self.take()
+            self.accept(";;", ";&", ";;&")
         node.parts.append(items)
         return self._redirected(node)
 
@@ -427,8 +422,7 @@ class Parser:
         name = self.take_word("for without a variable", opened.line).text
         words = None
         self.skip_newlines(())
-        if self.word_is("in"):
-            self.take()
+        if self.accept("in"):
             words = []
             while self.peek() is not None and self.peek().kind == "w":
                 words.append(self.take())
@@ -455,11 +449,8 @@ class Parser:
     def parse_function(self) -> Node:
         opened = self.take()
         name = self.take_word("function without a name", opened.line).text
-        if self.op_is("("):
-            self.take()
-            if not self.op_is(")"):
-                raise ShellSyntax("function name() needs ')'", opened.line)
-            self.take()
+        if self.accept("(") and not self.accept(")"):
+            raise ShellSyntax("function name() needs ')'", opened.line)
         self.skip_newlines()
         return Node("func", opened.line, [self.parse_command()], text=name)
 
