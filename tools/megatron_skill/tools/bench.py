@@ -105,50 +105,59 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
         raise ToolError("environment", "bench measures on GPUs, and no CUDA GPU is visible here", where="gpu",
                         fix="run bench on a GPU machine (--dry-run shows its actions anywhere); without a GPU, "
                             "train --backend cpu --model tiny-gpt runs a real Megatron-Core model on CPU")
-    gpu, n = _gpu(req)
+    gpu, _ = _gpu(req)
     if gpu is None:
         gpu = get_gpu("h100-sxm")
+    # The run itself is train's, asked through the contract like any caller would.
+    result = invoke("train", _train_request(req, gpu.key, ctx.dry_run), ctx)
+    if ctx.dry_run:
+        return result
+    parsed = megatron_log.parse(Path(result["log"]).read_text(errors="replace").splitlines())
+    if req.get("fake_rank") is not None:
+        return _fake_rank_result(req, result, parsed, model, gpu, run_id)
+    return _measured_result(req, result, parsed, model, gpu, run_id)
+
+
+def _train_request(req: dict, gpu_key: str, dry_run: bool) -> dict[str, Any]:
+    """The train request of the benchmark: warm-up and timed iterations, every one logged with
+    its memory, no checkpoint or evaluation, on mock data unless the request gives its own (a
+    benchmark measures speed and memory)."""
     iters = req["warmup_iters"] + req["timed_iters"]
-    # Mock data unless the request gives its own: a benchmark measures speed and memory.
     given = req.get("training", {})
     training = {**given, "mock_data": bool(given.get("mock_data") or not given.get("data_path")), "train_iters": iters,
                 "log_interval": 1,
                 "log_memory_interval": 1,
                 "checkpoint": False, "eval_iters": 0, "eval_interval": iters + 1, "lr_warmup_iters": 1}
-    # The run itself is train's, asked through the contract like any caller would.
     treq = {k: v for k, v in req.items() if k in request_fields("train") - {"dry_run"}}
-    treq.update(training=training, backend="gpu", gpu=gpu.key, runs_root=req["runs_root"], resume=False,
-                launcher="torchrun", dry_run=ctx.dry_run)
+    treq.update(training=training, backend="gpu", gpu=gpu_key, runs_root=req["runs_root"], resume=False,
+                launcher="torchrun", dry_run=dry_run)
     if req["profile"]:   # written by the runtime within the run directory
         treq["env"] = {**treq.get("env", {}), "MEGATRON_SKILL_PROFILE": "profile.json",
                        "MEGATRON_SKILL_PROFILE_ITER": str(req["warmup_iters"] + 1)}
-    result = invoke("train", treq, ctx)
-    if ctx.dry_run:
-        return result
-    profile_path = Path(result["run_dir"]) / "profile.json"
-    log = Path(result["log"])
-    parsed = megatron_log.parse(log.read_text(errors="replace").splitlines())
-    if req.get("fake_rank") is not None:
-        return _fake_rank_result(req, result, parsed, model, gpu, run_id)
+    return treq
+
+
+def _measured_result(req: dict, result: dict, parsed: dict, model, gpu, run_id: str) -> dict[str, Any]:
+    """The timed iterations' medians and peak memory beside the planner's prediction of the same
+    layout and runtime; the report's files, and the kernel profile's summary where one was taken."""
     timed = [r for r in parsed["iterations"] if r["iteration"] > req["warmup_iters"]]
     if not timed:
-        raise ToolError("runtime", "the benchmark logged no timed iteration", where=str(log),
+        raise ToolError("runtime", "the benchmark logged no timed iteration", where=result["log"],
                         fix="raise timed_iters, or read the log")
     lay_json = result["layout"]
-    seq, gbs = lay_json["seq_length"], lay_json["gbs"]
     world = lay_json["world_size"]
     iter_ms = statistics.median(r["iter_ms"] for r in timed)
-    tokens = gbs * seq / (iter_ms / 1e3)
+    tokens = lay_json["gbs"] * lay_json["seq_length"] / (iter_ms / 1e3)
     tflops = statistics.median(r["tflops_per_gpu"] for r in timed if "tflops_per_gpu" in r)
     mem = parsed["memory"]
     max_alloc = max((m["max_allocated_mb"] for m in mem.values()), default=0.0) / 1024
     lay = Layout.from_json(lay_json)
     te = have_transformer_engine()
     opts = RuntimeOptions.from_request(req.get("runtime"), te=te, moe=req.get("moe"),
-                                  megatron=req.get("megatron_options"))
-    pred = predict(model, gpu, lay, padded_vocab_size(model.vocab_size, lay.tp), opts)
-    pred_alloc = peak(pred.memory, "allocated") / GIB
+                                       megatron=req.get("megatron_options"))
     padded = padded_vocab_size(model.vocab_size, lay.tp)
+    pred = predict(model, gpu, lay, padded, opts)
+    pred_alloc = peak(pred.memory, "allocated") / GIB
     head = "fused" if opts.fused_head and not model.mtp_num_layers and fused_head_runs(
         lay.mbs * lay.seq_length / lay.cp, model.hidden_size, padded / lay.tp) else "megatron"
     out = {
@@ -168,6 +177,7 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
     out["error_pct"] = {"tokens_per_s": error_pct(pred.tokens_per_s, tokens),
                         "memory": error_pct(pred_alloc, max_alloc) if max_alloc else None}
     out["files"] = _write_reports(out, Path(result["run_dir"]), parsed)
+    profile_path = Path(result["run_dir"]) / "profile.json"
     if req["profile"] and profile_path.exists():
         prof = json.loads(profile_path.read_text())
         out["profile"] = {"gpu_ms": prof["gpu_ms"], "by_family": prof["by_family"],

@@ -154,44 +154,11 @@ def _export(req: dict, src: dict, model, config: dict, summary: dict, out: Path,
                         f"{missing[:3]}", where="/checkpoint", fix="give the model the checkpoint was trained as")
     tmp = output.staging(out, rid)
     try:
-        limit = int(req["max_shard_gib"] * 2**30)
-        dt = getattr(torch, TORCH_DTYPES[src["dtype"]])
-        shard: dict[str, Any] = {}
-        written: list[list[str]] = []  # each shard's tensor names, in the order written
-        size = total = 0
-
-        def flush() -> None:  # one shard at a time: the model and one shard are all that is held
-            written.append(list(shard))
-            save_file(shard, str(tmp / f"part-{len(written)}.safetensors"), metadata={"format": "pt"})
-            ctx.progress(f"export-hf: wrote shard {len(written)} ({total / 2**30:.2f} GiB so far)")
-            shard.clear()
-
-        for name, tensor in conv.to_hf(whole.__getitem__, model):
-            t = tensor.to(dt).contiguous()
-            nbytes = t.numel() * t.element_size()
-            if shard and size + nbytes > limit:
-                flush()
-                size = 0
-            shard[name] = t
-            size += nbytes
-            total += nbytes
-        flush()
-        names = (["model.safetensors"] if len(written) == 1 else
-                 [f"model-{k + 1:05d}-of-{len(written):05d}.safetensors" for k in range(len(written))])
-        weight_map = {}
-        for k, fname in enumerate(names):
-            (tmp / f"part-{k + 1}.safetensors").rename(tmp / fname)  # named once the count is known
-            weight_map.update({n: fname for n in written[k]})
-        if len(written) > 1:
-            (tmp / "model.safetensors.index.json").write_text(json.dumps(
-                {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+        dtype = getattr(torch, TORCH_DTYPES[src["dtype"]])
+        tensors = ((name, tensor.to(dtype).contiguous()) for name, tensor in conv.to_hf(whole.__getitem__, model))
+        names, weight_map, total = _write_shards(tensors, tmp, int(req["max_shard_gib"] * 2**30), save_file, ctx)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        copied = []
-        for d in {src["hf_dir"], src["tokenizer_dir"]} - {None}:
-            for f in COMPANION_FILES:
-                if f != "config.json" and (d / f).is_file() and not (tmp / f).exists():
-                    shutil.copyfile(d / f, tmp / f)
-                    copied.append(f)
+        copied = _copy_companions(src, tmp)
         import resource
 
         result = {**summary, "files": names, "tensors": len(weight_map), "bytes_written": total,
@@ -202,6 +169,53 @@ def _export(req: dict, src: dict, model, config: dict, summary: dict, out: Path,
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return result
+
+
+def _write_shards(tensors, tmp: Path, limit: int, save_file, ctx: Context) -> tuple[list[str], dict[str, str], int]:
+    """The Hugging Face tensors (name, tensor) written into tmp as safetensors shards of at most
+    limit bytes (a larger tensor alone), named as transformers names them, with the index where
+    there are several: (the shards' names, each tensor's shard, the bytes written)."""
+    shard: dict[str, Any] = {}
+    written: list[list[str]] = []  # each shard's tensor names, in the order written
+    size = total = 0
+
+    def flush() -> None:  # one shard at a time: the model and one shard are all that is held
+        written.append(list(shard))
+        save_file(shard, str(tmp / f"part-{len(written)}.safetensors"), metadata={"format": "pt"})
+        ctx.progress(f"export-hf: wrote shard {len(written)} ({total / 2**30:.2f} GiB so far)")
+        shard.clear()
+
+    for name, t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if shard and size + nbytes > limit:
+            flush()
+            size = 0
+        shard[name] = t
+        size += nbytes
+        total += nbytes
+    flush()
+    names = (["model.safetensors"] if len(written) == 1 else
+             [f"model-{k + 1:05d}-of-{len(written):05d}.safetensors" for k in range(len(written))])
+    weight_map = {}
+    for k, fname in enumerate(names):
+        (tmp / f"part-{k + 1}.safetensors").rename(tmp / fname)  # named once the count is known
+        weight_map.update({n: fname for n in written[k]})
+    if len(written) > 1:
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+    return names, weight_map, total
+
+
+def _copy_companions(src: dict, tmp: Path) -> list[str]:
+    """The tokenizer's and generation's files from the source's Hugging Face folders (config.json
+    is written anew); the names copied."""
+    copied = []
+    for d in {src["hf_dir"], src["tokenizer_dir"]} - {None}:
+        for f in COMPANION_FILES:
+            if f != "config.json" and (d / f).is_file() and not (tmp / f).exists():
+                shutil.copyfile(d / f, tmp / f)
+                copied.append(f)
+    return copied
 
 
 TOOL = Tool(name="export-hf", summary="Write a Megatron-Core checkpoint (import, GPU or CPU run, any layout) as a "

@@ -448,56 +448,25 @@ def _build(req, ctx, tokenizer, files, workers, rid, dtype, IndexedDatasetBuilde
     inputs = _inputs(req)  # before reading them: a change while the run reads is seen by the next
     counts = {"blank": 0}
     problems: list[ToolError] = []
-    docs_in = docs_out = tokens = 0
-    bad: list[dict[str, Any]] = []
     started = last = time.time()
     try:
-        builder = IndexedDatasetBuilder(str(temps["bin"]), dtype=dtype)
-        masks = IndexedDatasetBuilder(str(temps["mask_bin"]), dtype=np.uint8) if chat else None
-        learned = 0
+        writer = _DatasetWriter(IndexedDatasetBuilder(str(temps["bin"]), dtype=dtype),
+                                IndexedDatasetBuilder(str(temps["mask_bin"]), dtype=np.uint8) if chat else None,
+                                dtype, np, torch, refuse_bad=req["bad_lines"] == "refuse")
         pool = get_context("spawn").Pool(workers, _init_worker, (req["tokenizer"], req["text_key"],
                                                                   req["append_eod"], np.dtype(dtype).name, chat))
         with pool:
             for results in pool.imap(_encode_batch, _batches(req["input"], counts, problems)):
                 for name, lineno, item in results:
-                    docs_in += 1
-                    if isinstance(item, str):
-                        bad.append({"file": name, "line": lineno, "reason": item})
-                        if req["bad_lines"] == "refuse":
-                            raise ToolError("bad_request", f"{name} line {lineno}: {item}", where="/input",
-                                            fix="fix the line, or set bad_lines 'skip' to report and skip such lines",
-                                            details={"file": name, "line": lineno})
-                        continue
-                    if chat:
-                        item, mask_bytes = item
-                        mask = np.frombuffer(mask_bytes, dtype=np.uint8)
-                        masks.add_document(torch.from_numpy(mask.astype(np.int64)), [len(mask)])
-                        learned += int(mask.sum())
-                    ids = np.frombuffer(item, dtype=dtype)
-                    builder.add_document(torch.from_numpy(ids.astype(np.int64)), [len(ids)])
-                    docs_out += 1
-                    tokens += len(ids)
+                    writer.add(name, lineno, item)
                 if time.time() - last > 2:
                     last = time.time()
-                    ctx.progress(f"prepare-data: {docs_in:,} documents, {tokens:,} tokens "
-                                 f"({docs_in / (last - started):,.0f} docs/s)")
+                    ctx.progress(f"prepare-data: {writer.documents_in:,} documents, {writer.tokens:,} tokens "
+                                 f"({writer.documents_in / (last - started):,.0f} docs/s)")
         if problems:
             raise problems[0]
-        builder.finalize(str(temps["idx"]))
-        if chat:
-            masks.finalize(str(temps["mask_idx"]))
-        assert docs_in == docs_out + len(bad)
-        desc = tokenizer.describe()
-        training: dict[str, Any] = {"data_path": [str(files["bin"].with_suffix(""))]}
-        if desc["type"] == "huggingface":
-            training["tokenizer_model"] = desc["path"]
-        result = {"output_prefix": str(files["bin"].with_suffix("")), "format": req["format"],
-                  "files": [str(files[k]) for k in ("bin", "idx", "json") + (("mask_bin", "mask_idx") if chat else ())],
-                  **({"learned_tokens": learned} if chat else {}),
-                  "documents_in": docs_in, "documents_out": docs_out, "bad_line_count": len(bad),
-                  "bad_lines": bad[:MAX_REPORTED], "blank_lines": counts["blank"], "tokens": tokens,
-                  "tokenizer": desc, "dtype": np.dtype(dtype).name, "seconds": round(time.time() - started, 2),
-                  "training": training}
+        writer.finalize(temps)
+        result = _result(req, tokenizer.describe(), files, writer, counts["blank"], np.dtype(dtype).name, started)
         facts = file_facts({"bin": temps["bin"], "idx": temps["idx"]})
         write_atomic(temps["json"], json.dumps({"made_by": MADE_BY, "request_id": rid, "request": req,
                                                 "files": facts, "inputs": inputs, "result": result}, indent=1))
@@ -510,9 +479,64 @@ def _build(req, ctx, tokenizer, files, workers, rid, dtype, IndexedDatasetBuilde
                 t.unlink(missing_ok=True)
             files["journal"].unlink(missing_ok=True)
         raise
-    ctx.progress(f"prepare-data: {docs_out:,} documents, {tokens:,} tokens -> {result['output_prefix']}.bin/.idx"
-                 + (f"; {len(bad)} bad line(s) skipped" if bad else ""))
+    ctx.progress(f"prepare-data: {writer.documents_out:,} documents, {writer.tokens:,} tokens -> "
+                 f"{result['output_prefix']}.bin/.idx" + (f"; {len(writer.bad)} bad line(s) skipped" if writer.bad else ""))
     return result
+
+
+class _DatasetWriter:
+    """The workers' documents into Megatron's dataset builders (the tokens, and in the chat format
+    the loss masks), in input order, counted; a bad line reported (or refused, with bad_lines 'refuse')."""
+
+    def __init__(self, builder, masks, dtype, np, torch, refuse_bad: bool):
+        self.builder, self.masks, self.dtype, self.np, self.torch = builder, masks, dtype, np, torch
+        self.refuse_bad = refuse_bad
+        self.documents_in = self.documents_out = self.tokens = self.learned = 0
+        self.bad: list[dict[str, Any]] = []
+
+    def add(self, name: str, lineno: int, item: Any) -> None:
+        """One line's worker answer: its token ids as bytes (with the mask's in the chat format), or why not."""
+        np, torch = self.np, self.torch
+        self.documents_in += 1
+        if isinstance(item, str):
+            self.bad.append({"file": name, "line": lineno, "reason": item})
+            if self.refuse_bad:
+                raise ToolError("bad_request", f"{name} line {lineno}: {item}", where="/input",
+                                fix="fix the line, or set bad_lines 'skip' to report and skip such lines",
+                                details={"file": name, "line": lineno})
+            return
+        if self.masks is not None:
+            item, mask_bytes = item
+            mask = np.frombuffer(mask_bytes, dtype=np.uint8)
+            self.masks.add_document(torch.from_numpy(mask.astype(np.int64)), [len(mask)])
+            self.learned += int(mask.sum())
+        ids = np.frombuffer(item, dtype=self.dtype)
+        self.builder.add_document(torch.from_numpy(ids.astype(np.int64)), [len(ids)])
+        self.documents_out += 1
+        self.tokens += len(ids)
+
+    def finalize(self, temps: dict[str, Path]) -> None:
+        self.builder.finalize(str(temps["idx"]))
+        if self.masks is not None:
+            self.masks.finalize(str(temps["mask_idx"]))
+        assert self.documents_in == self.documents_out + len(self.bad)
+
+
+def _result(req: dict, tokenizer: dict[str, Any], files: dict[str, Path], writer: _DatasetWriter, blank_lines: int,
+            dtype_name: str, started: float) -> dict[str, Any]:
+    """prepare-data's answer (and the record's result): the files, the counts, the tokenizer, and
+    the training fields that read the dataset."""
+    chat = req["format"] == "chat"
+    training: dict[str, Any] = {"data_path": [str(files["bin"].with_suffix(""))]}
+    if tokenizer["type"] == "huggingface":
+        training["tokenizer_model"] = tokenizer["path"]
+    return {"output_prefix": str(files["bin"].with_suffix("")), "format": req["format"],
+            "files": [str(files[k]) for k in ("bin", "idx", "json") + (("mask_bin", "mask_idx") if chat else ())],
+            **({"learned_tokens": writer.learned} if chat else {}),
+            "documents_in": writer.documents_in, "documents_out": writer.documents_out,
+            "bad_line_count": len(writer.bad), "bad_lines": writer.bad[:MAX_REPORTED], "blank_lines": blank_lines,
+            "tokens": writer.tokens, "tokenizer": tokenizer, "dtype": dtype_name,
+            "seconds": round(time.time() - started, 2), "training": training}
 
 
 TOOL = Tool(name="prepare-data", summary="Tokenize JSONL into a Megatron indexed dataset (.bin/.idx) "

@@ -441,8 +441,63 @@ def import_step(req: dict, model, k8s: dict | None) -> dict | None:
             "command": "python tools/launch.py " + " ".join(shlex.quote(a) for a in args)}
 
 
+@dataclasses.dataclass
+class _Job:
+    """What a render request resolves to before any flag is written: the model on its GPUs, the
+    layout and its prediction, how the job is started and where it writes."""
+    req: dict            # the request with what the job's own choices add (defaults, the import's output)
+    model: Any
+    gpu: Any
+    lay: Layout
+    cand: Any            # the planner's prediction of lay
+    n_gpus: int
+    nodes: int
+    gpus_here: int       # the processes torchrun starts on one node
+    fake: int | None     # the one rank a fake_rank run measures (None: a real job)
+    run_id: str
+    out_dir: Path        # where the script is written
+    run_dir: str         # where the job writes, as the script says it
+    k8s: dict | None
+    importing: dict | None
+
+    @property
+    def launcher(self) -> str:
+        return self.req["launcher"]
+
+
+@dataclasses.dataclass
+class _Flags:
+    """Megatron's argument vector for the job, in the two variants the script may run, each
+    checked by Megatron's parser."""
+    argv: list[str]          # the whole vector, as the answer shows it
+    common: list[str]        # what both variants pass
+    local: list[str]         # added without Transformer Engine (Megatron's local layers)
+    te: list[str]            # added with Transformer Engine
+    fp8_local: bool          # FP8 through the skill's own linear layers where TE is missing
+    env: dict[str, str]
+    parser_check: str
+
+
 def build(req: dict, ctx: Context) -> dict[str, Any]:
     """Everything render would write, without writing it."""
+    job = _resolve_job(req, ctx)
+    training, start, notes = _training(job)
+    container = _container(job.req, job.launcher)
+    if container and job.importing:  # the job's container sees the Hugging Face folder and the import's folder
+        container["mounts"] = [*container["mounts"], *(f"{p}:{p}" for p in (job.importing["hf_model"],
+                                                                             job.importing["parent"]))]
+    flags = _flags(job, training, start is not None)
+    if start:
+        start = {**start, "loading": _start_description(training)}
+    context = _script_context(job, training, start, container, flags, ctx)
+    text = _environment().get_template(LAUNCHERS[job.launcher]).render(**context)
+    text = megatron_args.JOB_VARIABLE.sub(r'"$\1"', text).replace('RUN_DIR=${RUN_DIR:-"$RUN_DIR"}',
+                                                                   "RUN_DIR=${RUN_DIR:-$PWD/runs/" + job.run_id + "}")
+    return _answer(job, flags, start, container, context, text, notes)
+
+
+def _resolve_job(req: dict, ctx: Context) -> _Job:
+    """The request's model, GPUs, layout and places; an error for a job its launcher cannot start."""
     training = req.get("training") or {}
     req = {**req, "training": {**training, "train_iters": training.get("train_iters") or DEFAULT_TRAIN_ITERS["gpu"]}}
     _check_values(req)
@@ -451,8 +506,29 @@ def build(req: dict, ctx: Context) -> dict[str, Any]:
     seq = req.get("seq_length") or default_seq_length(model)
     gbs = req.get("global_batch_size") or default_global_batch(seq)
     lay, cand = _layout_from_request(req, model, gpu, n_gpus, seq, gbs)
-    nodes = max(1, n_gpus // per_node)
-    launcher = req["launcher"]
+    fake = _launched_rank(req, lay, n_gpus, per_node)
+    run_id = req.get("run_id") or ctx.request_id
+    out_dir = Path(req.get("output_dir") or default_runs_root() / run_id)
+    files.output_folder(out_dir, "/output_dir")
+    k8s = _kubernetes(req)
+    if k8s:  # every pod sees the claim: the run directory and the skill's folder live there
+        req = {"run_dir": f"{k8s['mount_path']}/runs/{run_id}",
+               "skill_home": f"{k8s['mount_path']}/megatron-core-training", **req}
+    # Without a run_dir the job's own working folder holds it (runs/RUN_ID there): the script
+    # carries no path of the machine that rendered it.
+    run_dir = _job_path(req, "run_dir") or RUN_DIR_MARK
+    importing = import_step(req, model, k8s)
+    if importing:  # the run starts from what the job imports
+        req = {**req, "training": {**req["training"], "pretrained": importing["output"]}}
+    return _Job(req=req, model=model, gpu=gpu, lay=lay, cand=cand, n_gpus=n_gpus, nodes=max(1, n_gpus // per_node),
+                gpus_here=1 if fake is not None else min(per_node, n_gpus), fake=fake, run_id=run_id,
+                out_dir=out_dir, run_dir=run_dir, k8s=k8s, importing=importing)
+
+
+def _launched_rank(req: dict, lay: Layout, n_gpus: int, per_node: int) -> int | None:
+    """The rank a fake_rank run measures (None: every rank runs), once the launcher is known to
+    start the job's processes: torchrun alone starts one node, the others whole nodes."""
+    launcher, nodes = req["launcher"], max(1, n_gpus // per_node)
     fake = fake_rank(req["fake_rank"], lay) if req.get("fake_rank") is not None else None
     if fake is not None and launcher != "torchrun":
         raise ToolError("bad_request", "a fake_rank run is one process on this machine", where="/launcher",
@@ -463,37 +539,36 @@ def build(req: dict, ctx: Context) -> dict[str, Any]:
     if n_gpus % per_node and n_gpus > per_node and fake is None:
         raise ToolError("bad_request", f"{n_gpus} GPUs is not a whole number of {per_node}-GPU nodes",
                         where="/num_gpus", fix="use a multiple of gpus_per_node")
-    gpus_here = 1 if fake is not None else min(per_node, n_gpus)
-    run_id = req.get("run_id") or ctx.request_id
-    out_dir = Path(req.get("output_dir") or default_runs_root() / run_id)
-    files.output_folder(out_dir, "/output_dir")
-    k8s = {**schema_defaults("kubernetes"), **(req.get("kubernetes") or {})} if launcher == "kubernetes" else None
+    return fake
+
+
+def _kubernetes(req: dict) -> dict | None:
+    """The PyTorchJob's options over their defaults (None: another launcher)."""
+    k8s = {**schema_defaults("kubernetes"), **(req.get("kubernetes") or {})} if req["launcher"] == "kubernetes" else None
     if req.get("kubernetes") and not k8s:
         raise ToolError("bad_request", "kubernetes options belong to launcher kubernetes", where="/kubernetes",
                         fix="use launcher kubernetes, or leave kubernetes out")
     if k8s:
         k8s["image"] = images.for_runtime(k8s["image"], "kubernetes", where="/kubernetes/image")
-    if k8s:  # every pod sees the claim: the run directory and the skill's folder live there
-        req = {"run_dir": f"{k8s['mount_path']}/runs/{run_id}",
-               "skill_home": f"{k8s['mount_path']}/megatron-core-training", **req}
-    # Without a run_dir the job's own working folder holds it (runs/RUN_ID there): the script
-    # carries no path of the machine that rendered it.
-    run_dir = _job_path(req, "run_dir") or RUN_DIR_MARK
-    importing = import_step(req, model, k8s)
-    if importing:  # the run starts from what the job imports
-        req = {**req, "training": {**req["training"], "pretrained": importing["output"]}}
+    return k8s
+
+
+def _training(job: _Job) -> tuple[dict, dict | None, list[str]]:
+    """The training settings the script passes (paths as the job sees them), what the run starts
+    from (None: from scratch), and the warnings on them."""
+    req, model = job.req, job.model
     training = match_tokenizer(training_settings(model, req["training"]), model.vocab_size)
     notes = [w for w in (pretraining_rate_warning(model, req["training"]),) if w]
     training.setdefault("vocab_size", model.vocab_size)
     start = None
     if training.get("pretrained"):
-        start = pretrained.describe(training["pretrained"], model, lay.tp, need_local=False)
+        start = pretrained.describe(training["pretrained"], model, job.lay.tp, need_local=False)
         training.update(pretrained=_path(training["pretrained"]), vocab_divisor=start["vocab_divisor"])
-        tokenizer = start["tokenizer"] or (importing or {}).get("tokenizer")
+        tokenizer = start["tokenizer"] or (job.importing or {}).get("tokenizer")
         if (tokenizer and not training.get("tokenizer_model") and not training.get("mock_data")
                 and training.get("tokenizer_type") in (None, "HuggingFaceTokenizer")):
             training["tokenizer_model"] = tokenizer
-    training["save"] = _path(training.get("save") or f"{run_dir}/checkpoints")
+    training["save"] = _path(training.get("save") or f"{job.run_dir}/checkpoints")
     if training.get("data_path"):
         for i, entry in enumerate(training["data_path"]):
             files.check_names(entry, f"/training/data_path/{i}", room=len(MASK_SUFFIX + ".bin"))
@@ -502,17 +577,21 @@ def build(req: dict, ctx: Context) -> dict[str, Any]:
         if training.get(field):
             training[field] = _path(training[field])
     check_tokenizer(training)
-    training["tensorboard_dir"] = f"{run_dir}/tensorboard"
-    container = _container(req, launcher)
-    if container and importing:  # the job's container sees the Hugging Face folder and the import's folder
-        container["mounts"] = [*container["mounts"], *(f"{p}:{p}" for p in (importing["hf_model"], importing["parent"]))]
+    training["tensorboard_dir"] = f"{job.run_dir}/tensorboard"
+    if MegatronOptions.from_request(req.get("megatron_options")).fsdp:
+        training["ckpt_format"] = None   # Megatron-FSDP saves in its own format, which its flags name
+    return training, start, notes
+
+
+def _flags(job: _Job, training: dict, first_start: bool) -> _Flags:
+    """Megatron's flags for the job, with and without Transformer Engine; Megatron's parser
+    checks both (and the first start's loading flags, when the run starts from weights)."""
+    req, lay, model, gpu = job.req, job.lay, job.model, job.gpu
     moe = MoEOptions.from_request(req.get("moe"))
     memory_options = MegatronOptions.from_request(req.get("megatron_options"))
-    if memory_options.fsdp:
-        training["ckpt_format"] = None   # Megatron-FSDP saves in its own format, which its flags name
     argv = (megatron_args.model_args(model, lay.seq_length, moe) + megatron_args.layout_args(lay, model, gpu, moe)
             + with_tokenizer_args(megatron_args.training_args(training), training) + memory_options.flags()
-            + _fake_rank_args(fake, model))
+            + _fake_rank_args(job.fake, model))
     # Both variants the script may run, with and without Transformer Engine, must parse.  FP8
     # without TE is the skill entry's own linear layers (Megatron-LM's entry has none).
     skill_entry = not req.get("megatron_lm")
@@ -524,44 +603,58 @@ def build(req: dict, ctx: Context) -> dict[str, Any]:
                                         te=False)
     local_flags = megatron_args.local_impl_flags(local, skill_entry=skill_entry)
     common_argv, te_fp8 = megatron_args.split_te_fp8(argv)
-    te_args = te_fp8 + megatron_args.te_only_args(lay, gpu, fake is not None, model, moe, memory_options)
-    # One kernel queue orders TP's and CP's communication before the GEMMs it overlaps (Hopper);
-    # Megatron-FSDP refuses it (its prefetches need several queues).
-    env = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if (lay.tp > 1 or lay.cp > 1) and not memory_options.fsdp else {}
-    env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
-    env.update(memory_options.env())
-    env.update(req.get("env") or {})
+    te_args = te_fp8 + megatron_args.te_only_args(lay, gpu, job.fake is not None, model, moe, memory_options)
+    env = _job_env(lay, memory_options, req)
     # what validate_args reads of the environment, as the script sets it
     script_env = {k: env.get(k) for k in ("CUDA_DEVICE_MAX_CONNECTIONS", "PYTORCH_CUDA_ALLOC_CONF", "NCCL_GRAPH_REGISTER")}
     parser_check = megatron_flags.check(common_argv + ["--transformer-impl", "local"] + local_flags,
                                         world_size=lay.world_size, env=script_env)
     megatron_flags.check(common_argv + ["--transformer-impl", "transformer_engine"] + te_args, world_size=lay.world_size,
                          env=script_env)
-    if start:  # the first start's loading flags parse too
+    if first_start:  # the first start's loading flags parse too
         megatron_flags.check(common_argv + FIRST_START_ARGS + ["--transformer-impl", "local"] + local_flags,
                              world_size=lay.world_size, env=script_env)
-        start = {**start, "loading": _start_description(training)}
+    return _Flags(argv=argv, common=common_argv, local=local_flags, te=te_args, fp8_local=fp8_local, env=env,
+                  parser_check=parser_check)
+
+
+def _job_env(lay: Layout, memory_options: MegatronOptions, req: dict) -> dict[str, str]:
+    """The environment the script exports: the options' own, then the request's."""
+    # One kernel queue orders TP's and CP's communication before the GEMMs it overlaps (Hopper);
+    # Megatron-FSDP refuses it (its prefetches need several queues).
+    env = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if (lay.tp > 1 or lay.cp > 1) and not memory_options.fsdp else {}
+    env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    env.update(memory_options.env())
+    env.update(req.get("env") or {})
+    return env
+
+
+def _script_context(job: _Job, training: dict, start: dict | None, container: dict | None, flags: _Flags,
+                    ctx: Context) -> dict[str, Any]:
+    """What the launcher's template is rendered with."""
+    req, lay, cand, run_id, run_dir = job.req, job.lay, job.cand, job.run_id, job.run_dir
     entry = (str(Path(req["megatron_lm"]) / "pretrain_gpt.py") if req.get("megatron_lm") else str(ENTRY_SCRIPT))
     slurm = {"job_name": f"megatron-{run_id[:8]}", "time": "04:00:00", "gpus": True, "exclusive": True,
              "partition": None, "account": None, "cpus_per_task": None, **(req.get("slurm") or {})}
     context = {
-        "run_id": run_id, "label": lay.label(), "model_name": model.name, "gpu": gpu.key, "num_gpus": n_gpus,
-        "nodes": nodes, "gpus_per_node": gpus_here, "run_dir": run_dir, "python": req["python"],
-        "skill_home": _job_path(req, "skill_home") or "", "skill_home_default": _home_relative_skill(),
-        "megatron_lm": req.get("megatron_lm"), "container": container,
+        "run_id": run_id, "label": lay.label(), "model_name": job.model.name, "gpu": job.gpu.key,
+        "num_gpus": job.n_gpus, "nodes": job.nodes, "gpus_per_node": job.gpus_here, "run_dir": run_dir,
+        "python": req["python"], "skill_home": _job_path(req, "skill_home") or "",
+        "skill_home_default": _home_relative_skill(), "megatron_lm": req.get("megatron_lm"), "container": container,
         "fp8_local_note": _fp8_local_note(lay), "data_checks": _data_checks(training),
         "data_from_env": not training.get("data_path") and not training.get("mock_data"),
-        "entry": entry, "env": env, "arg_lines": _group_args(common_argv), "no_te_flags": local_flags,
-        "te_args": te_args, "needs_te": _needs_te(lay, model, gpu), "fp8": lay.precision == "fp8",
-        "fp8_local": fp8_local, "parser_check": parser_check, "master_port": req["master_port"],
+        "entry": entry, "env": flags.env, "arg_lines": _group_args(flags.common), "no_te_flags": flags.local,
+        "te_args": flags.te, "needs_te": _needs_te(lay, job.model, job.gpu), "fp8": lay.precision == "fp8",
+        "fp8_local": flags.fp8_local, "parser_check": flags.parser_check, "master_port": req["master_port"],
         "peak_gib": f"{cand.peak_gib:.1f}", "tokens_per_s": f"{cand.tokens_per_s:,.0f}",
-        "mfu": f"{cand.mfu:.3f}", "slurm": slurm, "script_name": SCRIPT_NAMES[launcher],
-        "fake_rank": fake, "world_size": lay.world_size,
+        "mfu": f"{cand.mfu:.3f}", "slurm": slurm, "script_name": SCRIPT_NAMES[job.launcher],
+        "fake_rank": job.fake, "world_size": lay.world_size,
         "first_start_args": FIRST_START_ARGS if start else [],
-        "tokenizer_check": _tokenizer_check(training), "fsdp": memory_options.fsdp,
-        "megatron_core": checked_version(parser_check), "import_step": importing,
+        "tokenizer_check": _tokenizer_check(training),
+        "fsdp": MegatronOptions.from_request(req.get("megatron_options")).fsdp,
+        "megatron_core": checked_version(flags.parser_check), "import_step": job.importing,
         "skill_launch": (f"{container['skill_mount']}/tools/launch.py" if container
-                         else "$MEGATRON_SKILL_HOME/tools/launch.py" if k8s else "$SKILL_HOME/tools/launch.py"),
+                         else "$MEGATRON_SKILL_HOME/tools/launch.py" if job.k8s else "$SKILL_HOME/tools/launch.py"),
         "checkpoint_tracker": (_quote(training["save"] + "/" + CHECKPOINT_TRACKER)
                                if start and training.get("checkpoint", True) else ""),
         "request_id": ctx.request_id or run_id,
@@ -569,34 +662,38 @@ def build(req: dict, ctx: Context) -> dict[str, Any]:
         "slurm_comment": f"megatron-skill:{run_id}" + (f":{run_dir}" if SLURM_PATH.match(run_dir) else ""),
         "layout_json": json.dumps({"tp": lay.tp, "pp": lay.pp, "vp": lay.vp, "cp": lay.cp, "ep": lay.ep, "dp": lay.dp,
                                    "mbs": lay.mbs, "gbs": lay.gbs, "seq_length": lay.seq_length,
-                                   "num_gpus": n_gpus, "nodes": nodes}, separators=(",", ":")),
+                                   "num_gpus": job.n_gpus, "nodes": job.nodes}, separators=(",", ":")),
     }
     context["env_need"] = environment_check(context)
     context["import_need"] = environment_check(context, for_import=True)
-    if k8s:
-        context.update(_k8s_context(context, k8s, run_id, nodes, req, training))
-    text = _environment().get_template(LAUNCHERS[launcher]).render(**context)
-    text = megatron_args.JOB_VARIABLE.sub(r'"$\1"', text).replace('RUN_DIR=${RUN_DIR:-"$RUN_DIR"}',
-                                                                   "RUN_DIR=${RUN_DIR:-$PWD/runs/" + run_id + "}")
-    script = out_dir / SCRIPT_NAMES[launcher]
+    if job.k8s:
+        context.update(_k8s_context(context, job.k8s, run_id, job.nodes, req, training))
+    return context
+
+
+def _answer(job: _Job, flags: _Flags, start: dict | None, container: dict | None, context: dict, text: str,
+            notes: list[str]) -> dict[str, Any]:
+    """render's answer (with the script's text and the warnings under _text and _notes, for run)."""
+    launcher, lay, cand = job.launcher, job.lay, job.cand
+    script = job.out_dir / SCRIPT_NAMES[launcher]
     run_cmd = {"torchrun": f"bash {script}", "torchrun-multinode": f"MASTER_ADDR=<host> bash {script}  # on every node",
                "slurm": f"sbatch {script}", "kubernetes": f"kubectl apply -f {script}"}[launcher]
     return {
-        "run_id": run_id,
+        "run_id": job.run_id,
         "launcher": launcher,
         "layout": lay.to_json(),
         "label": lay.label(),
         "prediction": {"peak_gib": round(cand.peak_gib, 2), "tokens_per_s": round(cand.tokens_per_s),
-                       "mfu": round(cand.mfu, 4), "transformer_engine": req["transformer_engine"]},
-        "megatron_args": [megatron_args.JOB_VARIABLE.sub(r"$\1", a) for a in argv],
-        "parser_check": parser_check,
+                       "mfu": round(cand.mfu, 4), "transformer_engine": job.req["transformer_engine"]},
+        "megatron_args": [megatron_args.JOB_VARIABLE.sub(r"$\1", a) for a in flags.argv],
+        "parser_check": flags.parser_check,
         "files": [{"path": str(script), "sha256": hashlib.sha256(text.encode()).hexdigest(),
                    "mode": "0644" if launcher == "kubernetes" else "0755"}],
-        "run_dir": run_dir if run_dir != RUN_DIR_MARK else f"runs/{run_id} (in the folder the job starts in)",
+        "run_dir": job.run_dir if job.run_dir != RUN_DIR_MARK else f"runs/{job.run_id} (in the folder the job starts in)",
         "command": run_cmd,
-        **({"fake_rank": fake} if fake is not None else {}),
+        **({"fake_rank": job.fake} if job.fake is not None else {}),
         **({"pretrained": start} if start else {}),
-        **({"import": _import_description(importing, launcher)} if importing else {}),
+        **({"import": _import_description(job.importing, launcher)} if job.importing else {}),
         "environment_check": {k: v for k, v in context["env_need"].items() if k not in ("modules", "checkout")},
         "_notes": notes,
         **({"container": {"runtime": container["runtime"], "image": container["image"],

@@ -111,32 +111,7 @@ def stream(cmd: list[str], log_path: Path | None, ctx: Context, seq: int | None,
 
 def run(req: dict, ctx: Context) -> dict[str, Any]:
     given = req
-    if req["launcher"] not in ("torchrun", "slurm"):
-        raise ToolError("bad_request", f"train runs jobs from here (torchrun on this machine, or sbatch); "
-                        f"{req['launcher']} is started elsewhere", where="/launcher",
-                        fix="render the script or manifest and start it where it runs (render's command says how)")
-    backend = _backend(req)
-    if backend == "cpu" and req.get("moe"):
-        raise ToolError("bad_request", "the CPU backend runs Megatron's allgather dispatcher and none of the MoE "
-                        "options (they are GPU paths: the all-to-all, grouped GEMMs, the capacity padding)",
-                        where="/moe", fix="leave moe out for a CPU run, or train on GPUs (backend gpu)")
-    if backend == "cpu" and any((req.get("megatron_options") or {}).values()):
-        raise ToolError("bad_request", "the CPU backend's own loop runs none of Megatron's memory options (bf16 "
-                        "gradient reduction, FP8 weight gather, Megatron-FSDP, the fused cross-entropy)",
-                        where="/megatron_options", fix="leave megatron_options out for a CPU run, or train on GPUs")
-    req = {**req, "python": req.get("python") or sys.executable}
-    _check_runtime(req, backend)
-    if req.get("num_gpus") is None and req.get("nodes") is None:
-        req = {**req, "num_gpus": max(1, gpu_count_and_name()[0])}
-    req = {**req, "training": {**req["training"], "train_iters": req["training"].get("train_iters")
-                               or DEFAULT_TRAIN_ITERS[backend]}}
-    # A CPU run is a trial of a tiny model: Megatron's mock data unless it is given data. A GPU run
-    # is training: its data is asked for, or mock data by name.
-    if backend == "gpu" and not req["training"].get("data_path") and not req["training"].get("mock_data"):
-        raise ToolError("bad_request", "no training data given for a GPU run", where="/training",
-                        fix="give training.data_path (prepare-data makes a dataset from JSONL) with "
-                            "training.tokenizer_model, or training.mock_data true for Megatron's mock data (trials, "
-                            "benchmarks)")
+    backend, req = _checked_request(req)
     run_id = ctx.request_id
     runs_root = files.output_folder(req["runs_root"], "/runs_root", "runs_root folder")
     run_dir = files.output_folder(runs_root / run_id, "/runs_root", "run folder").resolve()
@@ -151,29 +126,76 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
     else:
         plan = _plan_gpu_run(req, ctx, run_dir)
     if ctx.dry_run:
-        if RunLock(run_dir).held_elsewhere():
-            raise RunLock(run_dir).running()
-        state, ckpt = read_state(run_dir), latest_checkpoint(run_dir / "checkpoints")
-        finished = bool(state and state.get("status") == "finished")
-        return {"run_id": run_id, "run_dir": str(run_dir), "backend": backend, "dry_run": True,
-                "start": "finished" if finished else _start(state, ckpt), "resume_from": ckpt,
-                "train_iters": req["training"]["train_iters"], "estimated_seconds": plan.get("estimated_seconds"),
-                "actions": ["return the recorded result; nothing is launched"] if finished else plan["actions"],
-                "layout": plan.get("layout"), "prediction": plan.get("prediction"),
-                **({"runtime": plan["runtime"]} if plan.get("runtime") else {}),
-                **({"pretrained": plan["pretrained"]} if plan.get("pretrained") else {})}
-
+        return _dry_run_answer(req, run_dir, run_id, backend, plan)
     files.make_folder(run_dir, "/runs_root", "run folder")
     lock = RunLock(run_dir).acquire()  # conflict while another process runs this request
+    try:
+        return _run_locked(given, req, ctx, run_dir, backend, plan, lock.fd)
+    finally:
+        lock.release()
+
+
+def _checked_request(req: dict) -> tuple[str, dict]:
+    """The backend the run takes, and the request with what this machine decides filled in (the
+    Python, the GPU count, the iterations); an error for what the backend cannot run."""
+    if req["launcher"] not in ("torchrun", "slurm"):
+        raise ToolError("bad_request", f"train runs jobs from here (torchrun on this machine, or sbatch); "
+                        f"{req['launcher']} is started elsewhere", where="/launcher",
+                        fix="render the script or manifest and start it where it runs (render's command says how)")
+    backend = _backend(req)
+    if backend == "cpu":
+        _refuse_gpu_options(req)
+    req = {**req, "python": req.get("python") or sys.executable}
+    _check_runtime(req, backend)
+    if req.get("num_gpus") is None and req.get("nodes") is None:
+        req = {**req, "num_gpus": max(1, gpu_count_and_name()[0])}
+    req = {**req, "training": {**req["training"], "train_iters": req["training"].get("train_iters")
+                               or DEFAULT_TRAIN_ITERS[backend]}}
+    # A CPU run is a trial of a tiny model: Megatron's mock data unless it is given data. A GPU run
+    # is training: its data is asked for, or mock data by name.
+    if backend == "gpu" and not req["training"].get("data_path") and not req["training"].get("mock_data"):
+        raise ToolError("bad_request", "no training data given for a GPU run", where="/training",
+                        fix="give training.data_path (prepare-data makes a dataset from JSONL) with "
+                            "training.tokenizer_model, or training.mock_data true for Megatron's mock data (trials, "
+                            "benchmarks)")
+    return backend, req
+
+
+def _refuse_gpu_options(req: dict) -> None:
+    """What only a GPU run has, asked of the CPU backend: an error, not a run without it."""
+    if req.get("moe"):
+        raise ToolError("bad_request", "the CPU backend runs Megatron's allgather dispatcher and none of the MoE "
+                        "options (they are GPU paths: the all-to-all, grouped GEMMs, the capacity padding)",
+                        where="/moe", fix="leave moe out for a CPU run, or train on GPUs (backend gpu)")
+    if any((req.get("megatron_options") or {}).values()):
+        raise ToolError("bad_request", "the CPU backend's own loop runs none of Megatron's memory options (bf16 "
+                        "gradient reduction, FP8 weight gather, Megatron-FSDP, the fused cross-entropy)",
+                        where="/megatron_options", fix="leave megatron_options out for a CPU run, or train on GPUs")
+
+
+def _dry_run_answer(req: dict, run_dir: Path, run_id: str, backend: str, plan: dict) -> dict[str, Any]:
+    """What a run of the request would do from the run folder's state, nothing launched."""
+    if RunLock(run_dir).held_elsewhere():
+        raise RunLock(run_dir).running()
+    state, ckpt = read_state(run_dir), latest_checkpoint(run_dir / "checkpoints")
+    finished = bool(state and state.get("status") == "finished")
+    return {"run_id": run_id, "run_dir": str(run_dir), "backend": backend, "dry_run": True,
+            "start": "finished" if finished else _start(state, ckpt), "resume_from": ckpt,
+            "train_iters": req["training"]["train_iters"], "estimated_seconds": plan.get("estimated_seconds"),
+            "actions": ["return the recorded result; nothing is launched"] if finished else plan["actions"],
+            "layout": plan.get("layout"), "prediction": plan.get("prediction"),
+            **({"runtime": plan["runtime"]} if plan.get("runtime") else {}),
+            **({"pretrained": plan["pretrained"]} if plan.get("pretrained") else {})}
+
+
+def _run_locked(given: dict, req: dict, ctx: Context, run_dir: Path, backend: str, plan: dict,
+                lock_fd: int) -> dict[str, Any]:
+    """The run, under the run folder's lock (lock_fd, which the job inherits): the recorded result
+    of a finished run, or a new, restarted or resumed attempt to its end."""
+    run_id = ctx.request_id
     events = None
     try:
-        state, ckpt = read_state(run_dir), latest_checkpoint(run_dir / "checkpoints")
-        if state and state.get("status") == "running":  # the lock was free: that attempt's train died
-            ended = settle.report(run_dir, locked=True)
-            if ended:
-                ctx.progress(f"train: the last attempt's train stopped before its job's end; reported it "
-                             f"({ended['type']} of job {ended['job']['job_id']})")
-            state = read_state(run_dir)
+        state, ckpt = _last_attempt(run_dir, ctx)
         if state and state.get("status") == "finished":
             ctx.progress(f"train: run {run_id} already finished; returning its result (nothing launched)")
             return {**state["result"], "already_finished": True}
@@ -195,30 +217,12 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
         events.started(watch=backend == "cpu")  # a rendered script reports its own start and watches its log
         rc = stream(plan["command"], None if backend == "gpu" else log_path, ctx, plan["seq_length"],
                     env={**(plan.get("env") or {}), "MEGATRON_SKILL_JOB_ID": events.job_id}, cwd=run_dir,
-                    keep_fds=(lock.fd,), run_dir=run_dir)
+                    keep_fds=(lock_fd,), run_dir=run_dir)
         events.ended(rc)
-        parsed = megatron_log.parse(log_path.read_text(errors="replace").splitlines())
-        summary = megatron_log.summarize(parsed, plan["seq_length"], plan.get("peak_tflops"))
-        result = {"run_id": run_id, "run_dir": str(run_dir), "backend": backend, "returncode": rc,
-                  "start": start, "resumed_from": ckpt if start == "resume" else None,
-                  "log": str(log_path), "checkpoint_iteration": latest_checkpoint(run_dir / "checkpoints"),
-                  "layout": plan.get("layout"), "prediction": plan.get("prediction"),
-                  **({"runtime": plan["runtime"]} if plan.get("runtime") else {}),
-                  "summary": {k: v for k, v in summary.items() if k not in ("loss_curve", "lr_curve")},
-                  "loss_curve": summary.get("loss_curve", [])[-50:]}
-        if plan.get("pretrained"):  # what was loaded, and the tokens of the first loss (to check it)
-            first = run_dir / "first_batch-dp0.pt"
-            logged = dict((int(i), loss) for i, loss in summary.get("loss_curve") or [])
-            result["pretrained"] = {**plan["pretrained"], "first_loss": logged.get(1),  # logged with log_interval 1
-                                    "first_batch": str(first) if first.exists() else None}
+        result = _result(run_id, run_dir, backend, rc, start, ckpt, log_path, plan)
         if rc != 0:
             write_state(run_dir, status="failed", returncode=rc)
-            failure = summary["failures"][0] if summary.get("failures") else None
-            raise ToolError("runtime", f"training exited with status {rc}"
-                            + (f": {failure['meaning']}" if failure else ""), where=str(log_path),
-                            fix=(failure["fix"] if failure else "read the end of the log; the same request "
-                                 "again continues from the last checkpoint (or starts over without one)"),
-                            details={"result": result, "log_tail": _log_tail(log_path)})
+            _raise_failure(rc, result, log_path)
         write_state(run_dir, status="finished", result=result)
         return result
     except KeyboardInterrupt:
@@ -226,8 +230,51 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
         if events:
             events.ended(130)
         raise
-    finally:
-        lock.release()
+
+
+def _last_attempt(run_dir: Path, ctx: Context) -> tuple[dict | None, int | None]:
+    """The run's state and its last checkpoint; an attempt still marked running (its train died:
+    the lock was free) has its job's end reported first."""
+    state, ckpt = read_state(run_dir), latest_checkpoint(run_dir / "checkpoints")
+    if state and state.get("status") == "running":
+        ended = settle.report(run_dir, locked=True)
+        if ended:
+            ctx.progress(f"train: the last attempt's train stopped before its job's end; reported it "
+                         f"({ended['type']} of job {ended['job']['job_id']})")
+        state = read_state(run_dir)
+    return state, ckpt
+
+
+def _result(run_id: str, run_dir: Path, backend: str, rc: int, start: str, ckpt: int | None, log_path: Path,
+            plan: dict) -> dict[str, Any]:
+    """The attempt's answer, read from its log: its summary, the loss curve's end, and for a run
+    from pretrained weights what was loaded and the first loss (logged with log_interval 1)."""
+    parsed = megatron_log.parse(log_path.read_text(errors="replace").splitlines())
+    summary = megatron_log.summarize(parsed, plan["seq_length"], plan.get("peak_tflops"))
+    result = {"run_id": run_id, "run_dir": str(run_dir), "backend": backend, "returncode": rc,
+              "start": start, "resumed_from": ckpt if start == "resume" else None,
+              "log": str(log_path), "checkpoint_iteration": latest_checkpoint(run_dir / "checkpoints"),
+              "layout": plan.get("layout"), "prediction": plan.get("prediction"),
+              **({"runtime": plan["runtime"]} if plan.get("runtime") else {}),
+              "summary": {k: v for k, v in summary.items() if k not in ("loss_curve", "lr_curve")},
+              "loss_curve": summary.get("loss_curve", [])[-50:]}
+    if plan.get("pretrained"):  # what was loaded, and the tokens of the first loss (to check it)
+        first = run_dir / "first_batch-dp0.pt"
+        logged = dict((int(i), loss) for i, loss in summary.get("loss_curve") or [])
+        result["pretrained"] = {**plan["pretrained"], "first_loss": logged.get(1),
+                                "first_batch": str(first) if first.exists() else None}
+    return result
+
+
+def _raise_failure(rc: int, result: dict, log_path: Path) -> None:
+    """A failed attempt as the answer's error: the first failure the log names, with its fix."""
+    failures = result["summary"].get("failures")
+    failure = failures[0] if failures else None
+    raise ToolError("runtime", f"training exited with status {rc}"
+                    + (f": {failure['meaning']}" if failure else ""), where=str(log_path),
+                    fix=(failure["fix"] if failure else "read the end of the log; the same request "
+                         "again continues from the last checkpoint (or starts over without one)"),
+                    details={"result": result, "log_tail": _log_tail(log_path)})
 
 
 class JobEvents:

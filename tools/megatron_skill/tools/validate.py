@@ -125,86 +125,114 @@ class Launch:
 def _flag_findings(launch: Launch) -> tuple[list[dict], list[str]]:
     """Unknown and obsolete flags, each with its exact fix; and the vector Megatron's parser can
     read (unknown flags and their values left out)."""
-    findings: list[dict] = []
-    known = megatron_flags.known_flags()
-    _, changes = megatron_flags.rewrite_obsolete(launch.args)
-    fixes = {c["flag"]: c for c in changes}
-    clean: list[str] = []
-    skip_values = False
-    owner, room, stray = None, 0, []   # the flag whose values are being read, and how many it still takes
-    choose = None   # a conditional flag whose value comes next, and the values it takes
+    reader = _FlagReader(launch)
     for a in launch.args:
-        if not a.startswith("--"):
-            if choose is not None:
-                findings.extend(_choice(choose[0], a, choose[1], launch))
-                choose = None
-            if skip_values:
-                continue
-            if room == 0:
-                if "$" not in a:   # a variable the script leaves to its caller is not a stray word
-                    stray.append(a)
-                continue
-            if room > 0:
-                room -= 1
-            clean.append(a)
-            continue
-        flag = a.split("=", 1)[0]
-        skip_values, choose = False, None
-        if flag in known:
-            owner = flag
-            n = megatron_flags.arity(flag)
-            room = (0 if "=" in a else n) if n is not None else -1   # -1: a list takes any number
+        if a.startswith("--"):
+            reader.flag(a)
         else:
-            owner, room = None, 0
+            reader.word(a)
+    if reader.stray:
+        reader.findings.append(reader.stray_finding())
+    return reader.findings, reader.clean
+
+
+class _FlagReader:
+    """A launch's argument vector read word by word as Megatron's parser reads it: which words are
+    a flag's values, which flags are unknown, obsolete or conditional, and which words no flag takes."""
+
+    def __init__(self, launch: Launch):
+        self.launch = launch
+        self.known = megatron_flags.known_flags()
+        _, changes = megatron_flags.rewrite_obsolete(launch.args)
+        self.fixes = {c["flag"]: c for c in changes}
+        self.findings: list[dict] = []
+        self.clean: list[str] = []      # what Megatron's parser can read
+        self.skip_values = False        # the words after a flag left out are its values: left out too
+        self.owner, self.room = None, 0   # the flag whose values are being read, and how many it still takes
+        self.stray: list[str] = []      # words that no flag takes
+        self.choose = None   # a conditional flag whose value comes next, and the values it takes
+
+    def word(self, a: str) -> None:
+        if self.choose is not None:
+            self.findings.extend(_choice(self.choose[0], a, self.choose[1], self.launch))
+            self.choose = None
+        if self.skip_values:
+            return
+        if self.room == 0:
+            if "$" not in a:   # a variable the script leaves to its caller is not a stray word
+                self.stray.append(a)
+            return
+        if self.room > 0:
+            self.room -= 1
+        self.clean.append(a)
+
+    def flag(self, a: str) -> None:
+        flag = a.split("=", 1)[0]
+        self.skip_values, self.choose = False, None
+        if flag in self.known:
+            self.owner = flag
+            n = megatron_flags.arity(flag)
+            self.room = (0 if "=" in a else n) if n is not None else -1   # -1: a list takes any number
+        else:
+            self.owner, self.room = None, 0
         entry = megatron_flags.obsolete_entry(flag)
+        group = megatron_flags.conditional_group(flag) if flag not in self.known else None
         if entry is not None:
-            fix = (fixes.get(flag) or {"fix": entry.fix_text(flag)})["fix"]
-            findings.append(_finding("obsolete_flag", _obsolete_message(flag, entry, flag in known), fix,
-                                     launch.where(flag), severity="error" if entry.refused or flag not in known
-                                     else "warning"))
-            if flag in known:
-                clean.append(a)
-            else:
-                skip_values = True
-            continue
-        group = megatron_flags.conditional_group(flag) if flag not in known else None
-        if group is not None:
-            n, choices = group.flags[flag]
-            value = a.split("=", 1)[1] if "=" in a else None
-            findings.append(_finding(
-                "conditional_flag", f"{flag} is a flag of Megatron's optional {group.name} arguments: "
-                f"{group.condition}; elsewhere (the skill's entry, or no nvidia-modelopt) the parser refuses it",
-                "run this launch where nvidia-modelopt imports (NGC's PyTorch container with a Megatron-LM "
-                f"checkout of the same tag), or drop {flag}" + (f" (values: {', '.join(choices)})" if choices else ""),
-                launch.where(flag), severity="warning", source=group.source))
-            if choices and value is not None:
-                findings.extend(_choice(flag, value, choices, launch))
-            owner, room = None, 0
-            skip_values = n > 0 and value is None
-            choose = (flag, choices) if skip_values and choices else None
-            continue
-        if flag not in known:
-            hint = megatron_flags.suggest(flag)
-            if launch.kind == "gpt":
-                findings.append(_finding("unknown_flag", f"{flag} is not a flag of Megatron's pretrain_gpt.py",
-                                         hint or "remove it", launch.where(flag)))
-            else:   # the entry may add it (extra_args_provider): not ours to refuse
-                findings.append(_finding("unknown_flag", f"{flag} is not a flag of Megatron's pretrain_gpt.py; "
-                                         f"{launch.entry} may add it itself", hint or "check it against "
-                                         f"{launch.entry}'s own arguments", launch.where(flag), severity="warning"))
-            skip_values = True
-            continue
-        clean.append(a)
-    if stray:
-        quoted = " ".join(stray[:6]) + (" ..." if len(stray) > 6 else "")
-        split = bool(re.search(r"(?<![\"'])\$\{\w+\[[@*]\]\}", launch.script_text or ""))
-        findings.append(_finding(
-            "stray_arguments", f"{len(stray)} word(s) that no flag takes ({quoted}): Megatron's parser refuses them "
-            "as unrecognized arguments" + (": an unquoted ${ARRAY[@]} expansion splits a quoted item such as "
-                                           "\"--flag 'a b'\" into several words" if split else ""),
+            self._obsolete(a, flag, entry)
+        elif group is not None:
+            self._conditional(a, flag, group)
+        elif flag not in self.known:
+            self._unknown(flag)
+        else:
+            self.clean.append(a)
+
+    def _obsolete(self, a: str, flag: str, entry: megatron_flags.Obsolete) -> None:
+        known = flag in self.known
+        fix = (self.fixes.get(flag) or {"fix": entry.fix_text(flag)})["fix"]
+        self.findings.append(_finding("obsolete_flag", _obsolete_message(flag, entry, known), fix,
+                                      self.launch.where(flag),
+                                      severity="error" if entry.refused or not known else "warning"))
+        if known:
+            self.clean.append(a)
+        else:
+            self.skip_values = True
+
+    def _conditional(self, a: str, flag: str, group) -> None:
+        n, choices = group.flags[flag]
+        value = a.split("=", 1)[1] if "=" in a else None
+        self.findings.append(_finding(
+            "conditional_flag", f"{flag} is a flag of Megatron's optional {group.name} arguments: "
+            f"{group.condition}; elsewhere (the skill's entry, or no nvidia-modelopt) the parser refuses it",
+            "run this launch where nvidia-modelopt imports (NGC's PyTorch container with a Megatron-LM "
+            f"checkout of the same tag), or drop {flag}" + (f" (values: {', '.join(choices)})" if choices else ""),
+            self.launch.where(flag), severity="warning", source=group.source))
+        if choices and value is not None:
+            self.findings.extend(_choice(flag, value, choices, self.launch))
+        self.owner, self.room = None, 0
+        self.skip_values = n > 0 and value is None
+        self.choose = (flag, choices) if self.skip_values and choices else None
+
+    def _unknown(self, flag: str) -> None:
+        hint = megatron_flags.suggest(flag)
+        launch = self.launch
+        if launch.kind == "gpt":
+            self.findings.append(_finding("unknown_flag", f"{flag} is not a flag of Megatron's pretrain_gpt.py",
+                                          hint or "remove it", launch.where(flag)))
+        else:   # the entry may add it (extra_args_provider): not ours to refuse
+            self.findings.append(_finding("unknown_flag", f"{flag} is not a flag of Megatron's pretrain_gpt.py; "
+                                          f"{launch.entry} may add it itself", hint or "check it against "
+                                          f"{launch.entry}'s own arguments", launch.where(flag), severity="warning"))
+        self.skip_values = True
+
+    def stray_finding(self) -> dict:
+        quoted = " ".join(self.stray[:6]) + (" ..." if len(self.stray) > 6 else "")
+        split = bool(re.search(r"(?<![\"'])\$\{\w+\[[@*]\]\}", self.launch.script_text or ""))
+        return _finding(
+            "stray_arguments", f"{len(self.stray)} word(s) that no flag takes ({quoted}): Megatron's parser refuses "
+            "them as unrecognized arguments" + (": an unquoted ${ARRAY[@]} expansion splits a quoted item such as "
+                                                "\"--flag 'a b'\" into several words" if split else ""),
             "quote the array expansions (\"${ARGS[@]}\") so that each item stays one word, or give the value "
-            "as the flag expects", launch.where(owner) if owner else None))
-    return findings, clean
+            "as the flag expects", self.launch.where(self.owner) if self.owner else None)
 
 
 def _choice(flag: str, value: str, choices: tuple[str, ...], launch: Launch) -> list[dict]:
@@ -765,6 +793,38 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
                         fix="validate --script launch.sh")
     if req.get("render_request") is not None:
         return _validate_request(req["render_request"], ctx)
+    launches, about, skill_home = _launches(req, ctx)
+    for launch in launches:
+        if len(launch.args) > MAX_ARGS:
+            raise ToolError("bad_request", f"{len(launch.args):,} arguments reach Megatron; a launch passes a few "
+                            f"hundred (at most {MAX_ARGS:,} are checked)",
+                            where="/args" if req.get("args") else "/script",
+                            fix="give the launch script itself, not a generated or repeated one")
+    # the fixed vector is checked again for the first launch, the one the answer reports it for
+    checked = [(launch, check_launch(launch, req.get("gpu"), recheck_fix=i == 0)) for i, launch in enumerate(launches)]
+    findings = _combine(checked)
+    errors = [f for f in findings if f["severity"] == "error"]
+    warnings = [f for f in findings if f["severity"] == "warning"]
+    ctx.progress(f"validate: {len(errors)} error(s), {len(warnings)} warning(s) over {len(launches)} launch(es)")
+    first_launch, first = checked[0]
+    out = {"valid": not errors, "errors": errors, "warnings": warnings, "world_size": first_launch.world,
+           "layout": first["layout"], "predicted_peak_gib": first["predicted_peak_gib"],
+           "memory": first.get("memory"), "checks": first["checks"], "assumed": {**first["assumed"], **skill_home},
+           "script": {**first_launch.info, **about}, "num_megatron_args": len(first_launch.args)}
+    out.update({k: first[k] for k in ("fixed_args", "pretrained", "vocabulary") if k in first})
+    if len(checked) > 1:
+        out["launches"] = [{"path": la.path, "entry": la.entry, "world_size": la.world,
+                            "num_megatron_args": len(la.args), "layout": res["layout"],
+                            "predicted_peak_gib": res["predicted_peak_gib"],
+                            "valid": not any(f["severity"] == "error" for f in res["findings"])}
+                           for la, res in checked]
+    return out
+
+
+def _launches(req: dict, ctx: Context) -> tuple[list[Launch], dict[str, Any], dict[str, str]]:
+    """The Megatron launches the request holds (an argument vector, a fragment of flags, or what a
+    script or a PyTorchJob's step runs); what was read to find them; and what was assumed of the
+    skill's own folder."""
     env = dict(req.get("env") or {})
     script_path = Path(req["script"]) if req.get("script") else None
     text = read_script(script_path) if script_path else (req.get("script_text") or "")
@@ -791,36 +851,7 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
         ctx.progress("validate: reading the script (as bash would, without running it)")
         launches, read = script_launches(text, script_path, env, num_gpus, req.get("script_args"))
         about.update(read)
-    for launch in launches:
-        if len(launch.args) > MAX_ARGS:
-            raise ToolError("bad_request", f"{len(launch.args):,} arguments reach Megatron; a launch passes a few "
-                            f"hundred (at most {MAX_ARGS:,} are checked)",
-                            where="/args" if req.get("args") else "/script",
-                            fix="give the launch script itself, not a generated or repeated one")
-    # the fixed vector is checked again for the first launch, the one the answer reports it for
-    checked = [(launch, check_launch(launch, req.get("gpu"), recheck_fix=i == 0)) for i, launch in enumerate(launches)]
-    findings = _combine(checked)
-    errors = [f for f in findings if f["severity"] == "error"]
-    warnings = [f for f in findings if f["severity"] == "warning"]
-    ctx.progress(f"validate: {len(errors)} error(s), {len(warnings)} warning(s) over {len(launches)} launch(es)")
-    first_launch, first = checked[0]
-    out = {"valid": not errors, "errors": errors, "warnings": warnings, "world_size": first_launch.world,
-           "layout": first["layout"], "predicted_peak_gib": first["predicted_peak_gib"],
-           "memory": first.get("memory"), "checks": first["checks"], "assumed": {**first["assumed"], **skill_home},
-           "script": {**first_launch.info, **about}, "num_megatron_args": len(first_launch.args)}
-    if "fixed_args" in first:
-        out["fixed_args"] = first["fixed_args"]
-    if "pretrained" in first:
-        out["pretrained"] = first["pretrained"]
-    if "vocabulary" in first:
-        out["vocabulary"] = first["vocabulary"]
-    if len(checked) > 1:
-        out["launches"] = [{"path": la.path, "entry": la.entry, "world_size": la.world,
-                            "num_megatron_args": len(la.args), "layout": res["layout"],
-                            "predicted_peak_gib": res["predicted_peak_gib"],
-                            "valid": not any(f["severity"] == "error" for f in res["findings"])}
-                           for la, res in checked]
-    return out
+    return launches, about, skill_home
 
 
 def _validate_request(sub: dict, ctx: Context) -> dict[str, Any]:
