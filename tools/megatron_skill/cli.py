@@ -5,7 +5,7 @@ import io
 import json
 import sys
 
-from .contract import main_for, tools
+from .contract import get_tool, main_for, tool_names, tools
 
 USAGE = """usage: launch.py TOOL [flags | --request FILE | --request -]
 
@@ -15,21 +15,20 @@ on error; `launch.py TOOL --help` lists its flags."""
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    registry = tools()
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE + "\n\ntools:")
-        for name, tool in registry.items():
-            print(f"  {name:14s} {tool.summary}")
+        for name, each in tools().items():
+            print(f"  {name:14s} {each.summary}")
         return 0
     name = argv[0]
-    if name not in registry:
+    if name not in tool_names():
         print(json.dumps({"ok": False, "tool": name, "error": {
             "code": "bad_request", "message": f"unknown tool {name!r}", "where": "argv[0]",
-            "fix": f"one of: {', '.join(registry)}"}}))
+            "fix": f"one of: {', '.join(tool_names())}"}}))
         return 2
     if name in SUMMARIES and "--help" not in argv and "-h" not in argv:
-        return _with_summary(lambda: main_for(registry[name], argv[1:]), SUMMARIES[name]())
-    return main_for(registry[name], argv[1:])
+        return _with_summary(lambda: main_for(get_tool(name), argv[1:]), SUMMARIES[name]())
+    return main_for(get_tool(name), argv[1:])
 
 
 def _plan_summary():

@@ -46,12 +46,24 @@ class Tool:
     run: Callable[[dict, Context], dict]
 
 
-def tools() -> dict[str, Tool]:
-    """Every tool by name (the tools package lists them; imported here, when a request is made,
-    so that no module imports in a circle)."""
-    from .tools import TOOLS
+def tool_names() -> list[str]:
+    """Every tool's name, without importing any tool."""
+    from .tools import MODULES
 
-    return dict(TOOLS)
+    return list(MODULES)
+
+
+def get_tool(name: str) -> Tool:
+    """One tool by name, its module imported now (the tools package is imported here, when a
+    request is made, so that no module imports in a circle)."""
+    from .tools import get
+
+    return get(name)
+
+
+def tools() -> dict[str, Tool]:
+    """Every tool by name, each module imported."""
+    return {name: get_tool(name) for name in tool_names()}
 
 
 def load_schema(tool: str, kind: str) -> dict:
@@ -199,7 +211,7 @@ def call(tool_name: str, request: dict, ctx: Context | None = None) -> dict:
     """Run a tool from Python: the same envelope the command line prints. Never raises for a
     request: a bug of ours is an 'internal' error (exit 9), told apart from the user's errors."""
     ctx = ctx or Context(dry_run=request.get("dry_run") is True if isinstance(request, dict) else False)
-    tool = tools()[tool_name]
+    tool = get_tool(tool_name)
     rid = None
     try:
         req = validate_request(tool_name, request)
