@@ -22,21 +22,44 @@ settings.register_profile("fixed", derandomize=True, print_blob=True)
 settings.register_profile("wide", max_examples=1000, derandomize=False, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "fixed"))
 
-# Every answer any test gets from a tool, in this process, is checked against the tool's
-# response schema (schemas/<tool>.response.json), whatever else the test asserts.
+# Every answer any test gets from a tool is checked against the tool's response schema
+# (schemas/<tool>.response.json, which holds its error envelope too), whatever else the test
+# asserts: each contract.call in this process, and each answer launch.py prints (run_cli's
+# processes, run_inproc's command lines, whose argument errors never reach contract.call).
+_ANSWER_VALIDATORS: dict = {}
+# What launch.py answers for a tool it does not know: an error envelope with no tool schema of its own.
+_UNKNOWN_TOOL_ANSWER = {"type": "object", "required": ["ok", "tool", "error"],
+                        "properties": {"ok": {"const": False}, "tool": {"type": "string"},
+                                       "error": {"$ref": "common.json#/$defs/error"}}}
+
+
+def check_answer(answer, tool: str | None = None) -> None:
+    """A tool's JSON answer (success or error) against its response schema; text (--help) and
+    anything else that is no envelope is left alone. tool: the tool asked, else the answer's own."""
+    if not isinstance(answer, dict) or "ok" not in answer:
+        return
+    from megatron_skill import contract
+
+    name = str(tool or answer.get("tool"))
+    if name not in _ANSWER_VALIDATORS:
+        known = "/" not in name and (contract.SCHEMA_DIR / f"{name}.response.json").is_file()
+        _ANSWER_VALIDATORS[name] = (
+            contract.validator(contract.load_schema(name, "response") if known else _UNKNOWN_TOOL_ANSWER),
+            f"schemas/{name}.response.json" if known else "the error envelope (schemas/common.json)")
+    checker, schema = _ANSWER_VALIDATORS[name]
+    errors = sorted(checker.iter_errors(answer), key=lambda e: list(e.absolute_path))
+    assert not errors, (f"{name}'s answer breaks {schema} at "
+                        f"/{'/'.join(map(str, errors[0].absolute_path))}: {errors[0].message}")
+
+
 def _check_every_response() -> None:
     from megatron_skill import contract
 
     real = contract.call
-    validators: dict = {}
 
     def checked(tool_name, request, ctx=None):
         env = real(tool_name, request, ctx)
-        if tool_name not in validators:
-            validators[tool_name] = contract.validator(contract.load_schema(tool_name, "response"))
-        errors = sorted(validators[tool_name].iter_errors(env), key=lambda e: list(e.absolute_path))
-        assert not errors, (f"{tool_name}'s answer breaks schemas/{tool_name}.response.json at "
-                            f"/{'/'.join(map(str, errors[0].absolute_path))}: {errors[0].message}")
+        check_answer(env, tool_name)
         return env
 
     contract.call = checked
@@ -90,6 +113,7 @@ def run_cli(*args: str, stdin: str | None = None, timeout: int = 600, env: dict 
         out = json.loads(proc.stdout) if proc.stdout.strip() else None
     except json.JSONDecodeError:
         out = proc.stdout
+    check_answer(out)
     return proc.returncode, out, proc.stderr
 
 
@@ -133,6 +157,7 @@ def run_inproc(*args: str, stdin: str | None = None, timeout: int = 600, env: di
         out = json.loads(stdout) if stdout.strip() else None
     except json.JSONDecodeError:
         out = stdout
+    check_answer(out)
     return code, out, stderr
 
 
