@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import files
+from ..core.attention_kernels import PLANNED, AttentionKernel
 from ..core.layout import Layout, pipeline_layout_chunks
 from ..core.megatron_options import MegatronOptions
 from ..core.memory import MemoryOptions, unfused_score_bytes
@@ -265,10 +266,30 @@ def explicit_mask(ns: Any) -> bool:
     return getattr(ns, "create_attention_mask_in_dataloader", True) is not False
 
 
+def attention_name(ns: Any) -> str:
+    """flash, sdpa, sdpa_masked (SDPA over the dataloader's explicit mask) or unfused."""
+    path = attention_path(ns)[0]
+    return "sdpa_masked" if path == "sdpa" and explicit_mask(ns) else path
+
+
+def attention_kernel(ns: Any) -> AttentionKernel:
+    """The core attention kernel as the step-time model costs it: the planned one (TE's flash,
+    the skill's SDPA causal kernel), or the slower one these arguments ask for; the unfused
+    kernel's softmax precision and dropout from the arguments (Megatron's default dropout 0.1)."""
+    name = attention_name(ns)
+    if name not in ("sdpa_masked", "unfused"):
+        return PLANNED
+    dropout = getattr(ns, "attention_dropout", None)
+    return AttentionKernel(name, fp32_softmax=bool(getattr(ns, "attention_softmax_in_fp32", False)
+                                                    or getattr(ns, "apply_query_key_layer_scaling", False)),
+                           dropout=(dropout if dropout is not None else 0.1) > 0)
+
+
 def runtime_options(ns: Any) -> RuntimeOptions:
     """The runtime paths the arguments say ran, as the planner's options: Transformer Engine's
     layers, or the local ones with whichever of the skill entry's fused paths are on (none with
-    Megatron's own entry, whose weight gradients are fused only with apex's kernel)."""
+    Megatron's own entry, whose weight gradients are fused only with apex's kernel), and the
+    attention kernel they ask for."""
     te = transformer_engine(ns)
     own = skill_entry(ns)
     fused_wgrad = getattr(ns, "gradient_accumulation_fusion", True) is not False
@@ -278,7 +299,8 @@ def runtime_options(ns: Any) -> RuntimeOptions:
                           sdpa_backend=str(getattr(ns, "skill_sdpa_backend", None) or "auto"),
                           fused_wgrad_accumulation=fused_wgrad,
                           fp8_linear=own and bool(ns.skill_fp8_linear), fused_adam=own and bool(ns.skill_fused_adam),
-                          te=te, moe=MoEOptions.from_args(ns), megatron=MegatronOptions.from_args(ns))
+                          te=te, moe=MoEOptions.from_args(ns), megatron=MegatronOptions.from_args(ns),
+                          attention_kernel=attention_kernel(ns))
 
 
 def memory_options(ns: Any, assumed: dict[str, str]) -> MemoryOptions:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from .attention_kernels import PLANNED, AttentionKernel
 from .defaults import schema_defaults
 from .layout import Layout
 from .megatron_options import MegatronOptions
@@ -29,6 +30,8 @@ class RuntimeOptions:
     te: bool = True                 # Transformer Engine's layers run (then none of the above does)
     moe: MoEOptions = MoEOptions()  # how the MoE layers run (Megatron's MoE flags; core/moe.py)
     megatron: MegatronOptions = MegatronOptions()   # Megatron's memory and communication options
+    # the core-attention kernel where a stock script's arguments ask for a slower one than planned
+    attention_kernel: AttentionKernel = PLANNED
 
     @classmethod
     def from_request(cls, runtime: dict[str, Any] | None, te: bool = True, moe: dict[str, Any] | None = None,
@@ -37,7 +40,8 @@ class RuntimeOptions:
                    megatron=MegatronOptions.from_request(megatron))
 
     def to_json(self) -> dict[str, Any]:
-        return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("te", "moe", "megatron")}
+        return {k: v for k, v in dataclasses.asdict(self).items()
+                if k not in ("te", "moe", "megatron", "attention_kernel")}
 
     @property
     def fused_head(self) -> bool:

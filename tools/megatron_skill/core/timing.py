@@ -15,6 +15,7 @@ import math
 from typing import Any
 
 from . import flops
+from .attention_kernels import MASKED_SDPA_FACTOR, PLANNED, AttentionKernel, unfused_seconds
 from .catalog import CATALOG_DIR, GPUSpec
 from .layout import Layout
 from .megatron_options import MegatronOptions
@@ -285,6 +286,22 @@ def _expert_overhead_time(model: ModelConfig, lay: Layout, cal: dict[str, Any], 
     return tokens * (every + synced) * 1e-6
 
 
+def _kernel_attention(model: ModelConfig, gpu: GPUSpec, rates: _Rates, lay: Layout, kernel: AttentionKernel,
+                      planned: float) -> float:
+    """Seconds of one layer's core attention for one micro-batch with the run's kernel, where
+    `planned` is the planner's kernel's (core/attention_kernels.py)."""
+    if kernel.kind == "sdpa_masked":
+        return planned * MASKED_SDPA_FACTOR
+    if kernel.kind == "unfused":
+        d = model.head_dim
+        scores = lay.mbs * model.num_attention_heads / lay.tp * float(lay.seq_length) ** 2
+        # the score GEMMs at the calibrated BF16 rate, a head dimension's small K taken as the
+        # GEMMs of the layers take it
+        flops_rate = gpu.bf16_dense_tflops * 1e12 * rates.cal["gemm_bf16"] / (1 + rates.cal["gemm_small_dim"] / d)
+        return max(planned, unfused_seconds(kernel, scores, d, flops_rate, rates.hbm))
+    return planned
+
+
 def clear_caches() -> None:
     """After the calibration changes (bench --store-calibration): costs are computed anew."""
     calibration.cache_clear()
@@ -303,7 +320,8 @@ ZERO_LAYER = (0.0,) * len(LAYER_FIELDS)
 @functools.lru_cache(maxsize=65536)
 def _layer_times(model: ModelConfig, gpu: GPUSpec, te: bool, fp8_linear: bool, tp: int, cp: int, ep: int, etp: int,
                  mbs: int, s: int, sp: bool, precision: str,
-                 moe_opts: MoEOptions = DEFAULT_MOE, tp_overlap: bool | None = None) -> dict[bool | str, tuple[float, ...]]:
+                 moe_opts: MoEOptions = DEFAULT_MOE, tp_overlap: bool | None = None,
+                 kernel: AttentionKernel = PLANNED) -> dict[bool | str, tuple[float, ...]]:
     """Seconds of one dense (key False) and one MoE layer (True) for one micro-batch, by
     LAYER_FIELDS, and one forward of the MoE block alone ("moe_forward"): what the layout decides
     of them (not the pipeline split or data parallelism, which the planner varies most), so cached
@@ -327,7 +345,7 @@ def _layer_times(model: ModelConfig, gpu: GPUSpec, te: bool, fp8_linear: bool, t
         # Load-balanced causal CP runs attention as 2 x CP smaller blocks per rank: less efficient.
         head_dim = model.head_dim if not model.multi_latent_attention else model.qk_head_dim
         attn_rate = rates.attention_rate(s // cp, head_dim) / (1 + rates.cal["cp_block_penalty"] * (cp - 1))
-        attention = 3 * core / attn_rate
+        attention = _kernel_attention(model, gpu, rates, lay, kernel, 3 * core / attn_rate)
         # Without TE, Megatron's local layers run RoPE, norms, residual adds and casts as
         # separate torch kernels: calibrated as a multiple of the fused byte count.
         unfused = 1.0 if te else rates.cal["elementwise_local_factor"]
@@ -357,7 +375,8 @@ def _layer_times(model: ModelConfig, gpu: GPUSpec, te: bool, fp8_linear: bool, t
 
 def step_time(model: ModelConfig, lay: Layout, gpu: GPUSpec, padded_vocab: int, te: bool = True,
               fused_head: bool = False, fp8_linear: bool = False, fused_wgrad: bool = True,
-              moe: MoEOptions = DEFAULT_MOE, megatron: MegatronOptions = DEFAULT_MEGATRON) -> StepTime:
+              moe: MoEOptions = DEFAULT_MOE, megatron: MegatronOptions = DEFAULT_MEGATRON,
+              attention: AttentionKernel = PLANNED) -> StepTime:
     # Without TE, FP8 is the skill's own linear layers (fp8_linear; precision fp8 asks for them
     # too): attention and MLP GEMMs at the FP8 rate, plus their casts; the rest stays BF16.
     rates = _Rates(gpu, lay.precision if te else "bf16", te)
@@ -371,7 +390,7 @@ def step_time(model: ModelConfig, lay: Layout, gpu: GPUSpec, padded_vocab: int, 
     # TE's TP overlap runs where render writes --tp-comm-overlap (adapter/arguments.py, te_only_args)
     tp_overlap = te and megatron.tp_overlap_runs(t, lay.sequence_parallel, node)
     per_layer = _layer_times(model, gpu, te, fp8_linear, lay.tp, lay.cp, lay.ep, lay.etp, lay.mbs, s, sp,
-                             lay.precision, moe, tp_overlap)
+                             lay.precision, moe, tp_overlap, attention)
 
     # The busiest rank decides the pace of the pipeline: the one with most work per micro-batch.
     def rank_time(rank: int) -> tuple[StepTime, int]:

@@ -7,17 +7,13 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from ..adapter import described
+from ..adapter import described, slow_run
 from ..adapter import log as megatron_log
 from ..contract import Context, Tool, invoke
-from ..core.catalog import GPUSpec, get_gpu
+from ..core.catalog import get_gpu
 from ..core.flops import padded_vocab_size
-from ..core.layout import Layout, broken_rules
-from ..core.memory import GIB, MemoryOptions, memory_report, peak
-from ..core.model import ModelConfig
-from ..core.options import RuntimeOptions
-from ..core.planner import error_pct, predict
-from ..core.timing import StepTime, calibration
+from ..core.memory import GIB, memory_report, peak
+from ..core.planner import error_pct
 from ..errors import ToolError
 
 # The model fields a plan request takes (schemas/common.json, model).
@@ -70,7 +66,7 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
     if dumped:
         summary["arguments"] = {k: v for k, v in dumped.items() if k in megatron_log.ARGS_READ}
         summary["prediction"] = _prediction(dumped, req.get("gpu"), summary, ctx)
-        slow = why_slow(dumped, req.get("gpu"), summary)
+        slow = slow_run.why_slow(dumped, req.get("gpu"), summary)
         if slow is not None:
             summary["why_slow"] = slow
     _stall(summary, path, dumped)
@@ -82,6 +78,17 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
         step = len(curve) / req["max_points"]
         summary["loss_curve"] = [curve[int(i * step)] for i in range(req["max_points"])] + [curve[-1]]
         summary["lr_curve"] = summary.get("lr_curve", [])[:: max(1, int(step))]
+    hints = _hints(summary)
+    summary["hints"] = hints
+    if req.get("plot"):
+        summary["plot"] = _plot(parsed, Path(req["plot"]))
+    ctx.progress(f"logs: {summary.get('logged_iterations', 0)} iterations, final loss {summary.get('final_loss')}, "
+                 f"{len(hints)} hint(s)")
+    return summary
+
+
+def _hints(summary: dict) -> list[str]:
+    """One line of advice per failure, skipped step, anomaly and the three biggest speed levers."""
     hints = [f"{f['code']}: {f['meaning']} -> {f['fix']}" for f in summary.get("failures", [])]
     if summary.get("skipped_iterations"):
         hints.append(f"{summary['skipped_iterations']} iteration(s) skipped: Megatron drops a step whose gradients hold "
@@ -112,12 +119,7 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
     for lever in slow.get("levers", [])[:3]:
         hints.append(f"slow: {lever['lever']}: about +{lever['gain_pct']:.0f} % tokens/s "
                      f"(to ~{lever['tokens_per_s']:,.0f}) -> {lever['fix']}")
-    summary["hints"] = hints
-    if req.get("plot"):
-        summary["plot"] = _plot(parsed, Path(req["plot"]))
-    ctx.progress(f"logs: {summary.get('logged_iterations', 0)} iterations, final loss {summary.get('final_loss')}, "
-                 f"{len(hints)} hint(s)")
-    return summary
+    return hints
 
 
 def _prediction(dumped: dict, gpu_name: str | None, summary: dict, ctx: Context) -> dict[str, Any] | None:
@@ -156,232 +158,6 @@ def _prediction(dumped: dict, gpu_name: str | None, summary: dict, ctx: Context)
                 out["plan"] = {"label": p["label"], "peak_gib": p["memory"]["peak_gib"], "gpu": gpu_name,
                                "num_gpus": lay.world_size, "tokens_per_s": p["tokens_per_s"]}
     return out
-
-
-# ---- why slow -------------------------------------------------------------------------
-# The planner costs the attention kernels a run should use (TE's flash, or torch SDPA's causal
-# kernel on the local layers). What slower attention a log's arguments show costs on top is
-# counted here. Torch SDPA handed Megatron's explicit [s, s] mask runs the whole square with a
-# slower kernel: on one H200 the 1B shape's attention took 995 ms an iteration with the mask and
-# 338 ms with the causal kernel (references/benchmarks.md, "Throughput levers").
-MASKED_SDPA_FACTOR = 995 / 338
-# Megatron's local DotProductAttention (unfused) computes the whole [b, heads, s, s] score
-# matrix with two batched GEMMs and passes over it in between. Bytes per score element,
-# counted pass by pass in its 0.19 code: the GEMMs' own traffic (scores written, probabilities
-# read forward; the probabilities' gradient written, the probabilities and the scores' gradient
-# twice read backward) 12; the mask filled in place (read, write, mask) 5 and softmax (read,
-# write) 4 forward, softmax's gradient (two reads, a write) 6, the mask's (5) and the scale's (4)
-# backward: 24. Attention dropout adds its mask and output both ways (10); the softmax in fp32
-# its casts and wider passes (12).
-UNFUSED_GEMM_BYTES = 12
-# How far the real kernels may fall behind that count before the rest of a gap is called
-# unexplained: kernels at a quarter of the HBM roofline, which is where torch's separate
-# element-wise kernels over large tensors land at worst.
-MAX_COUNT_SCALE = 4.0
-UNFUSED_PASS_BYTES = 24
-UNFUSED_DROPOUT_BYTES = 10
-UNFUSED_FP32_SOFTMAX_BYTES = 12
-
-
-def unfused_attention_s(model: ModelConfig, gpu: GPUSpec, lay: Layout, fp32_softmax: bool, dropout: bool) -> float:
-    """Seconds of one layer's unfused core attention, forward and backward, for one micro-batch:
-    the score GEMMs over the whole square (at the calibrated GEMM rate, a head dimension's small
-    K taken as the step-time model takes it) and the passes over the scores at the calibrated
-    HBM rate."""
-    cal = calibration(gpu.key)
-    d = model.head_dim
-    scores = lay.mbs * model.num_attention_heads / lay.tp * float(lay.seq_length) ** 2
-    rate = gpu.bf16_dense_tflops * 1e12 * cal["gemm_bf16"] / (1 + cal["gemm_small_dim"] / d)
-    hbm = gpu.hbm_gbps * 1e9 * cal["hbm"]
-    gemm = max(3 * 2 * 2 * scores * d / rate, UNFUSED_GEMM_BYTES * scores / hbm)
-    passes = UNFUSED_PASS_BYTES + UNFUSED_DROPOUT_BYTES * dropout + UNFUSED_FP32_SOFTMAX_BYTES * fp32_softmax
-    return gemm + passes * scores / hbm
-
-
-@dataclasses.dataclass(frozen=True)
-class _Variant:
-    """One way to run the log's model: the layout, the runtime paths, the attention kernel
-    (flash, sdpa, sdpa_masked, unfused) and the memory options."""
-    lay: Layout
-    opts: RuntimeOptions
-    attention: str
-    mem: MemoryOptions
-
-
-def _cost(model: ModelConfig, gpu: GPUSpec, v: _Variant, fp32_softmax: bool,
-          dropout: bool) -> tuple[float, float, float]:
-    """(the planner's seconds a step, what the variant's attention costs beyond the kernel the
-    planner assumes, on every micro-batch and in the pipeline's bubble, the predicted peak GiB)."""
-    padded = padded_vocab_size(model.vocab_size, v.lay.tp)
-    c = predict(model, gpu, v.lay, padded, v.opts, memory_report(model, v.lay, padded, v.mem))
-    return c.time.total, _attention_extra_s(model, gpu, v, c.time, fp32_softmax, dropout), c.peak_gib
-
-
-def _attention_extra_s(model: ModelConfig, gpu: GPUSpec, v: _Variant, t: StepTime, fp32_softmax: bool,
-                       dropout: bool) -> float:
-    lay = v.lay
-    m = lay.num_microbatches
-    bubble = 1 + (lay.pp - 1) / (lay.vp * m)
-    if v.attention == "sdpa_masked":
-        return (MASKED_SDPA_FACTOR - 1) * t.attention * bubble
-    if v.attention == "unfused":
-        layers = -(-model.num_layers // lay.pp)
-        return max(0.0, unfused_attention_s(model, gpu, lay, fp32_softmax, dropout) * layers * m - t.attention) * bubble
-    return 0.0
-
-
-def why_slow(dumped: dict, gpu_name: str | None, summary: dict) -> dict[str, Any] | None:
-    """The measured speed against the planner's prediction for the log's own arguments, and each
-    lever with its predicted gain, biggest first. A lever's gain is the planner's ratio of the
-    step as run to the step with that lever alone, applied to the measured speed; levers overlap,
-    so their gains do not add up ("best" is all of them at once: plan's best layout)."""
-    ns = described.Args(dumped)
-    if not summary.get("tokens_per_s") or not summary.get("iter_ms_median"):
-        return None
-    if not gpu_name:
-        return {"skipped": "name the GPU the run used (gpu) to compare its speed with the planner's prediction"}
-    gpu = get_gpu(gpu_name, where="/gpu")
-    assumed: dict[str, str] = {}
-    model, why = described.model_from_args(ns, assumed)
-    if model is None:
-        return {"skipped": why}
-    lay = described.layout_from_args(ns, model, None, assumed)
-    if lay.sequence_parallel and lay.tp == 1:
-        lay = dataclasses.replace(lay, sequence_parallel=False)
-    opts = described.runtime_options(ns)
-    path, path_why = described.attention_path(ns)
-    attention = "sdpa_masked" if path == "sdpa" and described.explicit_mask(ns) else path
-    mem = described.memory_options(ns, assumed)
-    fp32_softmax = bool(ns.attention_softmax_in_fp32 or ns.apply_query_key_layer_scaling)
-    dropout = (ns.attention_dropout if ns.attention_dropout is not None else 0.1) > 0
-    as_run = _Variant(lay, opts, attention, mem)
-    try:
-        base, extra, _ = _cost(model, gpu, as_run, fp32_softmax, dropout)
-    except (ZeroDivisionError, ValueError) as e:
-        return {"skipped": f"the log's layout cannot be costed: {e}"}
-    step = base + extra
-    measured = summary["iter_ms_median"] / 1e3
-    tokens = lay.gbs * lay.seq_length
-    out: dict[str, Any] = {
-        "gpu": gpu.key, "measured_tokens_per_s": summary["tokens_per_s"], "measured_step_ms": summary["iter_ms_median"],
-        "predicted_tokens_per_s": round(tokens / step), "predicted_step_ms": round(step * 1e3, 1),
-        "prediction_error_pct": error_pct(tokens / step, summary["tokens_per_s"]),
-        "as_run": {"layout": lay.label(), "transformer_engine": opts.te, "attention": attention,
-                   "attention_why": path_why + (" with the dataloader's explicit mask (the whole square)"
-                                                if attention == "sdpa_masked" else ""),
-                   "attention_extra_ms": round(extra * 1e3, 1),
-                   "skill_paths": {k: v for k, v in opts.to_json().items() if k != "sdpa_backend"}},
-    }
-    if assumed:
-        out["assumed"] = assumed
-    # The planner's costs are calibrated on GPUs; the slow attention's extra cost is only counted
-    # here (a roofline count). Where a run has such a cost, the part of the measured step that
-    # the prediction misses is put on it, up to MAX_COUNT_SCALE times its count; what is left is
-    # spread over the whole step (every variant scaled by the same ratio) and said to be
-    # unexplained where it is more than 15 %.
-    residual = measured - step
-    attributed = min(max(residual, 0.0), (MAX_COUNT_SCALE - 1) * extra)
-    scale = 1 + attributed / extra if extra > 0 else 1.0
-    ratio = measured / (base + extra * scale)
-    if attributed > 0:
-        out["attributed"] = (f"{attributed * 1e3:,.0f} of the {residual * 1e3:,.0f} ms a step that the prediction "
-                             f"misses put on the {attention} attention, the one cost here counted rather than "
-                             f"calibrated on GPUs (x{scale:.2f} its count: {extra * scale * 1e3:,.0f} ms a step)")
-
-    def expected(v_base: float, v_extra: float) -> float:
-        """The step a variant is expected to take on this machine."""
-        return (v_base + v_extra * scale) * ratio
-
-    levers, not_levers = [], []
-    for name, variant, fix in _levers(model, gpu, as_run, ns):
-        try:
-            v_base, v_extra, p = _cost(model, gpu, variant, fp32_softmax, dropout)
-        except (ZeroDivisionError, ValueError) as e:
-            not_levers.append({"lever": name, "why": f"cannot be costed: {e}"})
-            continue
-        if p > gpu.memory_gib:
-            not_levers.append({"lever": name, "why": f"predicted {p:.1f} GiB per GPU, more than {gpu.key}'s "
-                                                     f"{gpu.memory_gib} GiB"})
-            continue
-        t = expected(v_base, v_extra)
-        gain = measured / t - 1
-        if gain < 0.02:
-            not_levers.append({"lever": name, "why": f"predicted gain {gain * 100:+.0f} %: not worth it here"})
-            continue
-        levers.append({"lever": name, "gain_pct": round(gain * 100, 1), "tokens_per_s": round(tokens / t),
-                       "predicted_peak_gib": round(p, 1), "fix": fix})
-    levers.sort(key=lambda x: -x["gain_pct"])
-    out["levers"] = levers
-    out["not_levers"] = not_levers
-    if abs(ratio - 1) > 0.15:
-        out["unexplained"] = (f"the measured step is {ratio:.2f}x the prediction for these very arguments"
-                              + (" after the attention's share" if attributed > 0 else "") + ": beyond the levers, "
-                              "look at the data loader, the host (CPU threads, Python, kernel launches of a small "
-                              "model), clocks and other jobs on the GPUs, or a GPU other than the one named; the "
-                              "gains assume the gap stays in proportion")
-    out["note"] = ("each lever alone, the rest of the run as it is; levers overlap, so their gains do not add up "
-                   "('launch.py plan' for this model and GPUs gives them all at once)")
-    return out
-
-
-def _levers(model: ModelConfig, gpu: GPUSpec, run: _Variant, ns: Any) -> Iterator[tuple[str, _Variant, str]]:
-    """(lever, the run with only that lever changed, the fix in Megatron's flags) for each lever
-    that this run does not pull yet."""
-    lay, opts = run.lay, run.opts
-    if run.attention == "unfused":
-        yield ("fused attention instead of the unfused DotProductAttention, which writes and reads the whole "
-               f"S x S score matrix ({lay.seq_length}^2 per head) several times",
-               dataclasses.replace(run, attention="sdpa", mem=dataclasses.replace(run.mem, score_bytes=0.0)),
-               "run the skill's entry script (tools/pretrain_gpt.py: torch SDPA, causal kernel) with "
-               "--no-create-attention-mask-in-dataloader, or Transformer Engine's layers (--transformer-impl "
-               "transformer_engine) with flash attention")
-    elif run.attention == "sdpa_masked":
-        yield ("causal attention kernel instead of SDPA over the dataloader's explicit mask (the whole square)",
-               dataclasses.replace(run, attention="sdpa"), "add --no-create-attention-mask-in-dataloader")
-    if not opts.te:
-        skill = RuntimeOptions.from_request(None, te=False)
-        skill = dataclasses.replace(skill, moe=opts.moe, megatron=opts.megatron, fp8_linear=opts.fp8_linear)
-        if skill != opts:   # (the mask alone is the lever above)
-            yield ("the skill's fused paths for the local layers (SDPA causal attention, fused output layer + "
-                   "cross-entropy, fused weight-gradient accumulation, fused AdamW, compiled RoPE, native GQA)",
-                   _Variant(lay, skill, "sdpa", skill.memory(lay)),
-                   "launch the skill's tools/pretrain_gpt.py with --no-create-attention-mask-in-dataloader "
-                   + " ".join(skill.entry_flags()) + " (what 'launch.py render' writes without TE)")
-        te = dataclasses.replace(opts, te=True)
-        yield ("Transformer Engine's layers (fused kernels, flash attention, TP communication overlap)",
-               _Variant(lay, te, "flash", te.memory(lay)),
-               "--transformer-impl transformer_engine where TE is installed (NGC's PyTorch container has it)")
-    padded = padded_vocab_size(model.vocab_size, lay.tp)
-    larger = [dataclasses.replace(lay, mbs=m) for m in (2, 4, 8, 16, 32) if m > lay.mbs and lay.gbs % (m * lay.dp) == 0]
-    larger = [c for c in larger if not any(True for _ in broken_rules(c, model, gpu, c.world_size, te=opts.te,
-                                                                      moe=opts.moe))]
-    fitting = [c for c in larger if peak(memory_report(model, c, padded, run.mem)) / GIB <= gpu.memory_gib]
-    chosen = fitting[-1] if fitting else (larger[0] if larger else None)   # the largest that fits
-    if chosen is not None:
-        yield (f"micro-batch {chosen.mbs} instead of {lay.mbs} (larger kernels, fewer steps of per-micro-batch "
-               "work)", dataclasses.replace(run, lay=chosen),
-               f"--micro-batch-size {chosen.mbs} (the global batch stays {lay.gbs})")
-    if lay.recompute != "none":
-        for lighter in ("none", "selective"):
-            if lighter == lay.recompute:
-                break
-            cand = dataclasses.replace(lay, recompute=lighter, recompute_layers=0)
-            if peak(memory_report(model, cand, padded, run.mem)) / GIB <= gpu.memory_gib:
-                yield (f"{'no' if lighter == 'none' else 'selective'} recompute instead of {lay.recompute}",
-                       dataclasses.replace(run, lay=cand),
-                       "drop --recompute-granularity and its --recompute-* flags" if lighter == "none" else
-                       "--recompute-granularity selective (drop --recompute-method / --recompute-num-layers)")
-                break
-    if lay.precision != "fp8" and gpu.supports_fp8:
-        cand = dataclasses.replace(lay, precision="fp8")
-        if opts.te:
-            yield ("FP8 GEMMs (Transformer Engine)", dataclasses.replace(run, lay=cand, mem=opts.memory(cand)),
-                   "--fp8-format hybrid --fp8-recipe tensorwise (check the loss against BF16 over a few hundred steps)")
-        elif lay.tp == 1:
-            fp8 = dataclasses.replace(opts, fp8_linear=True)
-            yield ("FP8 linear layers (the skill's entry, no TE)",
-                   dataclasses.replace(run, lay=cand, opts=fp8, mem=dataclasses.replace(run.mem, fp8_linear=True)),
-                   "--skill-fp8-linear with the skill's tools/pretrain_gpt.py (check the loss against BF16)")
 
 
 def _stall(summary: dict, path: Path, dumped: dict) -> None:
