@@ -67,6 +67,19 @@ def _check_every_response() -> None:
 
 _check_every_response()
 
+# The inner loop (`pytest tests -m "unit and not slow"`): the unit tests of core, adapter, the
+# contract and the guards, files that neither train nor start a process of their own for long.
+UNIT_FILES = {"test_core.py", "test_rules.py", "test_memory_model.py", "test_moe_options.py", "test_script_reading.py",
+              "test_mutant_guards.py", "test_registry.py", "test_attention_kernels.py", "test_imports.py",
+              "test_evidence.py", "test_catalog.py", "test_planner_truth.py", "test_megatron_options.py",
+              "test_pipeline_split.py", "test_answer_schemas.py"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in UNIT_FILES:
+            item.add_marker(pytest.mark.unit)
+
 # CI sets this: a test that would be skipped for a missing system component fails instead,
 # so that coverage is never lost quietly there.
 REQUIRE_ALL = os.environ.get("MEGATRON_SKILL_REQUIRE_SYSTEM") == "1"

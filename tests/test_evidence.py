@@ -8,6 +8,8 @@ import statistics
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT
 
 from megatron_skill.contract import call
@@ -24,22 +26,20 @@ def test_the_stored_table_is_what_the_planner_says_now():
 
 
 def _within_goal(errors):
-    return sorted(errors)[len(errors) // 2] <= 10 and max(errors) <= 20
+    """The goal on Hopper: median within 8 %, every run within 20 %."""
+    return statistics.median(errors) <= 8 and max(errors) <= 20
 
 
-def test_h100_runs_dense_and_moe_within_ten_per_cent_median_and_twenty_at_most():
-    # runs whose publisher left part of the layout unstated are shown but not counted
+def test_h100_runs_dense_and_moe_within_eight_per_cent_median_and_twenty_at_most():
+    # runs whose publisher left part of the layout unstated are shown but not counted; the
+    # token-drop MoE rows count since the experts' overhead every MoE layer pays was fitted
+    # (moe_us_per_token_expert, third session of 2026-12-06: the Qwen3-30B-A3B one was +25.9 %)
     h100 = [r for r in evidence.checked() if r["gpu"] == "h100-sxm" and r.get("layout_complete", True)]
     dense = [abs(r["error_pct"]) for r in h100 if not r["moe"]]
     moe = [abs(r["error_pct"]) for r in h100 if r["moe"]]
     assert len(dense) >= 13 and len(moe) >= 13
     assert _within_goal(dense), dense
-    # one token-drop MoE row (Qwen3-30B-A3B padded to capacity; no fitted MoE constant touches it)
-    # sits at +25.9 % since the re-fit of 2026-12-06 on 43 runs and the H100's re-measured
-    # FP8 GEMM rate (gemm_te_fraction 0.78; +27.4 % at 0.80): the goal's 20 % is not claimed for
-    # it (references/benchmarks.md says what is unknown about it); every other row is within it
-    # (the next largest: -12.7 %)
-    assert statistics.median(moe) <= 10 and sorted(moe)[-2] <= 20 and max(moe) <= 28, moe
+    assert _within_goal(moe), moe
 
 
 def test_runs_with_an_unstated_layout_part_stay_out_of_the_evidence():
@@ -62,12 +62,13 @@ def test_blackwell_runs_are_checked_and_stay_where_the_table_says():
     # dense rows within 13 % (the largest: Llama 3 70B on 64 GB200s, 26.02, +12.0 %); the MoE rows
     # are all predicted slow (a per-token MoE cost fitted on the H100 does not carry, and their
     # presets capture the router in CUDA graphs: references/benchmarks.md): four of the five
-    # within 25 %; Qwen3-30B-A3B on 8 GB200s at micro-batch 4 (Megatron-Bridge 25.11) is -69.9 %,
+    # within 25 %; Qwen3-30B-A3B on 8 GB200s at micro-batch 4 (Megatron-Bridge 25.11) is -68.2 %,
     # the goal is not claimed for it
     assert statistics.median(errors) <= 10 and max(dense) <= 13, errors
     assert moe[-2] <= 25 and moe[-1] <= 70, moe
 
 
+@pytest.mark.slow   # the whole grid of the fit
 def test_the_fitted_moe_constants_are_the_catalogs():
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "published_runs.py"), "--fit"],
                           capture_output=True, text=True, timeout=300)

@@ -61,6 +61,7 @@ print(json.dumps({"bytes_per_token": counted.total / s}))
 """
 
 
+@pytest.mark.slow   # Megatron's layers run forward and backward on CPU
 def test_core_attention_keeps_what_the_memory_model_counts():
     from megatron_skill.core.memory import attention_saved_bytes
     from megatron_skill.core.resolve import resolve_model
@@ -102,6 +103,7 @@ print(json.dumps({"bytes_per_token": (saved_bytes(512) - saved_bytes(256)) / 256
 """
 
 
+@pytest.mark.slow   # Megatron's layers run forward and backward on CPU
 def test_fp8_linear_layers_save_what_the_memory_model_counts():
     """A whole Megatron-Core layer (attention and SwiGLU MLP, the skill's spec) with the skill's
     FP8 linear layers against the same layer in BF16, saved tensors counted with autograd's
@@ -156,6 +158,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow   # Megatron's layers run forward and backward on CPU
 def test_unfused_attention_keeps_what_the_memory_model_counts():
     """Megatron's local DotProductAttention (the unfused path a stock pretrain_gpt.py takes with
     --transformer-impl local) keeps S x S tensors for its backward: per head and score element,
