@@ -107,8 +107,9 @@ def _fix_texts():
                 parts = [kw.value for kw in node.keywords if kw.arg == "fix"]
             elif isinstance(node, ast.Call) and getattr(node.func, "id", "") == "_finding" and len(node.args) >= 3:
                 parts = [node.args[2]]
-            elif isinstance(node, ast.Assign) and any(getattr(t, "id", "") in ("RULE_FIXES", "FAILURES")
-                                                      for t in node.targets):
+            elif isinstance(node, ast.Call) and getattr(node.func, "id", "") == "Rule" and len(node.args) >= 2:
+                parts = [node.args[1]]   # a rule's fix (core/layout.py)
+            elif isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "FAILURES" for t in node.targets):
                 parts = [node.value]
             else:
                 continue

@@ -37,7 +37,7 @@ def _dry(tmp_path, **over) -> dict:
 def test_a_layout_the_cpu_loop_cannot_run_is_refused_by_its_rule(tmp_path, layout, rule):
     out = _dry(tmp_path, layout=layout)
     assert not out["ok"] and out["error"]["code"] == "infeasible", out
-    assert f"'{rule}'" in out["error"]["message"] and RULES[rule] in out["error"]["message"]
+    assert f"'{rule}'" in out["error"]["message"] and RULES[rule].message in out["error"]["message"]
     assert out["error"]["where"] == "/layout" and not (tmp_path / out["request_id"]).exists()
 
 

@@ -191,62 +191,146 @@ def pipeline_layout_problem(lay: Layout, model: ModelConfig) -> str | None:
     return None
 
 
-# Each rule: (name, human explanation with the fix). Names are stable: tests and callers use them.
+# The rule book: one record a rule, what it says and how to satisfy it in Megatron's flags (the
+# words validate and render answer with). Names are stable: tests and callers use them; the
+# checks are broken_rules' (and, with cpu_loop=True, the CPU loop's).
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    message: str
+    fix: str
+
+
 RULES = {
-    "world_size": "TP x PP x CP x DP must equal the number of GPUs",
-    "tp_heads": "num_attention_heads must be divisible by TP",
-    "tp_query_groups": "num_query_groups must be divisible by TP",
-    "tp_within_nvlink": "TP must fit inside one NVLink domain (a node): TP traffic is on every layer",
-    "ep_experts": "num_experts must be divisible by EP",
-    "ep_without_moe": "EP and expert-TP need a mixture-of-experts model",
-    "expert_folding": "TP x CP x DP must be divisible by EP x expert-TP (Megatron's MoE parallel folding)",
-    "moe_needs_sp": "an MoE model with TP > 1 needs --sequence-parallel",
-    "pp_layers": "num_layers must be divisible by PP (or by PP after counting the embedding and loss as layers)",
-    "pp_uneven": "with --decoder-first/last-pipeline-num-layers every pipeline rank needs a layer and the "
-                 "middle ranks must share the rest evenly (and each rank's layers divide by the virtual stages)",
-    "vp_layers": "layers per pipeline rank must be divisible by the virtual stages",
-    "pp_layout": "Megatron's --pipeline-model-parallel-layout must name PP x VP chunks, begin with the embedding "
-                 "(E), end with the loss (L), and place every transformer layer (t) and MTP layer (m) once",
-    "vp_needs_pp": "the interleaved schedule (VP > 1) needs PP > 1",
-    "vp_microbatches": "with VP > 1 the number of micro-batches must be a multiple of PP",
-    "cp_sequence": "seq_length must be divisible by 2 x CP (load-balanced causal context parallel)",
-    "gbs_divisible": "global batch must be divisible by micro-batch x DP",
-    "fp8_arch": "FP8 needs FP8 tensor cores: Ada (sm_89), Hopper (sm_90) or newer",
-    "sp_needs_tp": "sequence parallel needs TP > 1",
-    "recompute_layers": "full recompute of N layers needs 1 <= N <= layers per (virtual) stage",
-    "seq_positions": "seq_length exceeds the learned position embeddings",
-    "out_of_memory": "predicted peak memory exceeds the GPU",
-    "cp_needs_te": "context parallelism needs Transformer Engine's attention (the local SDPA path has none)",
-    "qk_norm_sp_needs_te": "without Transformer Engine, Megatron's torch norm refuses sequence parallelism, and a "
-                           "QK-layernorm model's attention uses it: TE's norm, or TP without sequence parallel",
-    "moe_pad_needs_capacity": "padding experts to capacity (pad_to_capacity) needs a capacity_factor",
-    "moe_overlap_needs_ep": "overlapping the expert all-to-all (overlap_ep_comm) needs EP > 1",
-    "moe_overlap_dispatcher": "overlapping the expert all-to-all (overlap_ep_comm) needs the alltoall or flex dispatcher",
-    "moe_overlap_needs_vp": "overlapping the expert all-to-all (overlap_ep_comm) with PP > 1 needs virtual pipeline "
-                            "stages (VP > 1)",
-    "moe_overlap_recompute": "overlapping the expert all-to-all (overlap_ep_comm) excludes full recompute and "
-                             "the recompute of whole MoE layers ('moe' in the MoE recompute)",
-    "moe_flex_needs_te": "the flex dispatcher (DeepEP / HybridEP) runs with Transformer Engine's MoE layers",
-    "fp8_param_gather_needs_te_fp8": "gathering FP8 weights (fp8_param_gather) needs precision fp8 on Transformer "
-                                     "Engine's layers, with the distributed optimizer or Megatron-FSDP",
-    "fsdp_needs_te": "Megatron-FSDP runs with Transformer Engine's layers (its adapter asserts Transformer Engine "
-                     "2.10 or newer)",
-    # What the skill's CPU loop (runtime/cpu_loop.py) cannot run: it has TP, plain pipeline stages
-    # and DP over gloo, and nothing that allocates on a CUDA device. Checked with cpu_loop=True.
-    "cpu_loop_vp": "the CPU loop runs plain pipeline stages, not virtual ones: set vp 1, or train on GPUs",
-    "cpu_loop_ep": "the CPU loop keeps every expert whole on each rank (no expert parallelism): set ep and etp 1, "
-                   "or train on GPUs",
-    "cpu_loop_pipeline_split": "the CPU loop splits the layers evenly over the pipeline stages: pipeline_split "
-                               "even, or train on GPUs",
-    "cpu_loop_pp_tied": "the CPU loop's pipeline needs untied embedding and output weights: PP 1 for a model that "
-                        "ties them, or train on GPUs",
-    "cpu_loop_sequence_parallel": "the CPU loop runs without sequence parallelism (Megatron's reduce-scatter "
-                                  "allocates on a CUDA device): set sequence_parallel false, or train on GPUs",
-    "cpu_loop_moe_tp": "an MoE model with TP > 1 needs sequence parallelism, which the CPU loop cannot run: "
-                       "TP 1 for an MoE model on CPU, or train on GPUs",
-    "cpu_loop_recompute": "the CPU loop recomputes no activations: set recompute none, or train on GPUs",
-    "cpu_loop_distributed_optimizer": "the CPU loop keeps the whole optimizer state on every data-parallel rank: "
-                                      "set distributed_optimizer false, or train on GPUs",
+    "world_size": Rule(
+        "TP x PP x CP x DP must equal the number of GPUs",
+        "make TP x PP x CP divide the number of GPUs the script starts (DP is what is left)"),
+    "tp_heads": Rule(
+        "num_attention_heads must be divisible by TP",
+        "choose a TP that divides --num-attention-heads"),
+    "tp_query_groups": Rule(
+        "num_query_groups must be divisible by TP",
+        "choose a TP that divides --num-query-groups"),
+    "tp_within_nvlink": Rule(
+        "TP must fit inside one NVLink domain (a node): TP traffic is on every layer",
+        "keep TP within one node (8 GPUs on HGX); use PP or CP across nodes"),
+    "ep_experts": Rule(
+        "num_experts must be divisible by EP",
+        "choose an --expert-model-parallel-size that divides --num-experts"),
+    "ep_without_moe": Rule(
+        "EP and expert-TP need a mixture-of-experts model",
+        "drop --expert-model-parallel-size for a dense model"),
+    "expert_folding": Rule(
+        "TP x CP x DP must be divisible by EP x expert-TP (Megatron's MoE parallel folding)",
+        "make EP x expert-TP divide TP x CP x DP"),
+    "moe_needs_sp": Rule(
+        "an MoE model with TP > 1 needs --sequence-parallel",
+        "add --sequence-parallel (MoE with TP > 1 requires it)"),
+    "pp_layers": Rule(
+        "num_layers must be divisible by PP (or by PP after counting the embedding and loss as layers)",
+        "choose a PP that divides --num-layers, or add --account-for-embedding-in-pipeline-split "
+        "--account-for-loss-in-pipeline-split, or set --decoder-first-pipeline-num-layers / "
+        "--decoder-last-pipeline-num-layers"),
+    "pp_uneven": Rule(
+        "with --decoder-first/last-pipeline-num-layers every pipeline rank needs a layer and the middle ranks "
+        "must share the rest evenly (and each rank's layers divide by the virtual stages)",
+        "give first and last stage layer counts that leave the middle ranks an even share"),
+    "vp_layers": Rule(
+        "layers per pipeline rank must be divisible by the virtual stages",
+        "choose virtual stages that divide the layers per pipeline rank"),
+    "pp_layout": Rule(
+        "Megatron's --pipeline-model-parallel-layout must name PP x VP chunks, begin with the embedding (E), "
+        "end with the loss (L), and place every transformer layer (t) and MTP layer (m) once",
+        "write --pipeline-model-parallel-layout with PP x VP chunks: E first, L last, every layer t and MTP "
+        "layer m once (references/parallelism-guide.md)"),
+    "vp_needs_pp": Rule(
+        "the interleaved schedule (VP > 1) needs PP > 1",
+        "drop the virtual pipeline flags, or use PP > 1"),
+    "vp_microbatches": Rule(
+        "with VP > 1 the number of micro-batches must be a multiple of PP",
+        "make global batch / (micro-batch x DP) a multiple of PP"),
+    "cp_sequence": Rule(
+        "seq_length must be divisible by 2 x CP (load-balanced causal context parallel)",
+        "make --seq-length divisible by 2 x CP"),
+    "gbs_divisible": Rule(
+        "global batch must be divisible by micro-batch x DP",
+        "make --global-batch-size a multiple of --micro-batch-size x DP"),
+    "fp8_arch": Rule(
+        "FP8 needs FP8 tensor cores: Ada (sm_89), Hopper (sm_90) or newer",
+        "drop --fp8-format (FP8 needs Ada, Hopper or newer)"),
+    "sp_needs_tp": Rule(
+        "sequence parallel needs TP > 1",
+        "drop --sequence-parallel, or use TP > 1"),
+    "recompute_layers": Rule(
+        "full recompute of N layers needs 1 <= N <= layers per (virtual) stage",
+        "set --recompute-num-layers between 1 and the layers per stage"),
+    "seq_positions": Rule(
+        "seq_length exceeds the learned position embeddings",
+        "raise --max-position-embeddings or lower --seq-length"),
+    "out_of_memory": Rule(
+        "predicted peak memory exceeds the GPU",
+        "more recompute, a smaller micro-batch, or more TP / PP / CP; 'launch.py plan' finds one that fits"),
+    "cp_needs_te": Rule(
+        "context parallelism needs Transformer Engine's attention (the local SDPA path has none)",
+        "install Transformer Engine (or run in an NGC PyTorch container), or set --context-parallel-size 1"),
+    "qk_norm_sp_needs_te": Rule(
+        "without Transformer Engine, Megatron's torch norm refuses sequence parallelism, and a QK-layernorm "
+        "model's attention uses it: TE's norm, or TP without sequence parallel",
+        "use Transformer Engine's layers (--transformer-impl transformer_engine), or drop --sequence-parallel"),
+    "moe_pad_needs_capacity": Rule(
+        "padding experts to capacity (pad_to_capacity) needs a capacity_factor",
+        "add --moe-expert-capacity-factor, or drop --moe-pad-expert-input-to-capacity"),
+    "moe_overlap_needs_ep": Rule(
+        "overlapping the expert all-to-all (overlap_ep_comm) needs EP > 1",
+        "drop --overlap-moe-expert-parallel-comm, or set --expert-model-parallel-size > 1"),
+    "moe_overlap_dispatcher": Rule(
+        "overlapping the expert all-to-all (overlap_ep_comm) needs the alltoall or flex dispatcher",
+        "set --moe-token-dispatcher-type alltoall (or flex) with --overlap-moe-expert-parallel-comm"),
+    "moe_overlap_needs_vp": Rule(
+        "overlapping the expert all-to-all (overlap_ep_comm) with PP > 1 needs virtual pipeline stages (VP > "
+        "1)",
+        "add --num-virtual-stages-per-pipeline-rank, or drop --overlap-moe-expert-parallel-comm"),
+    "moe_overlap_recompute": Rule(
+        "overlapping the expert all-to-all (overlap_ep_comm) excludes full recompute and the recompute of "
+        "whole MoE layers ('moe' in the MoE recompute)",
+        "use selective recompute, or drop --overlap-moe-expert-parallel-comm"),
+    "moe_flex_needs_te": Rule(
+        "the flex dispatcher (DeepEP / HybridEP) runs with Transformer Engine's MoE layers",
+        "use Transformer Engine's layers, or --moe-token-dispatcher-type alltoall"),
+    "fp8_param_gather_needs_te_fp8": Rule(
+        "gathering FP8 weights (fp8_param_gather) needs precision fp8 on Transformer Engine's layers, with "
+        "the distributed optimizer or Megatron-FSDP",
+        "drop --fp8-param-gather, or train in FP8 (--fp8-format) on Transformer Engine's layers with "
+        "--use-distributed-optimizer or Megatron-FSDP"),
+    "fsdp_needs_te": Rule(
+        "Megatron-FSDP runs with Transformer Engine's layers (its adapter asserts Transformer Engine 2.10 or "
+        "newer)",
+        "use Transformer Engine 2.10 or newer (--transformer-impl transformer_engine), or drop "
+        "--use-megatron-fsdp"),
+    "cpu_loop_vp": Rule(
+        "the CPU loop runs plain pipeline stages, not virtual ones",
+        "set vp 1, or train on GPUs"),
+    "cpu_loop_ep": Rule(
+        "the CPU loop keeps every expert whole on each rank (no expert parallelism)",
+        "set ep and etp 1, or train on GPUs"),
+    "cpu_loop_pipeline_split": Rule(
+        "the CPU loop splits the layers evenly over the pipeline stages",
+        "pipeline_split even, or train on GPUs"),
+    "cpu_loop_pp_tied": Rule(
+        "the CPU loop's pipeline needs untied embedding and output weights",
+        "PP 1 for a model that ties them, or train on GPUs"),
+    "cpu_loop_sequence_parallel": Rule(
+        "the CPU loop runs without sequence parallelism (Megatron's reduce-scatter allocates on a CUDA "
+        "device)",
+        "set sequence_parallel false, or train on GPUs"),
+    "cpu_loop_moe_tp": Rule(
+        "an MoE model with TP > 1 needs sequence parallelism, which the CPU loop cannot run",
+        "TP 1 for an MoE model on CPU, or train on GPUs"),
+    "cpu_loop_recompute": Rule(
+        "the CPU loop recomputes no activations",
+        "set recompute none, or train on GPUs"),
+    "cpu_loop_distributed_optimizer": Rule(
+        "the CPU loop keeps the whole optimizer state on every data-parallel rank",
+        "set distributed_optimizer false, or train on GPUs"),
 }
 
 

@@ -73,7 +73,7 @@ class _Rejections:
         self.table: dict[str, dict[str, Any]] = {}
 
     def add(self, rule: str, example: str, n: int = 1) -> None:
-        entry = self.table.setdefault(rule, {"count": 0, "rule": RULES.get(rule) or RULES_EXTRA[rule],
+        entry = self.table.setdefault(rule, {"count": 0, "rule": RULES[rule].message if rule in RULES else RULES_EXTRA[rule],
                                              "examples": []})
         entry["count"] += n
         if len(entry["examples"]) < 3 and example not in entry["examples"]:

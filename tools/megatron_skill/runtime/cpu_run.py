@@ -55,9 +55,8 @@ def cpu_layout(req: dict, model: ModelConfig, procs: int, seq: int) -> Layout:
     rule = check_layout(lay, model, cpu_ranks(procs), procs, te=False, cpu_loop=True)
     if rule:
         raise ToolError("infeasible", f"the layout {lay.label()} cannot run in the CPU loop on {procs} "
-                        f"process(es): it breaks the rule {rule!r}: {RULES[rule]}", where="/layout",
-                        fix="change the layout as the rule says (num_gpus is the CPU run's processes), "
-                            "or train on GPUs (backend gpu)")
+                        f"process(es): it breaks the rule {rule!r}: {RULES[rule].message}", where="/layout",
+                        fix=f"{RULES[rule].fix} (num_gpus is the CPU run's processes; backend gpu trains on GPUs)")
     return lay
 
 

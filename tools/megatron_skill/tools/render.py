@@ -109,7 +109,7 @@ def _needs_te(lay: Layout, model, gpu) -> str:
     """What of the layout only Transformer Engine's layers run, in words (the rule it breaks on
     local layers); empty when the local layers run it too."""
     rule = check_layout(lay, model, gpu, lay.world_size, te=False)
-    return RULES[rule] if rule in ("cp_needs_te", "qk_norm_sp_needs_te") else ""
+    return RULES[rule].message if rule in ("cp_needs_te", "qk_norm_sp_needs_te") else ""
 
 
 def _layout_from_request(req: dict, model, gpu, n_gpus: int, seq: int, gbs: int) -> tuple[Layout, Any]:
@@ -125,8 +125,8 @@ def _layout_from_request(req: dict, model, gpu, n_gpus: int, seq: int, gbs: int)
         lay = Layout(**fields)
         rule = check_layout(lay, model, gpu, n_gpus, req["transformer_engine"], opts.moe, opts.megatron)
         if rule:
-            raise ToolError("infeasible", f"the layout {lay.label()} breaks the rule {rule!r}: {RULES[rule]}",
-                            where="/layout", fix="run plan and take one of its layouts")
+            raise ToolError("infeasible", f"the layout {lay.label()} breaks the rule {rule!r}: {RULES[rule].message}",
+                            where="/layout", fix=f"{RULES[rule].fix}; or run plan and take one of its layouts")
         cand = predict(model, gpu, lay, padded_vocab_size(model.vocab_size, lay.tp), opts)
         if cand.peak_gib > gpu.memory_gib:
             raise ToolError("infeasible", f"the layout {lay.label()} needs {cand.peak_gib:.1f} GiB per GPU, "

@@ -37,43 +37,6 @@ from ..core.model import ModelConfig
 from ..core.moe import MoEOptions
 from ..errors import ToolError
 
-# Layout rules that validate reports with a fix of its own words.
-RULE_FIXES = {
-    "world_size": "make TP x PP x CP divide the number of GPUs the script starts (DP is what is left)",
-    "tp_heads": "choose a TP that divides --num-attention-heads",
-    "tp_query_groups": "choose a TP that divides --num-query-groups",
-    "tp_within_nvlink": "keep TP within one node (8 GPUs on HGX); use PP or CP across nodes",
-    "ep_experts": "choose an --expert-model-parallel-size that divides --num-experts",
-    "ep_without_moe": "drop --expert-model-parallel-size for a dense model",
-    "expert_folding": "make EP x expert-TP divide TP x CP x DP",
-    "moe_needs_sp": "add --sequence-parallel (MoE with TP > 1 requires it)",
-    "pp_layers": "choose a PP that divides --num-layers, or add --account-for-embedding-in-pipeline-split "
-                 "--account-for-loss-in-pipeline-split, or set --decoder-first-pipeline-num-layers / "
-                 "--decoder-last-pipeline-num-layers",
-    "pp_uneven": "give first and last stage layer counts that leave the middle ranks an even share",
-    "vp_layers": "choose virtual stages that divide the layers per pipeline rank",
-    "pp_layout": "write --pipeline-model-parallel-layout with PP x VP chunks: E first, L last, every layer t and "
-                 "MTP layer m once (references/parallelism-guide.md)",
-    "vp_needs_pp": "drop the virtual pipeline flags, or use PP > 1",
-    "vp_microbatches": "make global batch / (micro-batch x DP) a multiple of PP",
-    "cp_sequence": "make --seq-length divisible by 2 x CP",
-    "gbs_divisible": "make --global-batch-size a multiple of --micro-batch-size x DP",
-    "fp8_arch": "drop --fp8-format (FP8 needs Ada, Hopper or newer)",
-    "cp_needs_te": "install Transformer Engine (or run in an NGC PyTorch container), or set "
-                   "--context-parallel-size 1",
-    "qk_norm_sp_needs_te": "use Transformer Engine's layers (--transformer-impl transformer_engine), or drop "
-                           "--sequence-parallel",
-    "sp_needs_tp": "drop --sequence-parallel, or use TP > 1",
-    "recompute_layers": "set --recompute-num-layers between 1 and the layers per stage",
-    "seq_positions": "raise --max-position-embeddings or lower --seq-length",
-    "moe_pad_needs_capacity": "add --moe-expert-capacity-factor, or drop --moe-pad-expert-input-to-capacity",
-    "moe_flex_needs_te": "use Transformer Engine's layers, or --moe-token-dispatcher-type alltoall",
-    "moe_overlap_needs_ep": "drop --overlap-moe-expert-parallel-comm, or set --expert-model-parallel-size > 1",
-    "moe_overlap_dispatcher": "set --moe-token-dispatcher-type alltoall (or flex) with "
-                              "--overlap-moe-expert-parallel-comm",
-    "moe_overlap_needs_vp": "add --num-virtual-stages-per-pipeline-rank, or drop --overlap-moe-expert-parallel-comm",
-    "moe_overlap_recompute": "use selective recompute, or drop --overlap-moe-expert-parallel-comm",
-}
 # What Megatron's validate_args warns of, by the rule the skill knows it as (so that a warning
 # is not said twice); anything else it says keeps the code megatron_warning.
 MEGATRON_WARNING_CODES = (("Disabling sequence parallelism", "sp_needs_tp"),)
@@ -423,7 +386,7 @@ def _check_layout(launch: Launch, ns: argparse.Namespace, model: ModelConfig, gp
     lay = described.layout_from_args(ns, model, world, assumed)
     uneven = _uneven_virtual_split(ns, model, lay.pp)
     if uneven:
-        findings.append(_finding("vp_layers", uneven, RULE_FIXES["vp_layers"],
+        findings.append(_finding("vp_layers", uneven, RULES["vp_layers"].fix,
                                  launch.where("--num-layers-per-virtual-pipeline-stage")))
         lay = dataclasses.replace(lay, vp=1)   # costed without the virtual stages it cannot have
     result["layout"] = {**lay.to_json(), **({"vp": None} if uneven else {})}
@@ -432,7 +395,7 @@ def _check_layout(launch: Launch, ns: argparse.Namespace, model: ModelConfig, gp
     if world is not None and world % (lay.tp * lay.pp * lay.cp):
         findings.append(_finding("world_size", f"{world} GPUs cannot be split into TP {lay.tp} x PP {lay.pp} x "
                                  f"CP {lay.cp} (DP would be {world / (lay.tp * lay.pp * lay.cp):.2f})",
-                                 RULE_FIXES["world_size"]))
+                                 RULES["world_size"].fix))
     te = described.transformer_engine(ns)
     moe = MoEOptions.from_args(ns)
     for rule in broken_rules(lay, model, gpu or get_gpu("h100-sxm"), lay.world_size, te=te, moe=moe):
@@ -443,10 +406,10 @@ def _check_layout(launch: Launch, ns: argparse.Namespace, model: ModelConfig, gp
         if rule == "sp_needs_tp":
             if not have_megatron:  # where Megatron runs, its own warning says it
                 findings.append(_finding(rule, "sequence parallel at TP 1: Megatron switches it off (a warning, "
-                                         "not an error)", RULE_FIXES[rule], launch.where("--sequence-parallel"),
+                                         "not an error)", RULES[rule].fix, launch.where("--sequence-parallel"),
                                          severity="warning"))
             continue
-        findings.append(_finding(rule, RULES[rule], RULE_FIXES.get(rule, "see the rule")))
+        findings.append(_finding(rule, RULES[rule].message, RULES[rule].fix))
     if lay.sequence_parallel and lay.tp == 1:
         lay = dataclasses.replace(lay, sequence_parallel=False)
     # Megatron asserts it on Hopper and older, unless FSDP or the MoE all-to-all overlap run (they
