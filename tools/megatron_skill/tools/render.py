@@ -185,8 +185,8 @@ def _k8s_context(context: dict, k8s: dict, run_id: str, nodes: int, req: dict, t
     and Megatron vector as every launcher) that each pod runs."""
     env = [("RUN_ID", run_id), ("RUN_DIR", context["run_dir"]), ("PYTHON", req["python"]),
            ("MEGATRON_SKILL_HOME", context["skill_home"])]
-    if context["data_from_env"]:  # the two values a user fills in (the step says so when they are empty)
-        env += [("DATA_PATH", ""), ("TOKENIZER_MODEL", "")]
+    if context["data_from_env"]:  # the values a user fills in (the step says so when they are empty)
+        env += [("DATA_PATH", "")] + ([("TOKENIZER_MODEL", "")] if context["tokenizer_from_env"] else [])
     env += list(context["env"].items())
     step = _environment().get_template("kubernetes_step.sh.j2").render(**context)
     step = megatron_args.JOB_VARIABLE.sub(r'"$\1"', step)
@@ -204,10 +204,35 @@ def _data_checks(training: dict) -> list[str]:
     start = [_quote(training["pretrained"])] if training.get("pretrained") else []  # the weights to start from
     if training.get("mock_data"):
         return start
+    given = [_quote(training[f]) for f in TOKENIZER_FILES if training.get(f)]
     if not training.get("data_path"):
-        return ['"$DATA_PATH.bin"', '"$DATA_PATH.idx"', '"$TOKENIZER_MODEL"'] + start
+        return ['"$DATA_PATH.bin"', '"$DATA_PATH.idx"'] + (['"$TOKENIZER_MODEL"'] if _tokenizer_from_env(training)
+                                                          else given) + start
     words = [_quote(p + ext) for p in training["data_path"] if not is_weight(p) for ext in (".bin", ".idx")]
-    return words + [_quote(training[f]) for f in TOKENIZER_FILES if training.get(f)] + start
+    return words + given + start
+
+
+def _data_mounts(training: dict, mounts: list[str]) -> list[str]:
+    """The folders of the datasets and the tokenizer files the request names, mounted into the
+    container at their own paths (the job step checks and reads them there), unless a mount
+    already covers them (the import's folder holds its tokenizer before it exists). Relative
+    paths are the job's own and are left as they are."""
+    named = [(f"/training/data_path/{i}", str(Path(p).parent)) for i, p in enumerate(training.get("data_path") or [])
+             if not is_weight(p)] + [(f"/training/{f}", training[f]) for f in TOKENIZER_FILES if training.get(f)]
+    targets = [m.split(":")[1] for m in mounts]
+    added = []
+    for where, path in named:
+        path = path.rstrip("/") or "/"
+        if not path.startswith("/") or any(path == t or path.startswith(t.rstrip("/") + "/") for t in targets):
+            continue
+        if path == "/" or not MOUNTABLE.match(path):
+            raise ToolError("bad_request", f"{path!r} cannot be mounted into the container (the folder / itself, or "
+                            "characters a mount list cannot carry)", where=where,
+                            fix="keep data and tokenizer in a folder of their own, named with letters, digits and "
+                                ". _ / @ + - only, or mount it yourself with container.mounts")
+        targets.append(path)
+        added.append(f"{path}:{path}")
+    return added
 
 
 # Megatron's tokenizer types for GPT text (megatron.core.tokenizers' build_tokenizer): the
@@ -238,6 +263,13 @@ def tokenizer_type(training: dict) -> str:
 
 def _data_from_env(training: dict) -> bool:
     return not training.get("data_path") and not training.get("mock_data")
+
+
+def _tokenizer_from_env(training: dict) -> bool:
+    """TOKENIZER_MODEL comes from the job's environment with its data, unless the request names the
+    tokenizer (given, or the import's) or its type reads no such file."""
+    return (_data_from_env(training) and not training.get("tokenizer_model")
+            and "tokenizer_model" in TOKENIZERS[tokenizer_type(training)][0])
 
 
 def check_tokenizer(training: dict) -> None:
@@ -486,6 +518,8 @@ def build(req: dict, ctx: Context) -> dict[str, Any]:
     if container and job.importing:  # the job's container sees the Hugging Face folder and the import's folder
         container["mounts"] = [*container["mounts"], *(f"{p}:{p}" for p in (job.importing["hf_model"],
                                                                              job.importing["parent"]))]
+    if container:  # the data and the tokenizer the request names, where the job step looks for them
+        container["mounts"] = [*container["mounts"], *_data_mounts(training, container["mounts"])]
     flags = _flags(job, training, start is not None)
     if start:
         start = {**start, "loading": _start_description(training)}
@@ -642,7 +676,7 @@ def _script_context(job: _Job, training: dict, start: dict | None, container: di
         "python": req["python"], "skill_home": _job_path(req, "skill_home") or "",
         "skill_home_default": _home_relative_skill(), "megatron_lm": req.get("megatron_lm"), "container": container,
         "fp8_local_note": _fp8_local_note(lay), "data_checks": _data_checks(training),
-        "data_from_env": not training.get("data_path") and not training.get("mock_data"),
+        "data_from_env": _data_from_env(training), "tokenizer_from_env": _tokenizer_from_env(training),
         "entry": entry, "env": flags.env, "arg_lines": _group_args(flags.common), "no_te_flags": flags.local,
         "te_args": flags.te, "needs_te": _needs_te(lay, job.model, job.gpu), "fp8": lay.precision == "fp8",
         "fp8_local": flags.fp8_local, "parser_check": flags.parser_check, "master_port": req["master_port"],
