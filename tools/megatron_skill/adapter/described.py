@@ -237,6 +237,16 @@ def _pipeline_split(ns: Any, num_layers: int, pp: int) -> dict[str, Any]:
             "last_stage_layers": share if last is None else last}
 
 
+
+def logged_run(dumped: dict) -> tuple[Any, ModelConfig | None, Layout | None, dict[str, str], str | None]:
+    """A log's argument dump as (its arguments, the model, the layout, what was assumed where an
+    argument was missing, why there is no model where there is none)."""
+    ns = Args(dumped)
+    assumed: dict[str, str] = {}
+    model, why = model_from_args(ns, assumed)
+    lay = layout_from_args(ns, model, None, assumed) if model is not None else None
+    return ns, model, lay, assumed, why
+
 def skill_entry(ns: Any) -> bool:
     """Whether the arguments are for the skill's entry script (its own flags are set)."""
     return any(getattr(ns, k, None) for k in ("skill_entry", "skill_linear_cross_entropy", "skill_fp8_linear",

@@ -60,12 +60,9 @@ def why_slow(dumped: dict, gpu_name: str | None, summary: dict) -> dict[str, Any
     if not gpu_name:
         return {"skipped": "name the GPU the run used (gpu) to compare its speed with the planner's prediction"}
     gpu = get_gpu(gpu_name, where="/gpu")
-    ns = described.Args(dumped)
-    assumed: dict[str, str] = {}
-    model, why = described.model_from_args(ns, assumed)
+    ns, model, lay, assumed, why = described.logged_run(dumped)
     if model is None:
         return {"skipped": why}
-    lay = described.layout_from_args(ns, model, None, assumed)
     if lay.sequence_parallel and lay.tp == 1:
         lay = dataclasses.replace(lay, sequence_parallel=False)
     as_run = _Variant(lay, described.runtime_options(ns), described.memory_options(ns, assumed))

@@ -126,12 +126,9 @@ def _prediction(dumped: dict, gpu_name: str | None, summary: dict, ctx: Context)
     """What the planner predicts for the log's own model and layout (read from its argument
     dump), beside what the log measured; where the GPU is named, plan's best layout for the
     same model and GPU count too."""
-    ns = described.Args(dumped)
-    assumed: dict[str, str] = {}
-    model, why = described.model_from_args(ns, assumed)
+    ns, model, lay, assumed, why = described.logged_run(dumped)
     if model is None:
         return {"skipped": why}
-    lay = described.layout_from_args(ns, model, None, assumed)
     try:
         mem = memory_report(model, lay, padded_vocab_size(model.vocab_size, lay.tp), described.memory_options(ns, assumed))
     except (ZeroDivisionError, ValueError) as e:
