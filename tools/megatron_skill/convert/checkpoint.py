@@ -174,6 +174,56 @@ def _join_legacy(folder: Path, spec, layout: dict) -> dict[str, Any]:
     return {name: tp_join(name, parts, spec) for name, parts in pieces.items() if parts[0] is not None}
 
 
+# ---- what a model of Transformer Engine's layers loads ------------------------------------
+def te_loadable_state_dict(model) -> dict[str, Any]:
+    """model.sharded_state_dict() (the local layers the import builds), and what a model of
+    Transformer Engine's layers (Megatron's TE layer spec, the GPU run's) asks for beside it, so
+    that Megatron's default strict load finds every key in the checkpoint:
+
+    - an MoE layer's pre-MLP norm under its own name too: the local spec's
+      sharded_state_dict_keys_map saves pre_mlp_layernorm as mlp.linear_fc1.layer_norm_* in
+      every layer, where TE's layer spec fuses it into linear_fc1 only in dense layers (its MoE
+      layer keeps pre_mlp_layernorm, a TENorm);
+    - an empty _extra_state for every norm saved under its own name (final, QK and those MoE
+      norms): each is a TE module in TE's spec, which saves an empty one outside FP8. The norms
+      fused into a TE linear share the linear's, which Megatron's local linears already save.
+
+    The keys and offsets are Megatron's own (the layers' sharded_state_dict, its helper for
+    extra state); tests/test_convert_te_names.py loads the result into Megatron's TE layers."""
+    import dataclasses
+
+    import torch
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.utils import make_sharded_object_for_checkpoint
+
+    local = model.sharded_state_dict()
+    moe = [layer for layer in model.decoder.layers if isinstance(layer.mlp, MoELayer)]
+    kept = [layer.submodules_config for layer in moe]
+    try:
+        for layer in moe:
+            keys_map = {k: v for k, v in layer.submodules_config.sharded_state_dict_keys_map.items()
+                        if k != "pre_mlp_layernorm."}
+            layer.submodules_config = dataclasses.replace(layer.submodules_config, sharded_state_dict_keys_map=keys_map)
+        te = model.sharded_state_dict()
+    finally:
+        for layer, config in zip(moe, kept):
+            layer.submodules_config = config
+    out = dict(local)
+    for name, module in model.named_modules():
+        if not isinstance(module, (torch.nn.RMSNorm, torch.nn.LayerNorm)):
+            continue
+        sh = te.get(f"{name}.weight")
+        if not isinstance(sh, ShardedTensor) or not sh.key.endswith(f"{name.rsplit('.', 1)[-1]}.weight"):
+            continue  # fused into a TE linear under TE's spec
+        if sh.key != local[f"{name}.weight"].key:
+            out[f"{name}.weight (TE)"] = sh
+        offsets = [(axis, sh.global_offset[axis], sh.global_shape[axis]) for axis in range(sh.prepend_axis_num)]
+        out[f"{name}._extra_state"] = make_sharded_object_for_checkpoint(
+            torch.empty(0, dtype=torch.uint8), sh.key[:-len("weight")] + "_extra_state", offsets, replica_id=sh.replica_id)
+    return out
+
+
 # ---- the import worker ---------------------------------------------------------------------
 def worker(config_path: str) -> None:
     """One rank of an import: build this rank's piece, fill it, join the collective save."""
@@ -217,7 +267,7 @@ def worker(config_path: str) -> None:
                               num_layers=spec.num_layers, hidden_size=spec.hidden_size,
                               num_attention_heads=spec.num_attention_heads, ckpt_format="torch_dist")
     say(f"import: saving the torch_dist checkpoint to {cfg['out']}")
-    dist_checkpointing.save({"model": model.sharded_state_dict(), "checkpoint_version": 3.0, "iteration": 0,
+    dist_checkpointing.save({"model": te_loadable_state_dict(model), "checkpoint_version": 3.0, "iteration": 0,
                              "args": args}, cfg["out"])
     peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0])  # KiB -> MiB
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
