@@ -33,16 +33,18 @@ def same_model(hf_folder: Path, model, where: str, what: str) -> None:
                         fix=f"train it as the imported model: hf_config {hf_folder}")
 
 
-def describe(path: str, model, tp: int, need_local: bool) -> dict[str, Any]:
+def describe(path: str, model, tp: int, need_local: bool, job_imports: bool = False) -> dict[str, Any]:
     """What a run from the checkpoint at path needs: the vocabulary divisor, the tokenizer of an
     import, and whether the checkpoint could be checked here (a rendered script's path may exist
-    only where the job runs). need_local: the run happens here, so the checkpoint must too."""
+    only where the job runs). need_local: the run happens here, so the checkpoint must too.
+    job_imports: the job imports into path before it trains, so a folder here without a finished
+    checkpoint (made by hand, or left by an import cut short) is what that import fills, not an error."""
     from ..core.flops import padded_vocab_size
 
     root = guarded.check_names(path, WHERE)
     rows = padded_vocab_size(model.vocab_size, 1)  # what the skill's imports hold
     info: dict[str, Any] = {"path": path, "checked": False, "tokenizer": None}
-    if root.is_dir():
+    if root.is_dir() and not (job_imports and not guarded.has_tracker(root)):
         checkpoint.check_tracker(root, WHERE)
         folder = checkpoint.iteration_dir(root)
         if checkpoint.kind(folder) != "torch_dist":

@@ -596,7 +596,8 @@ def _training(job: _Job) -> tuple[dict, dict | None, list[str]]:
     training.setdefault("vocab_size", model.vocab_size)
     start = None
     if training.get("pretrained"):
-        start = pretrained.describe(training["pretrained"], model, job.lay.tp, need_local=False)
+        start = pretrained.describe(training["pretrained"], model, job.lay.tp, need_local=False,
+                                    job_imports=job.importing is not None)
         training.update(pretrained=_path(training["pretrained"]), vocab_divisor=start["vocab_divisor"])
         tokenizer = start["tokenizer"] or (job.importing or {}).get("tokenizer")
         if (tokenizer and not training.get("tokenizer_model") and not training.get("mock_data")
