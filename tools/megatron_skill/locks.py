@@ -13,6 +13,7 @@ import fcntl
 import json
 import os
 import socket
+import stat
 import time
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,10 @@ class Busy(Exception):
     def __init__(self, owner: dict[str, Any]):
         super().__init__(f"held by {owner or 'another process'}")
         self.owner = owner
+
+
+class NotALockFile(OSError):
+    """The lock's name holds something else than a regular file."""
 
 
 class FileLock:
@@ -38,16 +43,28 @@ class FileLock:
         self.fd: int | None = None
 
     def acquire(self) -> "FileLock":
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        """The lock; Busy while another process holds it; OSError when the lock's name holds no
+        lock file of ours: a symbolic link (never followed: the owner record would be written
+        wherever it points), a FIFO, a device or a folder (NotALockFile)."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
         try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise NotALockFile(f"{self.path} is not a regular file")
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
             raise Busy(self.owner()) from None
+        except BaseException:
+            os.close(fd)
+            raise
         if self.record_owner:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                      "since": time.time()}).encode(), 0)
+            try:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                          "since": time.time()}).encode(), 0)
+            except BaseException:
+                os.close(fd)   # gives the lock back too
+                raise
         self.fd = fd
         return self
 
@@ -64,7 +81,7 @@ class FileLock:
         if not self.path.exists():
             return False
         try:
-            fd = os.open(self.path, os.O_RDONLY)
+            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)   # a FIFO would wait
         except OSError:
             return False
         try:
@@ -79,10 +96,13 @@ class FileLock:
     def owner(self) -> dict[str, Any]:
         if not self.record_owner:
             return {}
+        from .files import read_regular
+
         try:
-            return json.loads(self.path.read_text() or "{}")
-        except (OSError, ValueError):
+            owner = json.loads(read_regular(self.path, 4096) or b"{}")   # bounded: never a device's endless read
+        except (OSError, ValueError, RecursionError):
             return {}
+        return owner if isinstance(owner, dict) else {}
 
     def __enter__(self) -> "FileLock":
         return self.acquire()
