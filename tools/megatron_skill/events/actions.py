@@ -16,12 +16,14 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import os
 import re
 import shlex
 import sys
 from pathlib import Path
 from typing import Any
 
+from .. import files
 from ..contract import ROOT, Context, invoke
 from ..errors import ToolError
 from ..files import read_regular
@@ -51,30 +53,49 @@ class Run:
     def __init__(self, run_dir: Path, event: dict[str, Any]):
         self.dir = run_dir
         self.request = _json(run_dir / "request.json")
-        self.state = _json(run_dir / "state.json") or {}
+        self.state = _state(_json(run_dir / "state.json") or {})
         # train's relative paths (runs_root, data) start where it ran: a resume runs from there too.
         self.cwd = self.state.get("cwd") or str(run_dir.parent.parent)
-        self.script = next((run_dir / s for s in SCRIPTS if (run_dir / s).is_file()), None)
-        self.ckpt_dir = Path(((self.state.get("request") or {}).get("training") or {}).get("save")
-                             or run_dir / "checkpoints")
+        self.script = next((run_dir / s for s in SCRIPTS if files.is_file(run_dir / s)), None)
+        save = _of(_of(self.state.get("request"), dict).get("training"), dict).get("save")
+        self.ckpt_dir = Path(save) if isinstance(save, str) and save and "\0" not in save else run_dir / "checkpoints"
         given = Path(event["log"]) if event.get("log") else None
-        self.log = given if given and given.is_file() else run_dir / "logs" / "train.log"
+        self.log = given if given and files.is_file(given) else run_dir / "logs" / "train.log"
 
     def checkpoints(self) -> list[int]:
         found = []
-        for path in self.ckpt_dir.glob("iter_*"):
-            m = re.fullmatch(r"iter_(\d+)", path.name)
-            if m and path.is_dir():
+        try:
+            names = os.listdir(self.ckpt_dir)
+        except (OSError, ValueError):
+            return []
+        for name in names:
+            m = re.fullmatch(r"iter_(\d{1,12})", name)
+            if m and files.is_dir(self.ckpt_dir / name):
                 found.append(int(m.group(1)))
         return sorted(found)
 
 
+def _of(value: Any, kind: type) -> Any:
+    return value if isinstance(value, kind) else kind()
+
+
+# The fields of train's state.json that the actions read, by type; one of another type (a damaged or
+# forged record) is left out, as if train had not written it.
+STATE_FIELDS = {"cwd": str, "gpu": str, "backend": str, "status": str, "layout": dict, "request": dict,
+                "result": dict}
+
+
+def _state(state: dict[str, Any]) -> dict[str, Any]:
+    out = {k: v for k, v in state.items() if k not in STATE_FIELDS or isinstance(v, STATE_FIELDS[k])}
+    if "layout" in out:   # numbers of a layout (seq_length, gbs) are multiplied and formatted
+        out["layout"] = {k: v for k, v in out["layout"].items() if isinstance(v, int) and not isinstance(v, bool)
+                         and 0 < v < 2**40}
+    return out
+
+
 def _json(path: Path) -> dict[str, Any] | None:
-    try:
-        value = json.loads(read_regular(path, MAX_RECORD_BYTES))
-    except (OSError, ValueError, RecursionError):
-        return None
-    return value if isinstance(value, dict) else None
+    """A record of the run (strict JSON, an object), or None for anything else."""
+    return files.read_record(path)
 
 
 def facts(run: Run, event: dict[str, Any], ctx: Context) -> dict[str, Any]:
@@ -189,7 +210,7 @@ def _train_request(run: Run) -> dict[str, Any]:
     """The run's train request with what train had filled in (GPU count, GPU type), so that
     plan and render see the job as it ran."""
     req = dict(run.request or {})
-    resolved = run.state.get("request") or {}
+    resolved = run.state.get("request") or {}   # a dict (Run keeps only what has train's types)
     for key in ("num_gpus", "nodes", "gpus_per_node"):
         if req.get(key) is None and resolved.get(key) is not None:
             req[key] = resolved[key]
@@ -205,8 +226,19 @@ def _proposal(folder: Path, name: str, request: dict[str, Any]) -> dict[str, Any
 
 
 def relayout(run: Run, found: dict[str, Any], proposals: Path, ctx: Context) -> dict[str, Any]:
-    """A layout that plan says fits once the memory the failed one was short of is counted:
-    plan for the same model, GPUs and batch with headroom for the planner's error on this job
+    """A layout that plan says fits once the memory the failed one was short of is counted; a run
+    whose train request plan or render do not take (a damaged or hand-edited request.json) is a
+    person's to look at."""
+    try:
+        return _relayout(run, found, proposals, ctx)
+    except ToolError as e:
+        return {"kind": "relayout", "needs_person": True, "why": f"out of memory, and the run's train request "
+                f"({run.dir / 'request.json'}) is not one the tools take ({e.code} at {e.where}: {e.message}): "
+                "run plan for this model and GPU with a smaller micro-batch or more recompute"}
+
+
+def _relayout(run: Run, found: dict[str, Any], proposals: Path, ctx: Context) -> dict[str, Any]:
+    """plan for the same model, GPUs and batch with headroom for the planner's error on this job
     (the GPU's memory less what was predicted, which the job went past) and 5 % more."""
     from .. import contract
     from ..core.catalog import get_gpu
@@ -216,6 +248,7 @@ def relayout(run: Run, found: dict[str, Any], proposals: Path, ctx: Context) -> 
         return {"kind": "relayout", "needs_person": True, "why": "out of memory, and the run's GPU type is not "
                 "recorded: run plan for this model with the GPU named and a smaller micro-batch or more recompute"}
     old = run.state.get("result", {}).get("layout") or req.get("layout") or {}
+    old = old if isinstance(old, dict) else {}
     render_fields = contract.request_fields("render") - {"dry_run", "output_dir", "run_dir"}
     old_render = invoke("render", {**{k: v for k, v in req.items() if k in render_fields}, "dry_run": True,
                                    "run_id": run.dir.name, "output_dir": str(run.dir), "run_dir": str(run.dir)}, ctx)
@@ -233,7 +266,7 @@ def relayout(run: Run, found: dict[str, Any], proposals: Path, ctx: Context) -> 
                 "batch"}
     best = plans[0]
     layout = {k: v for k, v in best["layout"].items() if k not in ("world_size", "expert_dp", "num_microbatches")}
-    training = dict(req.get("training") or {})
+    training = dict(req.get("training") if isinstance(req.get("training"), dict) else {})
     if training.get("checkpoint", True) and not training.get("save"):
         training["save"] = str(run.ckpt_dir)  # the new layout continues from this run's checkpoints
     new_req = {**{k: v for k, v in req.items() if k not in ("resume", "dry_run")}, "layout": layout,
@@ -242,7 +275,11 @@ def relayout(run: Run, found: dict[str, Any], proposals: Path, ctx: Context) -> 
     new_render = invoke("render", {**{k: v for k, v in new_req.items() if k in render_fields}, "dry_run": True}, ctx)
     text = new_render["files"][0]["content"]
     check = invoke("validate", {"script_text": text, "gpu": req["gpu"]}, ctx)
-    old_text = run.script.read_text(errors="replace") if run.script else old_render["files"][0]["content"]
+    try:
+        old_text = read_regular(run.script, MAX_RECORD_BYTES).decode("utf-8", "replace") if run.script else None
+    except OSError:
+        old_text = None
+    old_text = old_render["files"][0]["content"] if old_text is None else old_text
     diff = "".join(difflib.unified_diff(old_text.splitlines(True), text.splitlines(True), "before", "after", n=1))
     argv = [sys.executable, str(LAUNCH), "train", "--request", proposal["path"]]
     return {"kind": "relayout", "cwd": run.cwd, "needs_person": False,
@@ -279,11 +316,11 @@ def rollback(run: Run, event: dict[str, Any], found: dict[str, Any], lr_factor: 
                     f"echo {good} > {shlex.quote(str(tracker))}")
     action: dict[str, Any] = {"kind": "rollback", "needs_person": True, "commands": commands,
                               "why": f"{why}; checkpoint {good} is the last saved before it"}
-    if run.request:
-        req = _train_request(run)
-        training = dict(req.get("training") or {})
-        lr = training.get("lr", 3e-4)
-        training.update(lr=lr * lr_factor, min_lr=min(training.get("min_lr", 3e-5), lr * lr_factor) * lr_factor,
+    req = _train_request(run)
+    training = dict(req.get("training") if isinstance(req.get("training"), dict) else {})
+    lr, min_lr = training.get("lr", 3e-4), training.get("min_lr", 3e-5)
+    if run.request and all(_positive(x) for x in (lr, min_lr)):
+        training.update(lr=lr * lr_factor, min_lr=min(min_lr, lr * lr_factor) * lr_factor,
                         override_scheduler=True, save=training.get("save") or str(run.ckpt_dir))
         new_req = {**{k: v for k, v in req.items() if k not in ("resume", "dry_run")}, "training": training}
         proposal = _proposal(proposals, "rollback", new_req)
@@ -293,6 +330,10 @@ def rollback(run: Run, event: dict[str, Any], found: dict[str, Any], lr_factor: 
         action["why"] += (f"; then continue from it with the learning rate {lr:g} -> {lr * lr_factor:g} (a new "
                           "request: its run shares this run's checkpoints)")
     return action
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < 1e6
 
 
 def with_evidence(action: dict[str, Any], found: dict[str, Any]) -> dict[str, Any]:
@@ -311,8 +352,10 @@ def _stop_command(run: Run, event: dict[str, Any]) -> str:
     if job.get("scheduler") == "slurm":
         return f"scancel {shlex.quote(job['job_id'])}"
     owner = _json(run.dir / "run.lock") or {}
-    if owner.get("pid"):
-        return f"kill -TERM {int(owner['pid'])}  # the train tool on {owner.get('host', 'its host')}: it stops the job"
+    pid, host = owner.get("pid"), owner.get("host")
+    if isinstance(pid, int) and not isinstance(pid, bool) and 0 < pid < 2**31:
+        host = host if isinstance(host, str) else "its host"
+        return f"kill -TERM {pid}  # the train tool on {host[:255]}: it stops the job"
     return f"stop job {job['job_id']} on {job.get('host', 'its host')} (kill its torchrun)"
 
 

@@ -10,11 +10,13 @@ log patterns), so the job's own Python runs it.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
 import re
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -25,11 +27,22 @@ from pathlib import Path
 from typing import Any
 
 from ..adapter import log as megatron_log
-from ..files import read_tail
+from ..files import read_regular, read_tail
 from . import event as ev
 
 RECORD = "events.jsonl"  # in the run directory: every event the run's emitters made, one per line
 TAIL_LINES = 20
+
+
+def _open_record(path: Path, flags: int, mode: int) -> int:
+    """A descriptor of the run's own file at path (made where missing): never a symbolic link (an
+    append would go wherever it points), a FIFO (a write would wait for a reader) or a device."""
+    fd = os.open(path, flags | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file", str(path))
+    os.set_blocking(fd, True)
+    return fd
 
 
 def record(run_dir: Path | None, event: dict[str, Any]) -> None:
@@ -39,7 +52,7 @@ def record(run_dir: Path | None, event: dict[str, Any]) -> None:
         return
     line = (json.dumps(event, sort_keys=True, allow_nan=False) + "\n").encode()
     try:
-        fd = os.open(Path(run_dir) / RECORD, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = _open_record(Path(run_dir) / RECORD, os.O_WRONLY | os.O_APPEND, 0o644)
         try:
             os.write(fd, line)
         finally:
@@ -53,6 +66,7 @@ def record(run_dir: Path | None, event: dict[str, Any]) -> None:
 TRY_TIMEOUT_S = 20.0
 DEADLINE_S = 30.0  # all tries of one event at a job's end, and of the events still waiting
 OUTBOX = "events.outbox.jsonl"  # in the run directory: events to deliver, and each one's outcome
+OUTBOX_MAX_BYTES = 64 * 2**20
 OUTBOX_MAX_AGE_S = 3600.0  # on-event refuses older events (policy.max_age_s): delivering them is moot
 FUTURE_S = 300.0  # on-event refuses events dated further ahead (its clock skew): not sent either
 BACKGROUND = ("job.started",)  # delivered by a process of its own: a job never waits at its start
@@ -101,7 +115,7 @@ def post(event: dict[str, Any], url: str, token: str | None, deadline_s: float =
 # ---- the outbox: what is still to be delivered, kept across emitter calls ---------------------
 def _append(path: Path, record: dict[str, Any]) -> None:
     """One line appended and flushed to disk (a crash right after still has it)."""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    fd = _open_record(path, os.O_WRONLY | os.O_APPEND, 0o600)
     try:
         os.write(fd, (json.dumps(record, sort_keys=True, allow_nan=False) + "\n").encode())
         os.fsync(fd)
@@ -119,7 +133,7 @@ def waiting(run_dir: Path, now: float | None = None, max_age_s: float | None = N
     now = time.time() if now is None else now
     max_age_s = schedule()[2] if max_age_s is None else max_age_s
     try:
-        lines = (run_dir / OUTBOX).read_text(errors="replace").splitlines()
+        lines = read_regular(run_dir / OUTBOX, OUTBOX_MAX_BYTES).decode("utf-8", "replace").splitlines()
     except OSError:
         return []
     queued, done = {}, set()
@@ -173,7 +187,11 @@ def _lock(path: Path, wait_s: float):
     all of wait_s (0: do not wait)."""
     import fcntl
 
-    handle = open(path, "a")
+    try:
+        handle = os.fdopen(_open_record(path, os.O_RDWR, 0o600), "rb")
+    except OSError as e:
+        print(f"emit: no lock at {path}: {e.strerror or e}", file=sys.stderr)
+        return None
     end = time.monotonic() + wait_s
     while True:
         try:

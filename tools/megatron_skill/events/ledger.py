@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import stat
 import time
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,9 @@ RELAUNCHING = ("resume", "relayout")  # the actions that start the job again: on
 
 _NUMBER = {"type": "number"}
 _TEXT = {"type": "string"}
+# A decided action as on-event answers it (its response schema), with the command it starts.
+ACTION = {"allOf": [{"$ref": "on-event.response.json#/properties/result/properties/actions/items"},
+                    {"properties": {"argv": {"type": "array", "items": _TEXT}, "cwd": _TEXT}}]}
 # The record's shape, checked on every read: a damaged or hand-edited file is a clear error, never
 # a crash half-way through handling an event.
 SHAPE = {
@@ -40,8 +45,7 @@ SHAPE = {
         "incidents": {"type": "object", "additionalProperties": {
             "type": "object", "required": ["event_id", "actions", "applied"],
             "properties": {"event_id": _TEXT, "at": _NUMBER, "cause": _TEXT,
-                           "actions": {"type": "array", "items": {"type": ["object", "string"],
-                                                                  "properties": {"kind": _TEXT}}},
+                           "actions": {"type": "array", "items": {"anyOf": [_TEXT, ACTION]}},
                            "applied": {"type": "object", "additionalProperties": {"type": "object"}},
                            "reports": {"type": "array", "items": {
                                "type": "object", "required": ["event_id"],
@@ -73,22 +77,59 @@ def _damaged(path: Path, why: str) -> ToolError:
                      fix="move the file aside (events already handled may then act again), or restore it")
 
 
+def _not_a_folder(path: Path, why: str) -> ToolError:
+    return ToolError("runtime", f"{path} must be a folder that on-event writes in, but {why}", where=str(path),
+                     fix="move it aside, and on-event makes the folder itself (its record of handled events is in "
+                         "RUNS_ROOT/.events/RUN_ID: moved aside, events already handled may act again)")
+
+
+def own_folder(root: Path, *names: str) -> Path:
+    """root/names..., each a real folder below root (made where missing): never a symbolic link,
+    which would put the record, its lock and the proposals wherever it points."""
+    path = root
+    for name in names:
+        path = path / name
+        try:
+            mode = os.lstat(path).st_mode
+        except FileNotFoundError:
+            try:
+                os.mkdir(path)
+                continue
+            except OSError as e:
+                raise _not_a_folder(path, f"it cannot be made ({e.strerror or e})") from None
+        except OSError as e:
+            raise _not_a_folder(path, str(e.strerror or e)) from None
+        if stat.S_ISLNK(mode):
+            raise _not_a_folder(path, "it is a symbolic link")
+        if not stat.S_ISDIR(mode):
+            raise _not_a_folder(path, "it is a file")
+    return path
+
+
 class Ledger:
     def __init__(self, runs_root: Path, run_id: str):
+        self.root, self.run_id = runs_root, run_id
         self.dir = folder(runs_root, run_id)
         self.path = self.dir / "ledger.json"
         self.data: dict[str, Any] = {"events": {}, "incidents": {}, "relaunches": [], "checkpoints": {}}
         self._lock: FileLock | None = None
 
     def read(self) -> "Ledger":
+        if os.path.islink(self.path):
+            raise _damaged(self.path, "it is a symbolic link, not the record on-event writes")
         try:
             raw = read_regular(self.path, MAX_BYTES)
         except FileNotFoundError:
             return self
+        except NotADirectoryError:
+            raise _damaged(self.path, "a file is where one of its folders should be") from None
         except OSError as e:
             raise _damaged(self.path, str(e.strerror or e)) from None
         try:
             stored = json.loads(raw.decode("utf-8"), parse_float=_finite, parse_constant=_refuse_constant)
+            json.dumps(stored, ensure_ascii=False).encode("utf-8")   # a lone surrogate (\ud800) is no text
+        except UnicodeEncodeError:
+            raise _damaged(self.path, "it holds a lone surrogate, which is not Unicode") from None
         except (ValueError, RecursionError) as e:
             raise _damaged(self.path, f"not JSON ({e})") from None
         self._check(stored)
@@ -104,7 +145,7 @@ class Ledger:
             raise _damaged(self.path, f"at {where}: {error.message}")
 
     def __enter__(self) -> "Ledger":
-        self.dir.mkdir(parents=True, exist_ok=True)
+        own_folder(self.root, ".events", self.run_id)
         lock = FileLock(self.dir / "ledger.lock", record_owner=True)
         end = time.monotonic() + LOCK_WAIT_S
         while True:
@@ -116,6 +157,10 @@ class Ledger:
                     raise ToolError("conflict", f"another handler holds the event record of this run ({busy.owner})",
                                     where=str(lock.path), fix="send the event again in a minute") from None
                 time.sleep(0.1)
+            except OSError as e:   # a link, a FIFO, a device or a folder where the lock file goes
+                raise ToolError("runtime", f"the event record's lock {lock.path} is not a lock file of on-event "
+                                f"({e.strerror or e})", where=str(lock.path),
+                                fix="move it aside; on-event makes a new one") from None
         try:
             return self.read()
         except BaseException:
@@ -125,6 +170,10 @@ class Ledger:
     def __exit__(self, *exc: object) -> None:
         if self._lock:
             self._lock.release()
+
+    def proposals(self) -> Path:
+        """The folder of the proposed train requests (a real folder of the record's, made here)."""
+        return own_folder(self.root, ".events", self.run_id, "proposals")
 
     def save(self) -> None:
         events = self.data["events"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -25,11 +26,25 @@ from . import event as ev
 LAYOUT_KEYS = ("tp", "pp", "vp", "cp", "ep", "dp", "mbs", "gbs", "seq_length")
 
 
+ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")  # schemas/event.json's run and job ids
+
+
+def _id(value: Any) -> str | None:
+    return value if isinstance(value, str) and ID.fullmatch(value) else None
+
+
+def run_id(run_dir: Path, state: dict[str, Any]) -> str:
+    return _id(state.get("run_id")) or run_dir.name
+
+
 def job_id(run_dir: Path, state: dict[str, Any]) -> str:
-    """The attempt's job id as train gave it to its emitters (RUN_ID.ATTEMPT)."""
-    if isinstance(state.get("job_id"), str):
+    """The attempt's job id as train gave it to its emitters (RUN_ID.ATTEMPT); a field of another
+    shape (a damaged or forged state) is not used."""
+    if _id(state.get("job_id")):
         return state["job_id"]
-    return f"{state.get('run_id') or run_dir.name}.{max(0, int(state.get('attempts') or 1) - 1)}"
+    attempts = state.get("attempts")
+    attempts = attempts if isinstance(attempts, int) and not isinstance(attempts, bool) and 0 < attempts < 10**6 else 1
+    return f"{run_id(run_dir, state)}.{attempts - 1}"
 
 
 def end_event(run_dir: Path, state: dict[str, Any]) -> dict[str, Any]:
@@ -41,11 +56,13 @@ def end_event(run_dir: Path, state: dict[str, Any]) -> dict[str, Any]:
     details.setdefault("failure", "killed")
     details["message"] = ("train stopped before it recorded the job's end (it was killed, or its machine "
                           "was); the job was stopped with it")
-    layout = {k: v for k, v in (state.get("layout") or {}).items() if k in LAYOUT_KEYS and isinstance(v, int)}
-    run_id = state.get("run_id") or run_dir.name
-    return ev.new("job.failed", run_id, {"job_id": job_id(run_dir, state), "scheduler": "local",
-                                         "host": os.uname().nodename[:255]}, "train", details=details,
-                  request_id=run_id, run_dir=str(run_dir), log=str(log), layout=layout or None)
+    given = state.get("layout") if isinstance(state.get("layout"), dict) else {}
+    layout = {k: v for k, v in given.items() if k in LAYOUT_KEYS and isinstance(v, int) and not isinstance(v, bool)
+              and 0 < v < 2**40}
+    run = run_id(run_dir, state)
+    return ev.new("job.failed", run, {"job_id": job_id(run_dir, state), "scheduler": "local",
+                                      "host": os.uname().nodename[:255]}, "train", details=details,
+                  request_id=run, run_dir=str(run_dir), log=str(log), layout=layout or None)
 
 
 def dead_attempt(run_dir: Path, locked: bool = False) -> dict[str, Any] | None:
@@ -65,7 +82,8 @@ def dead_attempt(run_dir: Path, locked: bool = False) -> dict[str, Any] | None:
         state = runs.read_state(run_dir)
         if not state or state.get("status") != "running":
             return None
-        if (state.get("request") or {}).get("launcher") == "slurm" and state.get("backend") == "gpu":
+        request = state.get("request") if isinstance(state.get("request"), dict) else {}
+        if request.get("launcher") == "slurm" and state.get("backend") == "gpu":
             return None  # a Slurm job outlives the train that submitted it: its trap and trigger report its end
         event = end_event(run_dir, state)
         runs.write_state(run_dir, status="failed", returncode=None, died=event["details"]["message"])

@@ -11,6 +11,7 @@ whichever report or repeat of the event brings the apply.
 """
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -21,7 +22,8 @@ from ..contract import Context, Tool, check_values, parse_json, validator
 from ..errors import ToolError
 from ..events import actions, settle
 from ..events import event as ev
-from ..events.ledger import RELAUNCHING, Ledger
+from ..events.ledger import RELAUNCHING, Ledger, own_folder
+from ..locks import write_atomic
 from ..runs import RunLock
 
 MAX_FILE_BYTES = 64 * 1024
@@ -90,21 +92,29 @@ def _trusted(event: dict[str, Any], where: str, max_age_s: float) -> None:
 
 
 def _is_run(folder: Path) -> bool:
-    return folder.is_dir() and any((folder / f).exists() for f in ("state.json", "events.jsonl", *actions.SCRIPTS))
+    return files.is_dir(folder) and any(os.path.lexists(folder / f) for f in ("state.json", "events.jsonl",
+                                                                              *actions.SCRIPTS))
 
 
 def _run_dir(runs_root: Path, event: dict[str, Any], where: str) -> Path:
-    """runs_root/RUN_ID, or the event's run_dir where render put the run elsewhere under runs_root."""
+    """runs_root/RUN_ID, or the event's run_dir where render put the run elsewhere under runs_root;
+    either way a folder that is below runs_root itself, not a link to elsewhere (what on-event
+    writes in the run, the record of a dead attempt, stays below the runs_root it was given)."""
     run_dir = runs_root / event["run_id"]
     if not _is_run(run_dir) and event.get("run_dir"):
-        given = Path(event["run_dir"]).resolve()
+        given = Path(os.path.realpath(event["run_dir"]))
         if given.is_relative_to(runs_root) and _is_run(given):
             run_dir = given
     if not _is_run(run_dir):
         raise ToolError("not_found", f"no run {event['run_id']} under {runs_root}", where=where + "/run_id",
                         fix="give the runs_root the job's run directory is in (train's runs_root, or the folder "
                             "above render's run_dir)")
-    return run_dir
+    real = Path(os.path.realpath(run_dir))
+    if not real.is_relative_to(runs_root) or real == runs_root:
+        raise ToolError("not_found", f"the run {event['run_id']} is not under {runs_root}: {run_dir} is a link to "
+                        f"{real}", where=where + "/run_id", fix=f"give the runs_root the run's folder itself is in "
+                        f"({real.parent})")
+    return real
 
 
 
@@ -211,15 +221,15 @@ def _for_person(action: dict[str, Any], why: str) -> dict[str, Any]:
 def _start(action: dict[str, Any], run: actions.Run, key: str, ledger: Ledger, now: float) -> dict[str, Any]:
     """Start the action's command, detached (it outlives this tool), its output in the run's logs.
     Marked as started in the record before the process starts: never twice for one incident."""
-    logs = run.dir / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
+    logs = own_folder(run.dir, "logs")
     out = logs / f"on-event-{len(list(logs.glob('on-event-*.out'))) + 1}-{action['kind']}.out"
     what: dict[str, Any] = {"output": str(out), "at": now, "approved": bool(action.get("approved"))}
     ledger.started(key, action["kind"], {**what, "starting": True})
     ledger.count_relaunch(now)
     ledger.save()
     try:
-        with open(out, "ab") as sink:
+        with os.fdopen(os.open(out, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644),
+                       "ab") as sink:
             proc = subprocess.Popen(action["argv"], stdin=subprocess.DEVNULL, stdout=sink, stderr=subprocess.STDOUT,
                                     cwd=action.get("cwd") or str(run.dir), start_new_session=True)
         what["pid"] = proc.pid
@@ -235,7 +245,7 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
     _check_policy(req["policy"])
     event, where = _load(req)
     _trusted(event, where, req["policy"]["max_age_s"])
-    runs_root = Path(req["runs_root"]).resolve()
+    runs_root = Path(os.path.realpath(req["runs_root"]))
     run_dir = _run_dir(runs_root, event, where)
     key = ev.incident(event)
     base = {"event_id": event["event_id"], "type": event["type"], "run_id": event["run_id"], "incident": key}
@@ -345,13 +355,13 @@ def _most_specific(record: dict[str, Any]) -> str:
 
 
 def _write_proposals(todo: list[dict[str, Any]], ledger: Ledger) -> None:
-    """The proposed train requests, so that the commands run as shown."""
+    """The proposed train requests, so that the commands run as shown (named by their content's
+    hash: one there already is left as it is, as is anything else of that name)."""
     for action in todo:
         for f in action.get("files", []):
             path = Path(f["path"])
-            if path.parent == ledger.dir / "proposals" and not path.exists():
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(f["content"])
+            if path.parent == ledger.dir / "proposals" and not os.path.lexists(path):
+                write_atomic(ledger.proposals() / path.name, f["content"])
 
 
 TOOL = Tool(name="on-event", summary="Handle a training event (job failed, stalled, NaN, finished, ...): check "
