@@ -65,6 +65,10 @@ def _sandbox(root: Path) -> Path:
     (work / "in" / "hf" / "config.json").write_bytes((ROOT / "tests/fixtures/hf/llama3.2-1b/config.json").read_bytes())
     (work / "in" / "ckpt" / "latest_checkpointed_iteration.txt").write_text("10\n")
     (work / "in" / "launch.sh").write_bytes((ROOT / "tests/fixtures/scripts/good_torchrun.sh").read_bytes())
+    run = work / "runs" / BASE["on-event"]["event"]["run_id"]   # the run the base event is of
+    (run / "logs").mkdir(parents=True)
+    (run / "logs" / "train.log").write_bytes((work / "in" / "train.log").read_bytes())
+    (run / "state.json").write_text(json.dumps({"status": "failed", "gpu": "h100-sxm"}))
     hostile = work / "hostile"
     hostile.mkdir()
     os.mkfifo(hostile / "fifo")
@@ -363,10 +367,13 @@ def _prepared(tool: str, request: dict) -> dict:
     if tool in ACTING:
         request = {**request, "dry_run": True}
     if tool == "on-event" and isinstance(request.get("event"), dict):
-        from megatron_skill.events.event import sign
+        from megatron_skill.events.event import now_text, sign
 
+        event = request["event"]
+        if event.get("time") == BASE["on-event"]["event"]["time"]:   # fresh: past the age check, into the run
+            event = {**event, "time": now_text()}
         try:
-            request = {**request, "event": sign(request["event"], SECRET.encode())}
+            request = {**request, "event": sign(event, SECRET.encode())}
         except (TypeError, ValueError, RecursionError):
             pass  # unsignable: sent as it is
     return request
