@@ -3,6 +3,7 @@ train, and the FP8 recipe and GPU catalog follow the hardware."""
 import pytest
 
 from megatron_skill.contract import call
+from megatron_skill.core.layout import RULES
 
 # A dense Qwen3-style model: QK layernorm, GQA, tied embeddings.
 QK_NORM = {"name": "qk-norm-2b", "num_layers": 8, "hidden_size": 2048, "ffn_hidden_size": 6144,
@@ -112,3 +113,15 @@ def test_a_script_whose_layout_needs_te_stops_where_te_is_missing(tmp_path):
                           env={**os.environ, "MEGATRON_SKILL_ENTRY": "/bin/false"})
     assert proc.returncode == 5 and "needs Transformer Engine" in proc.stderr, proc.stderr[-2000:]
     assert not (tmp_path / "run" / "logs").exists() or not list((tmp_path / "run" / "logs").iterdir())
+
+
+def test_a_refused_request_layout_is_told_its_fix_in_the_requests_words():
+    """render speaks of a request's fields (dp, precision), validate of a script's flags: the rule
+    record holds both where they differ."""
+    base = {"model": "llama3-8b", "num_gpus": 16, "seq_length": 4096, "dry_run": True}
+    env = call("render", {**base, "layout": {"tp": 2, "pp": 1, "dp": 4, "mbs": 1}})
+    assert not env["ok"] and "'world_size'" in env["error"]["message"], env
+    assert env["error"]["fix"].startswith(RULES["world_size"].request_fix) and "--" not in env["error"]["fix"]
+    assert "script" in RULES["world_size"].fix
+    env = call("render", {**base, "gpu": "a100-sxm-80gb", "precision": "fp8", "layout": {"tp": 2, "mbs": 1}})
+    assert not env["ok"] and "precision bf16" in env["error"]["fix"], env

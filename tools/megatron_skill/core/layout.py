@@ -197,13 +197,18 @@ def pipeline_layout_problem(lay: Layout, model: ModelConfig) -> str | None:
 @dataclasses.dataclass(frozen=True)
 class Rule:
     message: str
-    fix: str
+    fix: str                        # for a script, in Megatron's flags (the CPU loop's: for a request)
+    request_fix: str | None = None  # for a request's layout fields, where its words differ from the flags'
+
+    def for_request(self) -> str:
+        return self.request_fix or self.fix
 
 
 RULES = {
     "world_size": Rule(
         "TP x PP x CP x DP must equal the number of GPUs",
-        "make TP x PP x CP divide the number of GPUs the script starts (DP is what is left)"),
+        "make TP x PP x CP divide the number of GPUs the script starts (DP is what is left)",
+        "leave dp out (it is what the GPUs leave), or give dp = num_gpus / (tp x pp x cp)"),
     "tp_heads": Rule(
         "num_attention_heads must be divisible by TP",
         "choose a TP that divides --num-attention-heads"),
@@ -247,19 +252,24 @@ RULES = {
         "drop the virtual pipeline flags, or use PP > 1"),
     "vp_microbatches": Rule(
         "with VP > 1 the number of micro-batches must be a multiple of PP",
-        "make global batch / (micro-batch x DP) a multiple of PP"),
+        "make global batch / (micro-batch x DP) a multiple of PP",
+        "make global_batch_size / (mbs x dp) a multiple of pp, or vp 1"),
     "cp_sequence": Rule(
         "seq_length must be divisible by 2 x CP (load-balanced causal context parallel)",
-        "make --seq-length divisible by 2 x CP"),
+        "make --seq-length divisible by 2 x CP",
+        "make seq_length divisible by 2 x cp"),
     "gbs_divisible": Rule(
         "global batch must be divisible by micro-batch x DP",
-        "make --global-batch-size a multiple of --micro-batch-size x DP"),
+        "make --global-batch-size a multiple of --micro-batch-size x DP",
+        "make global_batch_size a multiple of mbs x dp"),
     "fp8_arch": Rule(
         "FP8 needs FP8 tensor cores: Ada (sm_89), Hopper (sm_90) or newer",
-        "drop --fp8-format (FP8 needs Ada, Hopper or newer)"),
+        "drop --fp8-format (FP8 needs Ada, Hopper or newer)",
+        "precision bf16 (FP8 needs Ada, Hopper or newer)"),
     "sp_needs_tp": Rule(
         "sequence parallel needs TP > 1",
-        "drop --sequence-parallel, or use TP > 1"),
+        "drop --sequence-parallel, or use TP > 1",
+        "sequence_parallel false, or tp > 1"),
     "recompute_layers": Rule(
         "full recompute of N layers needs 1 <= N <= layers per (virtual) stage",
         "set --recompute-num-layers between 1 and the layers per stage"),

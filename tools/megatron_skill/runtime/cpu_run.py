@@ -56,7 +56,7 @@ def cpu_layout(req: dict, model: ModelConfig, procs: int, seq: int) -> Layout:
     if rule:
         raise ToolError("infeasible", f"the layout {lay.label()} cannot run in the CPU loop on {procs} "
                         f"process(es): it breaks the rule {rule!r}: {RULES[rule].message}", where="/layout",
-                        fix=f"{RULES[rule].fix} (num_gpus is the CPU run's processes; backend gpu trains on GPUs)")
+                        fix=f"{RULES[rule].for_request()} (num_gpus is the CPU run's processes)")
     return lay
 
 

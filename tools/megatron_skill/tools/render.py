@@ -126,7 +126,7 @@ def _layout_from_request(req: dict, model, gpu, n_gpus: int, seq: int, gbs: int)
         rule = check_layout(lay, model, gpu, n_gpus, req["transformer_engine"], opts.moe, opts.megatron)
         if rule:
             raise ToolError("infeasible", f"the layout {lay.label()} breaks the rule {rule!r}: {RULES[rule].message}",
-                            where="/layout", fix=f"{RULES[rule].fix}; or run plan and take one of its layouts")
+                            where="/layout", fix=f"{RULES[rule].for_request()}; or run plan and take one of its layouts")
         cand = predict(model, gpu, lay, padded_vocab_size(model.vocab_size, lay.tp), opts)
         if cand.peak_gib > gpu.memory_gib:
             raise ToolError("infeasible", f"the layout {lay.label()} needs {cand.peak_gib:.1f} GiB per GPU, "
