@@ -115,19 +115,22 @@ def test_an_import_the_job_cannot_do_is_refused_at_its_field(tmp_path):
     assert "the job imports the Hugging Face weights with its tools/launch.py" in res["files"][0]["content"]
 
 
-def test_a_folder_the_job_will_import_into_may_already_exist_here_unfinished(tmp_path):
-    """Rendering again after an import was cut short, or after the folder was made by hand: the job's
-    own import fills it, so an empty folder (or one without a tracker) is no reason to refuse; a
-    forged tracker still is."""
+def test_a_folder_the_job_will_import_into_may_already_exist_here_empty(tmp_path):
+    """Rendering again after the folder was made by hand, or after an import cut short (an import
+    builds beside its output and renames into place, so it leaves the output empty): the job's own
+    import fills it. Files no import wrote are refused here, as the job's import would refuse them;
+    a forged tracker too; and without an import in the job an empty folder is no checkpoint."""
     out = tmp_path / "ckpt" / "qwen"
     out.mkdir(parents=True)
-    (out / "partial.distcp").write_bytes(b"")
     res = _render(import_hf={"hf_model": HF, "output": str(out)})
     assert res["megatron_args"][res["megatron_args"].index("--pretrained-checkpoint") + 1] == str(out)
+    (out / "notes.txt").write_text("mine")
+    env = call("render", {**BASE, "import_hf": {"hf_model": HF, "output": str(out)}})
+    assert not env["ok"] and env["error"]["code"] == "conflict" and "no import wrote" in env["error"]["message"], env
+    (out / "notes.txt").unlink()
     (out / "latest_checkpointed_iteration.txt").write_text("abc")
     env = call("render", {**BASE, "import_hf": {"hf_model": HF, "output": str(out)}})
     assert not env["ok"] and env["error"]["where"] == "/training/pretrained", env
-    # without an import in the job, the same unfinished folder is what the run would start from: refused
     (out / "latest_checkpointed_iteration.txt").unlink()
     env = call("render", {**BASE, "training": {**BASE["training"], "pretrained": str(out)}})
     assert not env["ok"] and env["error"]["code"] == "not_found", env

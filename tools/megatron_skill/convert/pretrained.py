@@ -37,14 +37,16 @@ def describe(path: str, model, tp: int, need_local: bool, job_imports: bool = Fa
     """What a run from the checkpoint at path needs: the vocabulary divisor, the tokenizer of an
     import, and whether the checkpoint could be checked here (a rendered script's path may exist
     only where the job runs). need_local: the run happens here, so the checkpoint must too.
-    job_imports: the job imports into path before it trains, so a folder here without a finished
-    checkpoint (made by hand, or left by an import cut short) is what that import fills, not an error."""
+    job_imports: the job imports into path before it trains, so an empty folder here is what that
+    import fills, not an error; one holding files no import wrote is refused as the import would."""
     from ..core.flops import padded_vocab_size
 
     root = guarded.check_names(path, WHERE)
     rows = padded_vocab_size(model.vocab_size, 1)  # what the skill's imports hold
     info: dict[str, Any] = {"path": path, "checked": False, "tokenizer": None}
-    if root.is_dir() and not (job_imports and not guarded.has_tracker(root)):
+    if root.is_dir() and job_imports and not guarded.has_tracker(root):
+        _importable(root, path)
+    elif root.is_dir():
         checkpoint.check_tracker(root, WHERE)
         folder = checkpoint.iteration_dir(root)
         if checkpoint.kind(folder) != "torch_dist":
@@ -69,6 +71,20 @@ def describe(path: str, model, tp: int, need_local: bool, job_imports: bool = Fa
     # Megatron's own padding at this TP gives other rows: make it give the checkpoint's
     info.update(padded_vocab=rows, vocab_divisor=rows // tp if padded_vocab_size(model.vocab_size, tp) != rows else None)
     return info
+
+
+def _importable(root: Path, path: str) -> None:
+    """A folder the job's import can write: empty, or one an import recorded (an import builds
+    beside it and renames into place, so one cut short leaves nothing inside); import-hf refuses
+    files it did not write (convert/output.existing), so render does too, before the job."""
+    try:
+        strangers = output.record_of(root) is None and any(root.iterdir())
+    except OSError:
+        return   # not readable here: the job's import says what it finds
+    if strangers:
+        raise ToolError("conflict", f"{path} holds files no import wrote: the job's import would refuse it",
+                        where=WHERE, fix="choose a new or empty folder for the import (the files there are left "
+                                         "as they are)")
 
 
 # The learning rate of a run from pretrained weights, for render's scripts and the CPU loop alike.
