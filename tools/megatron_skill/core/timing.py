@@ -365,7 +365,8 @@ def _layer_times(model: ModelConfig, gpu: GPUSpec, te: bool, fp8_linear: bool, t
             cp_comm = max(rates.cal["cp_ring_min_exposed"] * ring, ring - 3 * core / attn_rate)
         if moe:
             ep_comm = _dispatch_time(model, lay, rates, tokens / (t if sp else 1), node, moe_opts)
-            experts = _expert_overhead_time(model, lay, rates.cal, tokens, moe_opts)
+            # per token a rank routes: with sequence parallelism 1/TP of the micro-batch, as the dispatch
+            experts = _expert_overhead_time(model, lay, rates.cal, tokens / (t if sp else 1), moe_opts)
         out[moe] = (gemm, attention, elementwise, tp_comm, cp_comm, ep_comm, experts)
         if moe:   # one forward of the MoE block: what recomputing it ('moe' in --recompute-modules) re-runs
             # (GEMMs and the experts' overhead: a third of forward and backward; the exchanges: half)
