@@ -319,3 +319,18 @@ def test_under_slurm_the_preflight_step_imports_and_the_training_step_starts_fro
     argv = json.loads((tmp_path / "run" / "probe-0.json").read_text())["argv"]
     assert argv[argv.index("--pretrained-checkpoint") + 1] == str(out)
     assert argv[argv.index("--tokenizer-model") + 1] == f"{out}/hf"
+
+
+def test_a_container_job_mounts_the_checkpoint_it_starts_from_and_where_it_saves():
+    """An import already on the cluster and a save folder outside the run folder: both at their own
+    paths in the container (a save inside the container's own file system is lost with it); the
+    run folder's own checkpoints need no mount of their own."""
+    res = _render(container={"runtime": "pyxis"}, training={"data_path": ["/shared/data/corpus"],
+                                                            "pretrained": "/shared/imports/llama3-8b",
+                                                            "save": "/scratch/ckpt/llama"})
+    mounts = next(line for line in res["files"][0]["content"].splitlines() if line.startswith("CONTAINER_MOUNTS="))
+    for path in ("/shared/data", "/shared/imports/llama3-8b", "/scratch/ckpt"):
+        assert f",{path}:{path}" in mounts, mounts
+    plain = _render(container={"runtime": "pyxis"})
+    mounts = next(line for line in plain["files"][0]["content"].splitlines() if line.startswith("CONTAINER_MOUNTS="))
+    assert "checkpoints" not in mounts and mounts.count(",/") == 1, mounts   # the data's folder only

@@ -213,12 +213,18 @@ def _data_checks(training: dict) -> list[str]:
 
 
 def _data_mounts(training: dict, mounts: list[str]) -> list[str]:
-    """The folders of the datasets and the tokenizer files the request names, mounted into the
-    container at their own paths (the job step checks and reads them there), unless a mount
-    already covers them (the import's folder holds its tokenizer before it exists). Relative
-    paths are the job's own and are left as they are."""
+    """The folders of the datasets and the tokenizer files the request names, the checkpoint the
+    run starts from, and the folder its checkpoints are saved in, mounted into the container at
+    their own paths (the job step checks and reads them there, and a save inside the container's
+    own file system is lost with it), unless a mount already covers them (the run folder; the
+    import's folder holds its tokenizer before it exists). Relative paths and the run folder's
+    are the job's own and are left as they are."""
     named = [(f"/training/data_path/{i}", str(Path(p).parent)) for i, p in enumerate(training.get("data_path") or [])
              if not is_weight(p)] + [(f"/training/{f}", training[f]) for f in TOKENIZER_FILES if training.get(f)]
+    if training.get("pretrained"):
+        named.append(("/training/pretrained", training["pretrained"]))
+    if training.get("save"):   # Megatron makes the folder itself: its parent is what exists
+        named.append(("/training/save", str(Path(training["save"]).parent)))
     targets = [m.split(":")[1] for m in mounts]
     added = []
     for where, path in named:
@@ -228,8 +234,8 @@ def _data_mounts(training: dict, mounts: list[str]) -> list[str]:
         if path == "/" or not MOUNTABLE.match(path):
             raise ToolError("bad_request", f"{path!r} cannot be mounted into the container (the folder / itself, or "
                             "characters a mount list cannot carry)", where=where,
-                            fix="keep data and tokenizer in a folder of their own, named with letters, digits and "
-                                ". _ / @ + - only, or mount it yourself with container.mounts")
+                            fix="keep it in a folder of its own, named with letters, digits and . _ / @ + - only, or "
+                                "mount it yourself with container.mounts")
         targets.append(path)
         added.append(f"{path}:{path}")
     return added
