@@ -455,3 +455,23 @@ def test_render_paths_no_file_system_can_hold_are_bad_requests(field, where):
     # Path.is_file / is_dir of Python 3.12 raise on a name too long: each read answered internal
     res = call("render", {"model": "llama3.2-1b", "num_gpus": 8, "launcher": "torchrun", "dry_run": True, **field})
     assert res["error"]["code"] == "bad_request" and res["error"]["where"] == where
+
+
+def test_a_lock_whose_name_holds_a_link_is_a_conflict_and_nothing_is_written_through_it(tmp_path):
+    """prepare-data's and train's locks: a link (here to a user's file) at the lock's name is a
+    clear conflict, and the file it points to stays as it was."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    (tmp_path / "in.jsonl").write_text('{"text": "a line"}\n')
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / ".c.prepare-data.lock").symlink_to(victim)
+    err = _user_error(_prepare(tmp_path, tmp_path / "in.jsonl", tokenizer="byte"), "conflict")
+    assert "not a lock file" in err["message"], err
+    request = {"model": "tiny-gpt", "backend": "cpu", "num_gpus": 1, "seq_length": 64, "training": {"train_iters": 2},
+               "runs_root": str(tmp_path / "runs")}
+    run_dir = Path(call("train", {**request, "dry_run": True})["result"]["run_dir"])
+    run_dir.mkdir(parents=True)
+    (run_dir / "run.lock").symlink_to(victim)
+    err = _user_error(call("train", request), "conflict")
+    assert "not a lock file" in err["message"], err
+    assert victim.read_text() == "keep me"

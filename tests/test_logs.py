@@ -410,3 +410,18 @@ def test_the_memory_prediction_says_which_vocabulary(tmp_path):
     assert vocab == {"size": 300, "source": f"Llama2Tokenizer: the 300 pieces of {sp}", "read": True}
     vocab = call("logs", {"log": str(STOCK)})["result"]["prediction"]["vocabulary"]
     assert vocab["size"] == 128256 and vocab["source"].startswith("--vocab-size 128256 (NullTokenizer")
+
+
+def test_a_damaged_logs_speeds_that_are_no_numbers_are_left_out(tmp_path):
+    """Iteration times so small that the rate overflows, or inf: no tokens/s is made up (JSON has no
+    inf), the rest of the summary stands."""
+    import re
+
+    text = (FIXTURES / "skill-1b-h100-mbs1.log").read_text()
+    for value in ("1e-320", "inf"):
+        log = tmp_path / f"{value}.log"
+        log.write_text(re.sub(r"elapsed time per iteration \(ms\): [0-9.]+",
+                              f"elapsed time per iteration (ms): {value}", text))
+        r = call("logs", {"log": str(log), "gpu": "h100-sxm"})
+        assert r["ok"] and "tokens_per_s" not in r["result"], r
+        assert r["result"]["final_loss"] and r["result"]["logged_iterations"]

@@ -27,6 +27,15 @@ class Busy(Exception):
         self.owner = owner
 
 
+def not_a_lock(path: Path, where: str):
+    """The answer when a lock's name holds something else (a link, a folder, a pipe, a device):
+    a request's clear error, never a write through it."""
+    from .errors import ToolError
+
+    return ToolError("conflict", f"{path} is not a lock file (a link, folder, pipe or device stands at its name)",
+                     where=where, fix="move it away (nothing there is removed or written) and ask again")
+
+
 class NotALockFile(OSError):
     """The lock's name holds something else than a regular file."""
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from . import files
 from .errors import ToolError
-from .locks import Busy, FileLock, write_atomic
+from .locks import Busy, FileLock, not_a_lock, write_atomic
 
 STATE = "state.json"
 
@@ -44,6 +44,8 @@ class RunLock(FileLock):
             super().acquire()
         except Busy as busy:
             raise self.running(busy.owner) from None
+        except OSError:
+            raise not_a_lock(self.path, str(self.path)) from None
         return self
 
     def running(self, owner: dict[str, Any] | None = None) -> ToolError:

@@ -411,14 +411,16 @@ def summarize(parsed: dict[str, Any], seq_length: int | None = None, peak_tflops
         out["first_loss"], out["final_loss"] = losses[0][1], losses[-1][1]
     out["lr_curve"] = [[r["iteration"], r["lr"]] for r in its if "lr" in r]
     steady = its[skip_first:] if len(its) > skip_first else its
-    times = [r["iter_ms"] for r in steady if "iter_ms" in r]
+    # speeds from finite figures only (a damaged line's inf or NaN is no speed, and JSON has neither)
+    times = [r["iter_ms"] for r in steady if math.isfinite(r.get("iter_ms", math.nan))]
     if times:
         ms = sorted(times)[len(times) // 2]
         out["iter_ms_median"] = round(ms, 1)
         gbs = its[-1].get("global_batch_size")
-        if gbs and seq_length and ms > 0:   # a 0 ms iteration (a log printed too coarsely) has no rate
-            out["tokens_per_s"] = round(gbs * seq_length / (ms / 1e3), 1)
-    tf = [r["tflops_per_gpu"] for r in steady if "tflops_per_gpu" in r]
+        rate = gbs * seq_length / (ms / 1e3) if gbs and seq_length and ms > 0 else math.inf
+        if math.isfinite(rate):   # a 0 ms iteration (a log printed too coarsely) has no rate
+            out["tokens_per_s"] = round(rate, 1)
+    tf = [r["tflops_per_gpu"] for r in steady if math.isfinite(r.get("tflops_per_gpu", math.nan))]
     if tf:
         t = sorted(tf)[len(tf) // 2]
         out["tflops_per_gpu"] = round(t, 1)

@@ -20,7 +20,7 @@ from typing import Any
 
 from .. import files
 from ..errors import ToolError
-from ..locks import Busy, FileLock
+from ..locks import Busy, FileLock, not_a_lock
 
 RECORD = "conversion.json"
 ROOM = 40  # bytes the staging, lock and set-aside names add to the output's name
@@ -151,6 +151,8 @@ def lock(out: Path, tool: str) -> FileLock:
     except Busy:
         raise OutputBusy("conflict", f"another conversion is writing {out}", where="/output",
                         fix="wait for it to finish, or choose another output") from None
+    except OSError:
+        raise not_a_lock(out.with_name(f".{out.name}.conversion.lock"), "/output") from None
 
 
 def staging(out: Path, rid: str) -> Path:

@@ -24,7 +24,7 @@ from .. import files as guarded
 from ..contract import Context, Tool
 from ..data.datasets import MADE_BY, dataset_files, file_facts, read_record
 from ..errors import ToolError
-from ..locks import Busy, FileLock, write_atomic
+from ..locks import Busy, FileLock, not_a_lock, write_atomic
 
 BATCH_LINES = 512
 MAX_REPORTED = 20
@@ -402,6 +402,8 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
     except Busy:
         raise ToolError("conflict", f"another prepare-data run is writing {prefix}", where="/output_prefix",
                         fix="wait for it to finish, or choose another output_prefix") from None
+    except OSError:
+        raise not_a_lock(files["lock"], "/output_prefix") from None
     try:
         _recover(files)
         done = _decide(req, files, rid, ctx, dry_run=False)
