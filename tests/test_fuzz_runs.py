@@ -29,7 +29,18 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT
-from test_fuzz_schema import HUGE_NUMBERS, TIME_LIMIT_S, TYPES, _ask, _damaged, _deep, _outcome, _snapshot
+from test_fuzz_schema import (
+    HUGE_NUMBERS,
+    TIME_LIMIT_S,
+    TYPES,
+    _ask,
+    _damaged,
+    _deep,
+    _outcome,
+    _snapshot,
+    answer_problem,
+    written_outside,
+)
 
 from megatron_skill.contract import call
 from megatron_skill.errors import EXIT_CODES
@@ -356,29 +367,11 @@ def cases(rng: random.Random, count: int) -> list[dict]:
 
 
 # ---- asking, and checking ---------------------------------------------------------------------------
-def _outside_writes(changed: list[str], allowed: list[Path]) -> list[str]:
-    return [c for c in changed if not any(Path(c) == a or a in Path(c).parents for a in allowed)]
-
-
 def _problem(env: dict, seconds: float, changed: list[str], allowed: list[Path], dry: bool) -> str | None:
-    try:
-        json.dumps(env, allow_nan=False)
-    except (TypeError, ValueError) as e:
-        return f"not strict JSON: {e}"
-    if not isinstance(env, dict) or env.get("tool") != "on-event" or not isinstance(env.get("ok"), bool):
-        return "not an envelope"
-    code = None if env["ok"] else env.get("error", {}).get("code")
-    if code == "HANG":
-        return f"no answer within {TIME_LIMIT_S} s"
-    if code is not None and (code not in EXIT_CODES or code == "internal"):
-        return f"error code {code}: {env['error'].get('message')}"
-    if code is not None and not (env["error"].get("message") and env["error"].get("fix")):
-        return "an error without message or fix"
-    if seconds > TIME_LIMIT_S:
-        return f"answered after {seconds:.1f} s"
-    if dry and changed:
-        return f"a dry run wrote {changed[:5]}"
-    wrong = _outside_writes(changed, allowed)
+    problem = answer_problem("on-event", env, seconds, changed, dry)
+    if problem:
+        return problem
+    wrong = written_outside(changed, allowed)
     return f"wrote outside runs_root: {wrong[:5]}" if wrong else None
 
 

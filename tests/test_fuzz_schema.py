@@ -406,7 +406,10 @@ def _written_paths(request, work: Path) -> list[Path]:
     return found
 
 
-def _problem(tool: str, request: dict, env: dict, seconds: float, changed: list[str], work: Path) -> str | None:
+def answer_problem(tool: str, env: dict, seconds: float, changed: list[str], dry: bool) -> str | None:
+    """What is wrong with one answer, whatever the request: not one strict-JSON envelope of the
+    tool, an internal or unknown error code, an error without message or fix, too slow, or a dry
+    run that wrote (shared by the run-folder probe, tests/test_fuzz_runs.py)."""
     try:
         json.dumps(env, allow_nan=False)
     except (TypeError, ValueError) as e:
@@ -422,13 +425,22 @@ def _problem(tool: str, request: dict, env: dict, seconds: float, changed: list[
         return "an error without message or fix"
     if seconds > TIME_LIMIT_S:
         return f"answered after {seconds:.1f} s"
-    if changed and request.get("dry_run") is True:
+    if dry and changed:
         return f"a dry run wrote {changed[:5]}"
-    allowed = _written_paths(request, work)
-    wrong = [c for c in changed if not any(Path(c) == a or a in Path(c).parents for a in allowed)]
-    if wrong:
-        return f"wrote outside the request's paths: {wrong[:5]}"
     return None
+
+
+def written_outside(changed: list[str], allowed: list[Path]) -> list[str]:
+    """The changed paths that are none of the allowed ones and lie below none of them."""
+    return [c for c in changed if not any(Path(c) == a or a in Path(c).parents for a in allowed)]
+
+
+def _problem(tool: str, request: dict, env: dict, seconds: float, changed: list[str], work: Path) -> str | None:
+    problem = answer_problem(tool, env, seconds, changed, request.get("dry_run") is True)
+    if problem:
+        return problem
+    wrong = written_outside(changed, _written_paths(request, work))
+    return f"wrote outside the request's paths: {wrong[:5]}" if wrong else None
 
 
 def _shown(request) -> str:
