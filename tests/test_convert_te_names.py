@@ -176,9 +176,12 @@ def _install_stand_in_te():
     sys.meta_path.insert(0, Finder())
 
 
-def _probe(checkpoint: str, hf_folder: str, grouped_gemm: bool) -> dict:
+def _probe(checkpoint: str, hf_folder: str, grouped_gemm: bool, save_to: str | None = None) -> dict:
     """Build the TE model for the import's model, list what it asks for, load the checkpoint
-    into it as Megatron does, and compare the loaded norms and experts with Hugging Face's."""
+    into it as Megatron does, and compare the loaded norms and experts with Hugging Face's.
+    With save_to, the loaded TE model is then saved as a GPU run of TE's layers saves it (its
+    own sharded_state_dict, iteration 1, the tracker beside): what export-hf is given after a
+    TE-trained run."""
     _install_stand_in_te()
     sys.path.insert(0, str(ROOT / "tools"))
     import torch
@@ -243,13 +246,19 @@ def _probe(checkpoint: str, hf_folder: str, grouped_gemm: bool) -> dict:
                 expected[fc1] = torch.cat([hf[e + g + ".weight"], hf[e + u + ".weight"]])
                 expected[fc2] = hf[e + d + ".weight"]
     differ = {k: (float((state[k] - v).abs().max()) if k in state else "absent") for k, v in expected.items()}
+    if save_to:
+        (Path(save_to) / "iter_0000001").mkdir(parents=True)
+        dist_checkpointing.save({"model": model.sharded_state_dict(), "checkpoint_version": 3.0, "iteration": 1},
+                                str(Path(save_to) / "iter_0000001"))
+        (Path(save_to) / "latest_checkpointed_iteration.txt").write_text("1")
     return {"layer_types": layer_types, "requested": requested, "stored": stored,
             "missing_after_load": [k for k in result.missing_keys if not k.endswith("_extra_state")],
             "differ": {k: d for k, d in differ.items() if d != 0.0}, "compared": len(expected)}
 
 
 if __name__ == "__main__":
-    print("PROBE " + json.dumps(_probe(sys.argv[1], sys.argv[2], sys.argv[3] == "grouped")))
+    print("PROBE " + json.dumps(_probe(sys.argv[1], sys.argv[2], sys.argv[3] == "grouped",
+                                      sys.argv[4] if len(sys.argv) > 4 else None)))
     sys.exit(0)
 
 
@@ -262,13 +271,13 @@ import pytest  # noqa: E402
 from hf_tiny import tiny  # noqa: E402
 
 
-def _te_model_reads(tmp_path, cli, family: str, grouped_gemm: bool) -> dict:
+def _te_model_reads(tmp_path, cli, family: str, grouped_gemm: bool, save_to: Path | None = None) -> dict:
     tiny(family, tmp_path / "hf")
     if not (tmp_path / "mcore").exists():
         code, out, err = cli("import-hf", "--hf-model", str(tmp_path / "hf"), "--output", str(tmp_path / "mcore"))
         assert code == 0, (out, err[-2000:])
     proc = subprocess.run([sys.executable, __file__, str(tmp_path / "mcore"), str(tmp_path / "hf"),
-                           "grouped" if grouped_gemm else "sequential"],
+                           "grouped" if grouped_gemm else "sequential", *([str(save_to)] if save_to else [])],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("PROBE ")), None)
     assert proc.returncode == 0 and line, proc.stderr[-3000:]
@@ -304,3 +313,29 @@ def test_an_import_loads_into_transformer_engine_layers(tmp_path, cli, family, g
     # the fused norms, QK norms, MoE norms and each expert's GEMM with Hugging Face's values
     assert res["missing_after_load"] == []
     assert res["differ"] == {} and res["compared"] >= 5
+
+
+@pytest.mark.parametrize("family,grouped_gemm", [("qwen3_moe", True), ("mixtral", False)])
+def test_a_checkpoint_of_transformer_engine_layers_exports_to_hugging_face(tmp_path, cli, family, grouped_gemm):
+    """A GPU run of TE's layers saves an MoE layer's pre-MLP norm only under TE's name
+    (pre_mlp_layernorm.weight) and no local alias; export-hf reads it back with the local layers
+    and must find it there: the export equals the Hugging Face model it came from, bit for bit."""
+    from safetensors.torch import load_file
+
+    trained = tmp_path / "te_run"
+    res = _te_model_reads(tmp_path, cli, family, grouped_gemm, save_to=trained)
+    assert res["differ"] == {}
+    from torch.distributed.checkpoint import FileSystemReader
+    stored = FileSystemReader(str(trained / "iter_0000001")).read_metadata().state_dict_metadata
+    assert any(k.endswith("pre_mlp_layernorm.weight") for k in stored)
+    assert not any(k.endswith("mlp.linear_fc1.layer_norm_weight") and "pre_mlp" not in k
+                   for k in stored if family == "mixtral")  # every Mixtral layer is MoE: no fused name
+    code, out, err = cli("export-hf", "--checkpoint", str(trained), "--hf-config", str(tmp_path / "hf"),
+                         "--output", str(tmp_path / "back"), "--dtype", "fp32")
+    assert code == 0, (out, err[-3000:])
+    original = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    back = {}
+    for f in sorted((tmp_path / "back").glob("*.safetensors")):
+        back.update(load_file(str(f)))
+    assert sorted(back) == sorted(original)
+    assert [k for k in original if not bool((back[k] == original[k]).all())] == []

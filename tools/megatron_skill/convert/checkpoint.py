@@ -129,7 +129,14 @@ def read_whole(folder: Path, spec, dtype: str = "fp32", layout: dict | None = No
         patches.by_name("CPU stands in").apply()
         init_single_process()
         model = build_model(model_config(spec, dtype=dtype, padded_vocab=padded_vocab_of(folder)))
-        loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(folder))
+        stored = dist_checkpointing.load_tensors_metadata(str(folder))
+        local, te = model.sharded_state_dict(), _te_layer_names(model)
+        # A run of Transformer Engine's layers saved an MoE layer's pre-MLP norm under its own
+        # name only; an import or a run of local layers under the fused name: ask for the one
+        # stored.
+        asked = {name: te[name] if getattr(sh, "key", None) not in stored and getattr(te[name], "key", None) in stored
+                 else sh for name, sh in local.items()}
+        loaded = dist_checkpointing.load({"model": asked}, str(folder))
         model.load_state_dict(loaded["model"], strict=False)
         return {k: v for k, v in model.state_dict().items() if torch.is_tensor(v)}
     if what == "legacy":
@@ -175,6 +182,28 @@ def _join_legacy(folder: Path, spec, layout: dict) -> dict[str, Any]:
 
 
 # ---- what a model of Transformer Engine's layers loads ------------------------------------
+def _te_layer_names(model) -> dict[str, Any]:
+    """model.sharded_state_dict() under the names a model of Transformer Engine's layers gives
+    its tensors: the same but for an MoE layer's pre-MLP norm, which the local spec's
+    sharded_state_dict_keys_map saves as mlp.linear_fc1.layer_norm_* (where a dense layer's TE
+    linear fuses it) and TE's MoE layer keeps as pre_mlp_layernorm, a TENorm."""
+    import dataclasses
+
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    moe = [layer for layer in model.decoder.layers if isinstance(layer.mlp, MoELayer)]
+    kept = [layer.submodules_config for layer in moe]
+    try:
+        for layer in moe:
+            keys_map = {k: v for k, v in layer.submodules_config.sharded_state_dict_keys_map.items()
+                        if k != "pre_mlp_layernorm."}
+            layer.submodules_config = dataclasses.replace(layer.submodules_config, sharded_state_dict_keys_map=keys_map)
+        return model.sharded_state_dict()
+    finally:
+        for layer, config in zip(moe, kept):
+            layer.submodules_config = config
+
+
 def te_loadable_state_dict(model) -> dict[str, Any]:
     """model.sharded_state_dict() (the local layers the import builds), and what a model of
     Transformer Engine's layers (Megatron's TE layer spec, the GPU run's) asks for beside it, so
@@ -190,25 +219,11 @@ def te_loadable_state_dict(model) -> dict[str, Any]:
 
     The keys and offsets are Megatron's own (the layers' sharded_state_dict, its helper for
     extra state); tests/test_convert_te_names.py loads the result into Megatron's TE layers."""
-    import dataclasses
-
     import torch
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
-    from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.utils import make_sharded_object_for_checkpoint
 
-    local = model.sharded_state_dict()
-    moe = [layer for layer in model.decoder.layers if isinstance(layer.mlp, MoELayer)]
-    kept = [layer.submodules_config for layer in moe]
-    try:
-        for layer in moe:
-            keys_map = {k: v for k, v in layer.submodules_config.sharded_state_dict_keys_map.items()
-                        if k != "pre_mlp_layernorm."}
-            layer.submodules_config = dataclasses.replace(layer.submodules_config, sharded_state_dict_keys_map=keys_map)
-        te = model.sharded_state_dict()
-    finally:
-        for layer, config in zip(moe, kept):
-            layer.submodules_config = config
+    local, te = model.sharded_state_dict(), _te_layer_names(model)
     out = dict(local)
     for name, module in model.named_modules():
         if not isinstance(module, (torch.nn.RMSNorm, torch.nn.LayerNorm)):
