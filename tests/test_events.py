@@ -30,15 +30,21 @@ class Receiver:
     """A webhook receiver on 127.0.0.1, as OpenClaw's Gateway would be: it records each POSTed
     body with its Authorization header and answers 202."""
 
-    def __init__(self, delay_s: float = 0.0, port: int = 0):
+    def __init__(self, delay_s: float = 0.0, port: int = 0, token: str | None = None):
         self.bodies: list[dict] = []
         self.auth: list[str | None] = []
         self.keys: list[str | None] = []
+        self.refused: list[str | None] = []  # the Authorization of each POST answered 401 (token given)
         outer = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_POST(self):
                 data = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                if token is not None and self.headers.get("Authorization") != f"Bearer {token}":
+                    outer.refused.append(self.headers.get("Authorization"))
+                    self.send_response(401)   # as the Gateway answers a wrong hooks token
+                    self.end_headers()
+                    return
                 time.sleep(delay_s)  # a Gateway admitting the hook (it starts an agent turn first)
                 outer.bodies.append(json.loads(data))
                 outer.auth.append(self.headers.get("Authorization"))

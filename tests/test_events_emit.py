@@ -4,6 +4,7 @@ that keeps trying after the emitter has gone (a receiver down, then up on the sa
 Slurm trigger program (its help, a node failure's nodes)."""
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -176,6 +177,68 @@ def test_the_senders_schedule_comes_from_the_environment_and_refuses_nonsense(ca
     assert "MEGATRON_SKILL_EVENTS_RETRY_S='nan' is not a number" in capsys.readouterr().err
 
 
+def test_a_running_sender_delivers_where_the_runs_newest_emitter_call_sends_with_its_token(tmp_path):
+    """The Gateway's token was changed and it moved: the job's emitters still have the old token
+    (answered 401, which keeps the event) and the old URL; a later emitter call has the new URL and
+    token but finds the new Gateway not up yet. The sender the first call started, still trying,
+    takes the newest receiver at its next round: every event arrives there once, with the new token."""
+    run = tmp_path / "run"
+    run.mkdir()
+    old = Receiver(token="the-new-token")   # up, but it takes only the new token
+    new_port = _a_port_nobody_listens_on()
+    new_url = f"http://127.0.0.1:{new_port}/hooks/megatron"
+    try:
+        proc, _ = _send(run, old.url, "--end", "--exit-code", "1")   # the old token (TOKEN): 401
+        assert proc.returncode == 0 and "HTTP 401; a sender of its own keeps trying" in proc.stderr, proc.stderr
+        (failed,) = emitter.waiting(run)   # refused for its token: still waiting, not given up
+        wait_until(lambda: emitter.sending(run), 30, "the sender")
+        wait_until(lambda: len(old.refused) >= 5, 30, "the sender's tries with the old token")
+        assert old.bodies == [] and set(old.refused) == {f"Bearer {TOKEN}"}
+        proc, _ = _send(run, new_url, "--type", "checkpoint.saved", "--details", '{"checkpoint_iteration": 10}',
+                        env={**FAST, ev.TOKEN_ENV: "the-new-token"})
+        assert proc.returncode == 0 and len(emitter.waiting(run)) == 2
+        assert emitter.receiver(run) == (new_url, "the-new-token")
+        assert oct((run / emitter.RECEIVER).stat().st_mode & 0o777) == "0o600"
+        tries_before = len(old.refused)
+        new = Receiver(port=new_port, token="the-new-token")
+        try:
+            wait_until(lambda: len(new.events()) >= 2 and not emitter.waiting(run), 30, "every event at the new URL")
+            wait_until(lambda: not emitter.sending(run), 30, "the sender to stop")
+            assert [e["event_id"] for e in new.events()][0] == failed["event_id"]
+            assert [e["type"] for e in new.events()] == ["job.failed", "checkpoint.saved"]
+            assert new.auth == ["Bearer the-new-token"] * 2 and new.refused == []
+            assert len(set(new.keys)) == 2
+        finally:
+            new.close()
+        assert len(old.refused) <= tries_before + 1   # the old receiver is left (a round under way at most)
+    finally:
+        old.close()
+
+
+def test_the_receiver_kept_beside_the_outbox_is_trusted_only_as_the_emitters_wrote_it(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    kept = run / emitter.RECEIVER
+    assert emitter.receiver(run) is None
+    emitter.remember_receiver(run, "http://a/hooks/megatron", None)
+    assert emitter.receiver(run) == ("http://a/hooks/megatron", None)
+    kept.chmod(0o620)   # others may write it: it could send the events and the token anywhere
+    assert emitter.receiver(run) is None
+    elsewhere = tmp_path / "elsewhere.json"
+    elsewhere.write_text(json.dumps({"url": "http://evil/", "token": "t"}))
+    elsewhere.chmod(0o600)
+    kept.unlink()
+    kept.symlink_to(elsewhere)
+    assert emitter.receiver(run) is None   # a link is not followed
+    emitter.remember_receiver(run, "http://b/hooks/megatron", "t2")   # replaces the link, not what it names
+    assert emitter.receiver(run) == ("http://b/hooks/megatron", "t2") and not kept.is_symlink()
+    assert json.loads(elsewhere.read_text())["url"] == "http://evil/"
+    for text in ("not json", "[]", '{"url": 3}', '{"url": "http://c/", "token": 5}', '{"url": ""}'):
+        kept.write_text(text)
+        assert emitter.receiver(run) is None, text
+    assert not list(run.glob(".*.tmp"))
+
+
 # ---- the Slurm trigger program -------------------------------------------------------------------
 def test_the_trigger_prints_its_help_and_takes_no_flag_for_a_job():
     shown = subprocess.run(["bash", str(TRIGGER), "--help"], capture_output=True, text=True, timeout=60)
@@ -192,18 +255,23 @@ def test_the_trigger_passes_shellcheck():
     assert proc.returncode == 0, proc.stdout
 
 
-def test_a_node_failure_from_the_trigger_resumes_without_the_jobs_nodes(tmp_path, secret):
-    """Slurm's NODE_FAIL, which cannot be made on a one-node test cluster without taking its only
-    node down: scontrol is a stand-in that prints the job record Slurm prints for such a job."""
-    run = _run_dir(tmp_path)
-    (run / "launch.sbatch").write_text("#!/bin/bash\n")
+def _node_fail_scontrol(tmp_path: Path, run: Path) -> dict:
+    """The environment of a trigger whose scontrol prints the record Slurm prints for a job whose
+    nodes failed (NODE_FAIL, which cannot be made on a one-node test cluster without taking its
+    only node down)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     record = (f"JobId=4242 JobName=train JobState=NODE_FAIL Reason=NodeFail ExitCode=0:0 NodeList=gpu[03-04] "
               f"BatchHost=gpu03 WorkDir={tmp_path} Comment=megatron-skill:{run.name}:{run}")
     (bin_dir / "scontrol").write_text(f"#!/bin/bash\necho '{record}'\n")
     (bin_dir / "scontrol").chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHON": sys.executable}
+    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHON": sys.executable}
+
+
+def test_a_node_failure_from_the_trigger_resumes_without_the_jobs_nodes(tmp_path, secret):
+    run = _run_dir(tmp_path)
+    (run / "launch.sbatch").write_text("#!/bin/bash\n")
+    env = _node_fail_scontrol(tmp_path, run)
     subprocess.run(["bash", str(TRIGGER), "4242"], env=env, check=True, capture_output=True, timeout=60)
     (event,) = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
     assert event["details"]["failure"] == "node_failure" and event["job"]["nodes"] == ["gpu[03-04]"]
@@ -211,3 +279,56 @@ def test_a_node_failure_from_the_trigger_resumes_without_the_jobs_nodes(tmp_path
     (action,) = _on_event(event, tmp_path / "runs")["result"]["actions"]
     assert action["argv"] == ["sbatch", f"--chdir={run}", "--exclude=gpu[03-04]", str(run / "launch.sbatch")]
     assert "--exclude=gpu03" not in " ".join(action["commands"]) and socket.gethostname() not in action["argv"]
+
+
+def _senders(run: Path) -> list[int]:
+    found = subprocess.run(["pgrep", "-f", f"emit_event.py deliver --run-dir {run}"], capture_output=True, text=True)
+    return [int(p) for p in found.stdout.split()]
+
+
+def test_the_trigger_delivers_what_the_job_left_in_its_outbox_when_its_sender_died_with_the_job(tmp_path, secret):
+    """Under Slurm the sender the job's trap starts is one of the job's processes (cgroup process
+    tracking stops them all at the job's end, whatever their session). The Gateway was down while the
+    job started and its trap reported the end; the job's sender is then stopped with the job. The
+    trigger, run on the controller once the Gateway is up, delivers the run's whole outbox with its
+    own report: every event once, oldest first; on-event makes the trap's kill and Slurm's node failure
+    one incident with one resume."""
+    run = _run_dir(tmp_path)
+    (run / "launch.sbatch").write_text("#!/bin/bash\n")
+    port = _a_port_nobody_listens_on()
+    url = f"http://127.0.0.1:{port}/hooks/megatron"
+    job = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "gpu[03-04]"}
+    for argv in (["--type", "job.started"], ["--end", "--exit-code", "137"]):   # the trap saw SIGKILL
+        proc = subprocess.run(EMIT + ["send", *argv, "--run-id", run.name, "--run-dir", str(run)], capture_output=True,
+                              text=True, timeout=120, env={**os.environ, ev.URL_ENV: url, ev.TOKEN_ENV: TOKEN,
+                                                           **FAST, **job})
+        assert proc.returncode == 0, proc.stderr
+    wait_until(lambda: _senders(run), 30, "the job's sender")
+    for pid in _senders(run):   # stopped with the job, as Slurm's cgroup would
+        os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: not emitter.sending(run) and not _senders(run), 30, "the sender gone")
+    trap = emitter.waiting(run)
+    assert [e["type"] for e in trap] == ["job.started", "job.failed"] and trap[1]["details"]["signal"] == "SIGKILL"
+
+    receiver = Receiver(port=port)
+    try:
+        env = {**_node_fail_scontrol(tmp_path, run), ev.URL_ENV: receiver.url, ev.TOKEN_ENV: TOKEN}
+        proc = subprocess.run(["bash", str(TRIGGER), "4242"], env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        got = receiver.events()   # delivered by the trigger itself, before it returned
+        assert [(e["type"], e["emitter"]) for e in got] == [("job.started", "job"), ("job.failed", "job"),
+                                                            ("job.failed", "scheduler")]
+        assert [e["event_id"] for e in got[:2]] == [e["event_id"] for e in trap] and len(set(receiver.keys)) == 3
+        assert emitter.waiting(run) == [] and not _senders(run)
+        time.sleep(1.5)
+        assert len(receiver.bodies) == 3   # each once
+    finally:
+        receiver.close()
+    runs = tmp_path / "runs"
+    verdicts = [_on_event(e, runs, apply=True, dry_run=True)["result"] for e in got]
+    assert verdicts[0]["verdict"] == "noted"
+    answers = [_on_event(e, runs)["result"] for e in got[1:]]
+    assert answers[0]["cause"] == "killed" and answers[1]["cause"] == "node_failure"
+    assert answers[0]["incident"] == answers[1]["incident"]
+    (resume,) = answers[1]["actions"]
+    assert resume["allowed"] and resume["argv"][:3] == ["sbatch", f"--chdir={run}", "--exclude=gpu[03-04]"]

@@ -9,7 +9,8 @@
     emit_event.py flush --run-dir DIR               # deliver what the run's outbox still holds
     emit_event.py deliver --run-dir DIR             # the same, and keep trying with a back-off until
                                                     # it is delivered or too old (the emitters start
-                                                    # it themselves; one per outbox)
+                                                    # it themselves; one per outbox), each round to
+                                                    # the receiver the run's newest emitter call had
     emit_event.py settle --run-dir DIR              # a train that died before the job's end: the
                                                     # run marked failed, its job.failed sent
 
@@ -145,6 +146,7 @@ def main(argv: list[str]) -> int:
 def _flush(args: argparse.Namespace) -> int:
     url = os.environ.get(ev.URL_ENV)
     if url and Path(args.run_dir).is_dir():
+        emitter.remember_receiver(Path(args.run_dir), url, os.environ.get(ev.TOKEN_ENV))
         for event_id, status in emitter.flush(Path(args.run_dir), url, os.environ.get(ev.TOKEN_ENV),
                                               args.deadline_s).items():
             print(f"emit: {event_id}: {status}", file=sys.stderr)

@@ -79,13 +79,18 @@ EMITTER = Path(__file__).resolve().parents[2] / "emit_event.py"
 JOB_MARK_ENV = "MEGATRON_SKILL_JOB_MARK"  # every process of a job train runs has it (megatron_skill/watchdog.py)
 
 
+# Answers that are tried again: too many requests, and a token the receiver does not take (401,
+# 403), which the newest receiver settings of the run (a token changed since) may cure.
+RETRIED = (401, 403, 429)
+
+
 def post(event: dict[str, Any], url: str, token: str | None, deadline_s: float = DEADLINE_S,
          tries: int = 3) -> tuple[str, bool]:
     """POST the event's body: ('delivered' or why not, whether that is final). The event id is
     the Idempotency-Key, so a receiver answers a retry as the first try (OpenClaw gives it the
-    same run). Retries server errors and unreachable receivers with a short back-off until tries
-    or the deadline run out; a refusal (4xx) is final. A receiver that accepts and never answers
-    costs at most deadline_s."""
+    same run). Retries server errors, unreachable receivers and RETRIED answers with a short
+    back-off until tries or the deadline run out; any other refusal (4xx) is final. A receiver
+    that accepts and never answers costs at most deadline_s."""
     data = json.dumps(ev.body(event), allow_nan=False).encode()
     headers = {"Content-Type": "application/json", "User-Agent": "megatron-skill-events/1",
                "Idempotency-Key": event["event_id"]}
@@ -103,7 +108,7 @@ def post(event: dict[str, Any], url: str, token: str | None, deadline_s: float =
                 return ("delivered", True) if 200 <= resp.status < 300 else (f"HTTP {resp.status}", True)
         except urllib.error.HTTPError as e:
             why = f"HTTP {e.code}"
-            if e.code < 500 and e.code != 429:
+            if e.code < 500 and e.code not in RETRIED:
                 return why, True
         except (urllib.error.URLError, OSError, ValueError) as e:
             why = str(getattr(e, "reason", e))
@@ -229,6 +234,62 @@ def flush(run_dir: Path, url: str, token: str | None, deadline_s: float = DEADLI
 
 # ---- the background sender: keeps trying after the emitter has gone ------------------------------
 SENDER_LOCK = OUTBOX + ".sender"  # held by the one sender of the outbox for as long as it runs
+# The receiver (URL and token) the newest emitter call of the run was given, mode 0600: the sender
+# reads it before each round, so that it delivers where the run's emitters now send (a Gateway that
+# moved, a token that changed, the Slurm trigger's settings on the controller), not where it was
+# pointed when it started an hour ago.
+RECEIVER = OUTBOX + ".receiver"
+RECEIVER_MAX_BYTES = 16 * 1024
+
+
+def remember_receiver(run_dir: Path, url: str, token: str | None) -> None:
+    """Keep the receiver this emitter call was given beside the outbox (written atomically, mode
+    0600, never through a link), unless it is what is kept already."""
+    if receiver(run_dir) == (url, token):
+        return
+    path = Path(run_dir) / RECEIVER
+    tmp = path.with_name(f".{RECEIVER}.{os.getpid()}.{random.randrange(1 << 30)}.tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, json.dumps({"url": url, "token": token}).encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)   # replaces a link at path itself, never what it points to
+    except OSError as e:
+        print(f"emit: cannot keep the receiver beside the outbox ({e.strerror or e}); its sender keeps "
+              "the one it was started with", file=sys.stderr)
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+
+
+def receiver(run_dir: Path) -> tuple[str, str | None] | None:
+    """The receiver kept beside the outbox (URL, token), or None where there is none this process
+    may trust: a link, anything but a regular file, a file of another user or that others may
+    write (it decides where the events and the token go), or one of another shape."""
+    try:
+        fd = os.open(Path(run_dir) / RECEIVER, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o022:
+            return None
+        raw = os.read(fd, RECEIVER_MAX_BYTES + 1)
+        if len(raw) > RECEIVER_MAX_BYTES:
+            return None
+        data = json.loads(raw.decode("utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return None
+    finally:
+        os.close(fd)
+    if not isinstance(data, dict) or not isinstance(data.get("url"), str) or not data["url"]:
+        return None
+    token = data.get("token")
+    return (data["url"], token) if token is None or isinstance(token, str) else None
 
 
 def sending(run_dir: Path) -> bool:
@@ -243,11 +304,13 @@ def deliver(run_dir: Path, url: str, token: str | None, env: dict[str, str] | No
     """Keep delivering the run's outbox until nothing waits in it: one try of each waiting event
     per round, rounds apart by a wait that starts at MEGATRON_SKILL_EVENTS_RETRY_S and doubles up
     to _RETRY_MAX_S (back to the first after a round that delivered something), for at most
-    _MAX_AGE_S (by then every event it holds is too old to send). One sender per outbox: where
-    another runs, this one leaves it the work. Answers why it stopped."""
+    _MAX_AGE_S (by then every event it holds is too old to send). Each round goes to the receiver
+    the run's newest emitter call was given (RECEIVER), else to url and token. One sender per
+    outbox: where another runs, this one leaves it the work. Answers why it stopped."""
     first, longest, max_age = schedule(env)
     end = time.monotonic() + max_age
     wait = first
+    to = (url, token)
     while True:
         lock = _lock(run_dir / SENDER_LOCK, 0)
         if lock is None:
@@ -259,7 +322,12 @@ def deliver(run_dir: Path, url: str, token: str | None, env: dict[str, str] | No
                     break
                 if time.monotonic() >= end:
                     return f"{len(left)} event(s) not delivered in {max_age:g} s; left in the outbox"
-                for event_id, status in flush(run_dir, url, token, min(DEADLINE_S, end - time.monotonic()),
+                now = receiver(run_dir) or (url, token)
+                if now != to:
+                    say(f"emit: the run's emitters now send to {now[0]}" + (" with another token" if now[1] != to[1]
+                                                                           else "") + ": delivering there")
+                    to, wait = now, first
+                for event_id, status in flush(run_dir, to[0], to[1], min(DEADLINE_S, end - time.monotonic()),
                                               tries=1).items():
                     say(f"emit: {event_id}: {status}")
                 still = waiting(run_dir, max_age_s=max_age)
@@ -304,6 +372,8 @@ def emit(event: dict[str, Any], run_dir: Path | None, env: dict[str, str] | None
         return {"event": signed, "delivery": "no receiver (MEGATRON_SKILL_EVENTS_URL unset)"}
     if signed["type"] in skipped(env):
         return {"event": signed, "delivery": f"recorded only ({ev.SKIP_ENV})"}
+    if run_dir and Path(run_dir).is_dir():
+        remember_receiver(Path(run_dir), url, env.get(ev.TOKEN_ENV))
     status = _deliver(signed, Path(run_dir) if run_dir else None, url, env, deadline_s)
     print(f"emit: {signed['type']} {signed['event_id']}: {status}", file=sys.stderr)
     return {"event": signed, "delivery": status}
