@@ -39,6 +39,7 @@ from test_fuzz_schema import (
     _outcome,
     _snapshot,
     answer_problem,
+    cap_memory,
     written_outside,
 )
 
@@ -498,7 +499,7 @@ def test_a_sample_of_hostile_runs_through_the_command_line(place, monkeypatch):
         try:
             proc = subprocess.run([sys.executable, str(ROOT / "tools" / "launch.py"), "on-event", "--request", "-"],
                                   input=json.dumps(request).encode(), capture_output=True, cwd=work,
-                                  timeout=TIME_LIMIT_S + 30, env=os.environ.copy())
+                                  timeout=TIME_LIMIT_S + 30, env=os.environ.copy(), preexec_fn=cap_memory)
         except subprocess.TimeoutExpired:
             failures.append(f"#{i} [{label}]: no answer")
             continue

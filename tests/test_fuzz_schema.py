@@ -12,10 +12,12 @@ A failure prints the seed, the tool, the request number and the request.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import json
 import os
 import random
+import resource
 import signal
 import subprocess
 import sys
@@ -36,6 +38,16 @@ SCHEMAS = ROOT / "schemas"
 # These would start work or write files: they are always asked for a dry run (never mutated to a real one).
 ACTING = {"train", "bench", "prepare-data", "render", "on-event", "import-hf", "export-hf"}
 SECRET = "fuzz-secret"
+# The memory a tool may take while the probe asks it something, set by the probe itself (not by a
+# ulimit around pytest): a tool that reads /dev/zero, a sparse 70 MiB file or a 10^30-layer model
+# into memory stops at this cap with a MemoryError (an internal error the probe reports) instead of
+# taking the machine. The limit is RLIMIT_DATA (the heap and private writable mappings, what such a
+# read grows), not RLIMIT_AS: importing torch reserves address space it never fills, OpenBLAS a
+# buffer per core and CUDA far more (measured on a 2-core machine: render, validate, bench and doctor
+# die in torch's import under RLIMIT_AS 3 GiB, a CPU train under 4 GiB), so an address-space cap
+# fails the real tools on a bigger machine. Measured under RLIMIT_DATA: every tool's request at
+# 1 GiB, a real 2-iteration CPU train and prepare-data at 2 GiB; the cap is twice that.
+MEMORY_CAP_BYTES = 4 << 30
 
 # A valid request of each tool (paths relative to the sandbox folder the tools run in).
 BASE = {
@@ -359,6 +371,38 @@ class _TooSlow(BaseException):  # not an Exception: no tool's except clause may 
     pass
 
 
+def cap_memory() -> None:
+    """preexec_fn of every tool process the probes start: the child runs under MEMORY_CAP_BYTES
+    (its own children inherit it)."""
+    _, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    cap = MEMORY_CAP_BYTES if hard == resource.RLIM_INFINITY else min(MEMORY_CAP_BYTES, hard)
+    resource.setrlimit(resource.RLIMIT_DATA, (cap, hard))
+
+
+def _data_in_use() -> int:
+    """This process's data segment now (VmData), in bytes."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmData:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+@contextlib.contextmanager
+def memory_capped():
+    """An in-process call (contract.call) under MEMORY_CAP_BYTES more than pytest holds already:
+    the soft limit is lowered for the call, and what the call starts inherits it, then raised back."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    cap = _data_in_use() + MEMORY_CAP_BYTES
+    if hard != resource.RLIM_INFINITY:
+        cap = min(cap, hard)
+    resource.setrlimit(resource.RLIMIT_DATA, (cap, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
+
+
 def _alarm(*_):
     raise _TooSlow()
 
@@ -384,7 +428,8 @@ def _ask(tool: str, request: dict) -> tuple[dict, float]:
     signal.alarm(TIME_LIMIT_S)
     started = time.monotonic()
     try:
-        return call(tool, request), time.monotonic() - started
+        with memory_capped():
+            return call(tool, request), time.monotonic() - started
     except _TooSlow:
         return {"ok": False, "tool": tool, "error": {"code": "HANG"}}, TIME_LIMIT_S
     finally:
@@ -563,7 +608,8 @@ def test_a_sample_through_the_command_line(sandbox):
         try:
             proc = subprocess.run([sys.executable, str(ROOT / "tools" / "launch.py"), tool, "--request", "-"],
                                   input=text if isinstance(text, bytes) else text.encode(), capture_output=True,
-                                  timeout=TIME_LIMIT_S + 20, cwd=work)  # + the interpreter's start
+                                  timeout=TIME_LIMIT_S + 20, cwd=work,  # + the interpreter's start
+                                  preexec_fn=cap_memory)
         except subprocess.TimeoutExpired:
             failures.append(f"{tool} {text[:80]!r}: no answer")
             continue
