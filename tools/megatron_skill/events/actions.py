@@ -138,6 +138,19 @@ def cause(event: dict[str, Any], found: dict[str, Any]) -> str:
         return "nan" if str(details.get("loss")).lower() in ("nan", "inf", "-inf") else "loss_spike"
     if kind == "job.finished":
         return "finished"
+    why = _failure(kind, details, found)
+    # A kill once every iteration had run (torchrun stopped after its worker was done): the run is
+    # finished, and a resume would train nothing and spend a relaunch.
+    return "finished" if why == "killed" and trained_out(found) else why
+
+
+def trained_out(found: dict[str, Any]) -> bool:
+    """Whether the run's log shows its last iteration (train_iters) done."""
+    last, total = found.get("last_iteration"), found.get("train_iters")
+    return isinstance(last, int) and isinstance(total, int) and 0 < total <= last
+
+
+def _failure(kind: str, details: dict[str, Any], found: dict[str, Any]) -> str:
     codes = [f["code"] for f in found.get("failures", [])]
     given = details.get("failure")
     if "out_of_memory" in codes or given == "out_of_memory":

@@ -50,7 +50,8 @@ SHAPE = {
                            "reports": {"type": "array", "items": {
                                "type": "object", "required": ["event_id"],
                                "properties": {"event_id": _TEXT, "cause": {"type": ["string", "null"]},
-                                              "nodes": {"type": "array", "items": _TEXT}}}}}}},
+                                              "nodes": {"type": "array", "items": _TEXT},
+                                              "iteration": {"type": "integer"}}}}}}},
         "relaunches": {"type": "array", "items": _NUMBER},
         "checkpoints": {"type": "object", "additionalProperties": {"type": "object"}},
     },
@@ -208,9 +209,12 @@ class Ledger:
         """Add a report of the incident (opening it with this event when it is the first)."""
         record = self.data["incidents"].setdefault(key, {"event_id": event["event_id"], "at": time.time(),
                                                          "actions": [], "applied": {}, "reports": []})
-        record.setdefault("reports", []).append({"event_id": event["event_id"], "type": event["type"],
-                                                 "emitter": event["emitter"], "cause": cause,
-                                                 "nodes": list(event["job"].get("nodes") or [])})
+        entry = {"event_id": event["event_id"], "type": event["type"], "emitter": event["emitter"], "cause": cause,
+                 "nodes": list(event["job"].get("nodes") or [])}
+        iteration = event.get("details", {}).get("iteration")
+        if isinstance(iteration, int) and not isinstance(iteration, bool):
+            entry["iteration"] = iteration   # where a loss went bad: a rollback goes to a checkpoint before it
+        record.setdefault("reports", []).append(entry)
         return record
 
     def decide(self, key: str, event: dict[str, Any], cause: str, actions: list[dict[str, Any]]) -> None:

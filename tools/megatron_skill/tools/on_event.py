@@ -164,7 +164,11 @@ def decide(event: dict[str, Any], cause: str, nodes: list[str], run: actions.Run
         return [actions.with_evidence(action, found) if event["type"] == "loss.anomaly" and cause == "nan"
                 else action]
     if kind == "summary":
-        return [actions.summary(run, found)]
+        summary = actions.summary(run, found)
+        if event["type"] != "job.finished":
+            summary["why"] += (f" (reported as {event['type']}, {event.get('details', {}).get('signal', 'killed')}, "
+                               "after its last iteration: nothing is left to train)")
+        return [summary]
     what = event["type"] if cause in ("stalled", "throughput_drop") else actions.failure_code(found)
     return [actions.diagnose(run, event, found, what)]
 
@@ -330,18 +334,58 @@ def _take_report(event: dict[str, Any], key: str, run_dir: Path, ledger: Ledger,
     ledger.note(event, "reported", key)
     record = ledger.report(key, event, cause)
     best = _most_specific(record)
+    went_nan = _nan_of_job(ledger, key)
+    deciding = event
+    if went_nan and best != "nan":
+        # The job's loss went NaN (the watcher's report; the log here may not show it): whatever
+        # ended it afterwards (a person stopping it, a kill), its end is that NaN's, to roll back
+        # to a checkpoint before it, never to resume as it was.
+        best = "nan"
+        bad = [r["iteration"] for r in went_nan["reports"] if isinstance(r.get("iteration"), int)]
+        if bad:
+            deciding = {**event, "details": {**event.get("details", {}), "iteration": min(bad)}}
     if record["actions"] and not actions.more_specific(best, record.get("cause")):
         if not dry:
             ledger.save()
         return {"decided": False, "facts": found}
     nodes = list(dict.fromkeys(n for r in record["reports"] for n in r.get("nodes", [])))
-    todo = decide(event, best, nodes, run, found, _running(run, ledger, event), req["policy"],
+    todo = decide(deciding, best, nodes, run, found, _running(run, ledger, event), req["policy"],
                   ledger.dir / "proposals", ctx)
     ledger.decide(key, event, best, todo)
+    if best == "nan" and kind == "loss.anomaly":
+        _end_went_nan(ledger, key, event, todo)
     if not dry:
         ledger.save()  # the decision before anything starts
         _write_proposals(todo, ledger)
     return {"decided": True, "facts": found}
+
+
+def _job_key(key: str) -> str:
+    return key.rsplit("/", 1)[0]
+
+
+def _nan_of_job(ledger: Ledger, key: str) -> dict[str, Any] | None:
+    """For a job's end: the incident of a NaN loss reported for the same job, if one was."""
+    if not key.endswith("/end"):
+        return None
+    nan = ledger.incident(_job_key(key) + "/loss.anomaly")
+    return nan if nan and nan.get("cause") == "nan" else None
+
+
+def _end_went_nan(ledger: Ledger, key: str, event: dict[str, Any], todo: list[dict[str, Any]]) -> None:
+    """A NaN reported after the job's end was decided (reports arrive in any order): the end,
+    while nothing was started for it, becomes the NaN's, with its rollback, so that no later yes
+    resumes the job as it was. A resume already started is said in the NaN's answer."""
+    end = ledger.incident(_job_key(key) + "/end")
+    if not end or end.get("cause") == "nan":
+        return
+    started = ledger.relaunched(_job_key(key) + "/end")
+    if started is None:
+        ledger.decide(_job_key(key) + "/end", event, "nan", todo)
+        return
+    for action in todo:
+        action["why"] += (f"; this job's end was already relaunched ({started[0]}, output "
+                          f"{started[1].get('output', '?')}): stop that run before rolling back")
 
 
 def _most_specific(record: dict[str, Any]) -> str:
