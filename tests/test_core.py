@@ -170,7 +170,8 @@ def test_rank_is_fastest_first_with_near_ties_to_the_leaner():
 
 
 def test_a_prediction_adds_up():
-    c = predict(LLAMA8B, H100, GOOD, 128256, RuntimeOptions.from_request(None))
-    assert c.peak_gib == pytest.approx(peak(memory_report(LLAMA8B, GOOD, 128256)) / 2**30)
+    opts = RuntimeOptions.from_request(None)
+    c = predict(LLAMA8B, H100, GOOD, 128256, opts)
+    assert c.peak_gib == pytest.approx(peak(memory_report(LLAMA8B, GOOD, 128256, opts.memory(GOOD))) / 2**30)
     assert c.tokens_per_s == pytest.approx(GOOD.gbs * GOOD.seq_length / c.time.total)
     assert 0 < c.mfu < 1

@@ -104,3 +104,15 @@ def test_a_forecasts_band_holds_the_published_figure_of_a_run_it_was_not_built_f
         lo, hi = evidence.band(others)
         inside += lo <= r["error_pct"] <= hi
     assert inside >= 0.8 * len(rows), (inside, len(rows))
+
+
+def test_no_layout_a_published_run_used_is_refused_for_memory():
+    """Each complete row is a layout its publisher ran: the memory model refusing one is the
+    model's defect. Llama 3.1 405B on 256 GB200s (TP4 PP16 VP4, three releases) was refused at
+    190.2 GiB of 184 until TE's attention kept its own V instead of the whole QKV output
+    (core/memory.py, attention_saved_bytes); it is 181.4 with TE's TP-overlap buffers counted."""
+    rows = [r for r in evidence.checked() if r.get("layout_complete", True)]
+    refused = [(r["model"], r["gpu"], r["layout"], round(r["peak_gib"], 1), r["source"])
+               for r in rows if not r["fits"]]
+    assert not refused, refused
+    assert any(r["gpu"] == "gb200" and r["model"] == "llama3.1-405b" for r in rows)

@@ -12,7 +12,10 @@ Conventions (those of Megatron-Core with bf16 mixed precision):
   terms; unfused attention's are counted when asked: unfused_score_bytes), no dropout,
   sequence parallelism sharding what TP alone leaves replicated;
 - the loss keeps an fp32 copy of the logits (Megatron's vocab-parallel cross entropy),
-  one micro-batch at a time.
+  one micro-batch at a time;
+- on Transformer Engine's layers, core attention keeps Q, K, its own copy of V and O (not the
+  whole QKV output the local layers keep alive through V's view), and --tp-comm-overlap adds
+  TE's userbuffers outside torch's allocator (attention_saved_bytes, userbuffer_bytes).
 """
 from __future__ import annotations
 
@@ -57,6 +60,9 @@ class MemoryOptions:
     #                                     TE's, apex's and torch's fused kernels update in place (0)
     local_clip: bool = False            # Megatron's fallback gradient clipping (no TE or apex) scales each
     #                                     gradient through a temporary copy: the largest one at the step
+    te_attention: bool = False          # TE's core attention: keeps its own contiguous V, the QKV output is freed
+    tp_comm_overlap: bool = False       # TE's userbuffers for --tp-comm-overlap, counted where TP > 1 under SP
+    #                                     (also where a TP group spans NVLink domains and render leaves it off)
 
 
 def chunk_layers(model: ModelConfig, lay: Layout) -> tuple[tuple[int, ...], ...]:
@@ -110,13 +116,28 @@ def inflight_chunks(lay: Layout, rank: int) -> int:
 
 
 # ---- activations of one layer, bytes per token of the (CP-local) sequence -------------------
-def attention_saved_bytes(model: ModelConfig) -> float:
+def attention_saved_bytes(model: ModelConfig, te: bool = False) -> float:
     """Bytes per token that core attention keeps for its backward (TP 1, grouped-query heads
-    read natively): Q and K after RoPE (new tensors), V (a view of the QKV projection's
-    output, which therefore stays alive whole), the output O, and the fp32 log-sum-exp per
-    head.  tests/test_memory_model.py counts them on a real Megatron-Core layer."""
+    read natively), and the fp32 log-sum-exp per head.
+
+    Megatron-Core's local layers (the skill's SDPA): Q and K after RoPE (new tensors), V (a view
+    of the QKV projection's output, which therefore stays alive whole) and the output O.
+    tests/test_memory_model.py counts them on a real Megatron-Core layer.
+
+    Transformer Engine's DotProductAttention (te): its layout check (get_qkv_layout, TE 2.8 to
+    2.13) takes Q and K as RoPE made them (contiguous) but not a V strided inside the QKV output
+    (its strides are not K's), so it makes all three contiguous: V becomes a copy, and the
+    fused-attention function saves Q, K, that V and O. The QKV output has no reference left
+    after the layer's forward (the split is torch.split's views, TE's fused RoPE saves only its
+    frequencies, the QKV linear saves its input): it is freed. Read in TE's source, not measured
+    here (no TE on the GPUs we have)."""
     q = model.num_attention_heads * model.head_dim
     kv = 2 * model.query_groups * model.head_dim
+    if te:
+        # QK-norm with TE's RMSNorm: each norm keeps its input made contiguous (the query's
+        # reshaped copy, a copy of the key's view); their outputs go into RoPE, which keeps none
+        qk_norm = q + kv / 2 if model.qk_layernorm else 0
+        return BF16 * (q + kv + q + qk_norm) + FP32 * model.num_attention_heads
     # QK-norm (Qwen3): the query norm's output is kept too (K's is not: measured on an H100,
     # references/benchmarks.md "Fine-grained MoE memory")
     qk_norm = q if model.qk_layernorm else 0
@@ -174,7 +195,7 @@ def _layer_activation_bytes(model: ModelConfig, tp: int, sequence_parallel: bool
         qkv = 0 if "mla_up_proj" in re_run else BF16 * a * (2 * qk + model.v_head_dim) / t
         attn = latent * rep + qkv + BF16 * a * model.v_head_dim / t
     else:
-        attn = attention_saved_bytes(model) / t
+        attn = attention_saved_bytes(model, opts.te_attention) / t
     if "core_attn" not in re_run:
         # unfused attention: per token, a row of S scores (S / CP under context parallel) per head
         attn += opts.score_bytes * model.num_attention_heads / t * lay.seq_length / lay.cp
@@ -220,8 +241,9 @@ class StageMemory:
     activations: float
     logits: float
     transient: float              # recompute buffers, largest temporary
-    allowance: float              # outside the allocator: context, NCCL; plus fragmentation
+    allowance: float              # outside the allocator: context, NCCL, TE's userbuffers; plus fragmentation
     step_transient: float = 0.0   # temporaries of the optimizer step (activations are freed by then)
+    userbuffers: float = 0.0      # TE's TP-overlap buffers (part of the allowance: cudaMalloc'd by TE)
 
     @property
     def allocated(self) -> float:
@@ -243,6 +265,7 @@ class StageMemory:
                 "logits_gib": g(self.logits), "transient_gib": g(self.transient),
                 "optimizer_step_gib": g(self.step_transient),
                 "allocated_gib": g(self.allocated), "allowance_gib": g(self.allowance),
+                "userbuffers_gib": g(self.userbuffers),
                 "total_gib": g(self.total)}
 
 
@@ -443,10 +466,32 @@ def stage_memory(model: ModelConfig, lay: Layout, rank: int, padded_vocab: int,
         step_transient += FP32 * shard_params
     groups = sum(x > 1 for x in (lay.tp, lay.pp, lay.cp, lay.dp, lay.ep))
     dynamic = max(activations + logits + transient, step_transient)
-    allowance = (CONTEXT_GIB + NCCL_GIB_PER_GROUP * groups) * GIB + FRAGMENTATION * dynamic
+    ub = userbuffer_bytes(model, lay) if opts.tp_comm_overlap else 0.0
+    allowance = (CONTEXT_GIB + NCCL_GIB_PER_GROUP * groups) * GIB + FRAGMENTATION * dynamic + ub
     return StageMemory(rank=rank, layers=len(layers), params=params, weights=weights,
                        gradients=gradients, optimizer=optimizer, activations=activations,
-                       logits=logits, transient=transient, allowance=allowance, step_transient=step_transient)
+                       logits=logits, transient=transient, allowance=allowance, step_transient=step_transient,
+                       userbuffers=ub)
+
+
+def userbuffer_bytes(model: ModelConfig, lay: Layout) -> float:
+    """What Transformer Engine's userbuffers take for --tp-comm-overlap, outside torch's allocator
+    (TE allocates them with cudaMalloc or cuMemCreate: userbuffers-host.cpp), on every rank.
+
+    Megatron sizes each buffer as one micro-batch's whole sequence over CP by the hidden size
+    (initialize_ub's shape, _initialize_tp_communicators) and TE makes twelve with its default
+    methods (module/base.py, initialize_ub, TE 2.8 to 2.13): the eight of its all-gather list
+    (QKV, FC1 forward, projection and FC2 data gradients by ring exchange; QKV and FC1 data
+    gradients in bulk; projection and FC2 weight gradients, external) in FP8 under an FP8 recipe,
+    else bf16; the four reduce-scatters (projection and FC2 forward, pipelined; QKV and FC1
+    weight gradients, in bulk) in bf16. A config file that turns the forward reduce-scatters into
+    ring exchanges (NVIDIA's Llama 3.1 405B presets) takes (2 TP - 1) / TP of theirs instead:
+    not counted. None without TP > 1 under sequence parallelism (Megatron asserts it)."""
+    if lay.tp <= 1 or not lay.sequence_parallel:
+        return 0.0
+    elements = lay.mbs * lay.seq_length / lay.cp * model.hidden_size
+    gather = FP8 if lay.precision == "fp8" else BF16
+    return elements * (8 * gather + 4 * BF16)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -69,7 +69,8 @@ class RuntimeOptions:
                              grad_bytes=BF16 if self.megatron.bf16_grads else FP32,
                              fp8_params=self.megatron.fp8_param_gather and self.te and lay.precision == "fp8",
                              fsdp_params=self.megatron.fsdp,
-                             fused_cross_entropy=self.megatron.cross_entropy_fusion and not self.fused_head)
+                             fused_cross_entropy=self.megatron.cross_entropy_fusion and not self.fused_head,
+                             te_attention=self.te, tp_comm_overlap=self.te and self.megatron.tp_comm_overlap)
 
     def entry_flags(self) -> list[str]:
         """The skill entry script's own flags for these paths (adapter/skill_flags.py)."""
