@@ -49,6 +49,8 @@ def _environment(tool: str) -> None:
     if (missing or wants_more) and VENV_PYTHON.exists() and not _in_venv() \
             and not os.environ.get("MEGATRON_SKILL_NO_REEXEC"):
         os.environ["MEGATRON_SKILL_NO_REEXEC"] = "1"  # once: never a loop
+        os.environ["PYTHONUTF8"] = "1"
+        sys.stdout.flush()
         os.execv(str(VENV_PYTHON), [str(VENV_PYTHON), str(Path(__file__).resolve()), *sys.argv[1:]])
     if missing:
         planning_only = not set(missing) - set(PLANNING)
@@ -60,6 +62,61 @@ def _environment(tool: str) -> None:
             f"{tool} needs" + ("" if VENV_PYTHON.exists() else "; there is no .venv here"),
             "where": "python", "fix": fix}}))
         sys.exit(5)
+
+
+def _streams() -> None:
+    """stdin, stdout and stderr as the contract needs them, whatever the caller left:
+    - a standard descriptor the caller closed (`2>&-`, a daemon's closed fds) is opened on
+      /dev/null, so that no file the tool opens later takes its number (the answer, or a library's
+      print, would then be written into that file) and print(file=sys.stderr) does not fall back
+      to stdout;
+    - the answer is JSON, which is UTF-8 (RFC 8259): stdout and stderr are UTF-8 whatever
+      PYTHONIOENCODING or the locale say (an ASCII locale raised on the first non-ASCII path in a
+      progress line; PYTHONIOENCODING=utf-16 made stdout no JSON a reader could parse)."""
+    for fd, mode in ((0, os.O_RDONLY), (1, os.O_WRONLY), (2, os.O_WRONLY)):
+        try:
+            os.fstat(fd)
+        except OSError:
+            opened = os.open(os.devnull, mode)
+            if opened != fd:  # the lowest free number is fd itself; this is a guard only
+                os.dup2(opened, fd)
+                os.close(opened)
+    for name, fd in (("stdin", 0), ("stdout", 1), ("stderr", 2)):
+        stream = getattr(sys, name)
+        if stream is None:  # closed at start: Python set it to None
+            setattr(sys, name, open(fd, "r" if fd == 0 else "w", encoding="utf-8", closefd=False,
+                                    errors="strict" if fd == 0 else "backslashreplace"))
+        elif fd and hasattr(stream, "reconfigure"):
+            stream.reconfigure(encoding="utf-8", errors="backslashreplace" if fd == 2 else "strict")
+    os.environ["PYTHONIOENCODING"] = "utf-8"  # child processes too (the trainer's log, a hook's output)
+
+
+def _utf8_mode() -> None:
+    """Paths are text in requests and in answers: under an ASCII locale with Python's locale
+    coercion and UTF-8 mode off (LANG=C PYTHONCOERCECLOCALE=0 PYTHONUTF8=0), the first non-ASCII
+    name raised UnicodeEncodeError deep in a tool. Run again once in UTF-8 mode, where a path is
+    encoded as the UTF-8 the request spelled."""
+    if sys.flags.utf8_mode or sys.getfilesystemencoding().lower().replace("-", "") == "utf8":
+        return
+    if os.environ.get("MEGATRON_SKILL_UTF8_REEXEC"):
+        return  # once: never a loop
+    os.environ["MEGATRON_SKILL_UTF8_REEXEC"] = "1"
+    os.environ["PYTHONUTF8"] = "1"
+    os.execv(sys.executable, [sys.executable, str(Path(__file__).resolve()), *sys.argv[1:]])
+
+
+def _working_folder(tool: str) -> None:
+    """The folder the tool runs in must exist: relative paths resolve there, and torch's own
+    libraries fail to load without it (the process died in oneMKL with nothing on stdout). A shell
+    whose folder another removed gets one environment error at once."""
+    try:
+        os.getcwd()
+    except OSError as e:
+        print(json.dumps({"ok": False, "tool": tool, "error": {
+            "code": "environment", "message": f"the working folder is gone ({e.strerror}): it was removed after "
+            "this shell entered it", "where": "cwd", "fix": "cd to an existing folder and run it again"}}))
+        sys.stdout.flush()
+        os._exit(5)
 
 
 def _quiet() -> None:
@@ -81,7 +138,10 @@ def _quiet() -> None:
 
 
 if __name__ == "__main__":
+    _utf8_mode()
+    _streams()
     tool = sys.argv[1] if len(sys.argv) > 1 and not sys.argv[1].startswith("-") else "help"
+    _working_folder(tool)
     _environment(tool)
     _quiet()
     sys.path.insert(0, str(HERE))
