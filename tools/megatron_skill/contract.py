@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import errno
 import hashlib
 import json
 import math
@@ -213,25 +214,56 @@ def call(tool_name: str, request: dict, ctx: Context | None = None) -> dict:
     ctx = ctx or Context(dry_run=request.get("dry_run") is True if isinstance(request, dict) else False)
     tool = get_tool(tool_name)
     rid = None
+    remembering = None
     try:
         req = validate_request(tool_name, request)
         rid = request_id(tool_name, req)
         ctx.request_id = rid
+        if ctx.dry_run:  # a dry run writes nothing, Megatron's parser's verdicts included
+            from .adapter import parser
+
+            remembering = (parser.REMEMBER, parser.REMEMBER.set(False))
         env = {"ok": True, "tool": tool_name, "request_id": rid, "result": tool.run(req, ctx)}
     except ToolError as e:
         env = {"ok": False, "tool": tool_name, "error": e.to_json()}
     except RecursionError:
         env = {"ok": False, "tool": tool_name, "error": ToolError(
             "bad_request", "the request is nested too deeply", where="/", fix="check the request").to_json()}
+    except OSError as e:
+        env = {"ok": False, "tool": tool_name, "error": _os_error(e)}
     except Exception as e:  # noqa: BLE001 -- a bug of ours: one JSON error, the traceback on request
         if os.environ.get("MEGATRON_SKILL_DEBUG"):
             traceback.print_exc()
         env = {"ok": False, "tool": tool_name, "error": {
             "code": "internal", "message": f"internal error: {type(e).__name__}: {e}",
             "fix": "set MEGATRON_SKILL_DEBUG=1 for the traceback and report it"}}
+    finally:
+        if remembering:
+            remembering[0].reset(remembering[1])
     if rid and "request_id" not in env:
         env["request_id"] = rid
     return strict_json(env)
+
+
+# What the machine refuses, whatever the code: no permission, a read-only file system, a full disk
+# or quota, too many open files. A tool's own checks name these where it opens its paths; one
+# that reaches call is still the machine's answer, not a bug of the skill's.
+MACHINE_ERRNOS = {errno.EACCES: "permission denied", errno.EPERM: "operation not permitted",
+                  errno.EROFS: "read-only file system", errno.ENOSPC: "no space left on the disk",
+                  errno.EDQUOT: "disk quota exceeded", errno.EMFILE: "too many open files",
+                  errno.ENFILE: "too many open files in the system", errno.EIO: "input/output error"}
+
+
+def _os_error(e: OSError) -> dict:
+    if e.errno not in MACHINE_ERRNOS:
+        if os.environ.get("MEGATRON_SKILL_DEBUG"):
+            traceback.print_exc()
+        return {"code": "internal", "message": f"internal error: {type(e).__name__}: {e}",
+                "fix": "set MEGATRON_SKILL_DEBUG=1 for the traceback and report it"}
+    name = e.filename if isinstance(e.filename, str) else None
+    return ToolError("environment", f"{MACHINE_ERRNOS[e.errno]}" + (f": {name}" if name else f" ({e})"),
+                     where=name or "file system",
+                     fix="give paths this user may read and write, on a disk with room (df -h, ls -ld)").to_json()
 
 
 def invoke(tool_name: str, request: dict, parent: Context) -> dict:
@@ -360,8 +392,15 @@ def _read_request(source: str) -> Any:
     from . import files
 
     if source == "-":
+        if sys.stdin is None:  # closed by the caller (launch.py opens /dev/null there; embedded use may not)
+            raise ToolError("bad_request", "--request - reads the request on stdin, which is closed", where="--request",
+                            fix="pipe the request into the tool, or give --request FILE")
         binary = getattr(sys.stdin, "buffer", None)  # none where stdin is a text stream of Python's (embedded use)
-        data = (binary or sys.stdin).read(files.JSON_LIMIT + 1)
+        try:
+            data = (binary or sys.stdin).read(files.JSON_LIMIT + 1)
+        except (OSError, ValueError) as e:  # a folder or an unreadable device as stdin, a closed stream
+            raise ToolError("bad_request", f"cannot read the request on stdin: {e}", where="--request",
+                            fix="pipe one JSON request into the tool, or give --request FILE") from None
         if len(data) > files.JSON_LIMIT:
             raise ToolError("bad_request", f"the request on stdin is larger than {files.JSON_LIMIT:,} bytes",
                             where="--request", fix="give one JSON request")
@@ -369,18 +408,39 @@ def _read_request(source: str) -> Any:
     else:
         text = files.read_text(source, where="--request", what="request file")
     where = "stdin" if source == "-" else source
-    return parse_json(text, where="--request", name=f"the request in {where}")
+    if not text.strip():
+        raise ToolError("bad_request", f"the request in {where} is empty", where="--request",
+                        fix="give one JSON object (for no fields at all: {})")
+    return parse_json(text, where="--request", name=f"the request in {where}", unique_keys=True)
 
 
 def _no_constant(name: str) -> None:
     raise ValueError(f"{name} is not JSON")
 
 
-def parse_json(text: str, where: str, name: str) -> Any:
+class DuplicateKey(ValueError):
+    pass
+
+
+def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise DuplicateKey(f"the key {key!r} is given twice in one object")
+        out[key] = value
+    return out
+
+
+def parse_json(text: str, where: str, name: str, unique_keys: bool = False) -> Any:
     """Strict JSON: NaN and Infinity (which Python's parser accepts) are refused, and so is
-    nesting deeper than the parser can follow."""
+    nesting deeper than the parser can follow; unique_keys: an object that gives a key twice
+    too (Python keeps the last, another reader the first: {"dry_run": true, "dry_run": false} reads
+    as a dry run to a person and ran for real)."""
     try:
-        return json.loads(text, parse_constant=_no_constant)
+        return json.loads(text, parse_constant=_no_constant, object_pairs_hook=_unique if unique_keys else None)
+    except DuplicateKey as e:
+        raise ToolError("bad_request", f"{name}: {e}", where=where,
+                        fix="give each key once: which of the two was meant is not for the tool to guess") from None
     except json.JSONDecodeError as e:
         raise ToolError("bad_request", f"{name} is not JSON: {e}", where=where, fix="give one JSON object") from None
     except ValueError as e:
@@ -425,6 +485,32 @@ def _take_arg_vector(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[
     return argv[:start - 1] + argv[end:], argv[start:end]
 
 
+class _OnceEach(argparse.Namespace):
+    """The parsed flags, each with one value: argparse keeps the last of a flag given twice
+    (--num-gpus 8 --num-gpus 16, --request a --request b, --resume --no-resume), which a script
+    that appends flags to a command line did not mean; a second, different value is refused
+    instead (the same value again changes nothing). argparse sets every field once to its default
+    first, then once per time the flag is given."""
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        seen = self.__dict__.setdefault("_set_count", {})
+        count, first = seen.get(key, (0, None))
+        if count == 1:
+            first = value
+        elif count >= 2 and value != first:
+            flag = _flag(key)
+            raise ToolError("bad_request", f"{flag} is given twice, with two values ({_shown(first)} and "
+                            f"{_shown(value)})", where="argv",
+                            fix=f"give {flag} once (a flag and its --no- form count as the same flag)")
+        seen[key] = (count + 1, first)
+        super().__setattr__(key, value)
+
+
+def _shown(value: Any) -> str:
+    text = json.dumps(value) if not isinstance(value, str) else repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def main_for(tool: Tool, argv: list[str]) -> int:
     # argparse prints usage and exits 2 on bad flags; turn that into the JSON error too.
     def fail(message: str) -> None:
@@ -434,7 +520,7 @@ def main_for(tool: Tool, argv: list[str]) -> int:
         parser = build_parser(tool)
         parser.error = fail  # type: ignore[method-assign]
         argv, vector = _take_arg_vector(parser, argv)
-        args = parser.parse_args(argv)
+        args = parser.parse_args(argv, namespace=_OnceEach())
         request: dict = {}
         if args.request:
             request = _read_request(args.request)
@@ -442,7 +528,7 @@ def main_for(tool: Tool, argv: list[str]) -> int:
                 raise ToolError("bad_request", "the request must be a JSON object", where="--request",
                                 fix=f"see schemas/{tool.name}.request.json")
         for key, value in vars(args).items():
-            if key in ("request", "pretty") or value is None:
+            if key in ("request", "pretty", "_set_count") or value is None:
                 continue
             request[key] = value
         if vector is not None:

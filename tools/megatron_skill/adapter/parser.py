@@ -9,6 +9,7 @@ grouped GEMM needs) is answered with the target GPU's, when no GPU is present.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import hashlib
 import io
 import json
@@ -18,7 +19,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from ..errors import ToolError
+from .. import files
+from ..errors import EXIT_CODES, ToolError
 from ..locks import write_atomic
 from .skill_flags import add_skill_arguments
 
@@ -41,10 +43,7 @@ def check(argv: list[str], world_size: int | None = None, device_major: int = 9,
     flags, all of which are in the key."""
     key = _verdict_key(argv, world_size, device_major, env)
     path = _cache_dir() / f"{key}.json"
-    try:
-        verdict = json.loads(path.read_text())
-    except (OSError, ValueError):
-        verdict = None
+    verdict = _verdict(files.read_record(path))
     if verdict is None:
         warned: list[str] = []
         try:
@@ -52,9 +51,7 @@ def check(argv: list[str], world_size: int | None = None, device_major: int = 9,
             verdict = {"ok": True, "warnings": warned}
         except ToolError as e:
             verdict = {"ok": False, "error": e.to_json(), "warnings": warned}
-        with contextlib.suppress(OSError):
-            path.parent.mkdir(parents=True, exist_ok=True)
-            write_atomic(path, json.dumps(verdict))
+        _remember(path, verdict)
     if not verdict.get("ok"):
         e = verdict["error"]
         raise Refusal(e["code"], e["message"], where=e.get("where"), fix=e.get("fix"),
@@ -70,7 +67,39 @@ class Refusal(ToolError):
         self.warnings = list(warnings or [])
 
 
+# Whether verdicts are written to the cache: not during a dry run (contract.call turns it off),
+# which writes nothing anywhere; MEGATRON_SKILL_CACHE=off turns the cache off altogether.
+REMEMBER: contextvars.ContextVar[bool] = contextvars.ContextVar("remember_verdicts", default=True)
+OFF = ("off", "0", "none", "no")
+
+
+def _remember(path: Path, value: dict) -> None:
+    if not REMEMBER.get() or os.environ.get("MEGATRON_SKILL_CACHE", "").lower() in OFF:
+        return
+    with contextlib.suppress(OSError, ValueError, ToolError):
+        files.output_folder(path.parent, where="MEGATRON_SKILL_CACHE")  # no link to nowhere, no file on the way
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, json.dumps(value))
+
+
+def _verdict(record: dict | None) -> dict | None:
+    """A cached verdict, or None for anything of another shape (a damaged or forged cache file is
+    parsed again, never trusted: its error would be raised as Megatron's)."""
+    if not record or not isinstance(record.get("ok"), bool) or not isinstance(record.get("warnings", []), list) \
+            or not all(isinstance(w, str) for w in record.get("warnings", [])):
+        return None
+    if record["ok"]:
+        return record
+    error = record.get("error")
+    if not isinstance(error, dict) or error.get("code") not in EXIT_CODES or not isinstance(error.get("message"), str) \
+            or not all(isinstance(error.get(k), (str, type(None))) for k in ("where", "fix")):
+        return None
+    return record
+
+
 def _cache_dir() -> Path:
+    if os.environ.get("MEGATRON_SKILL_CACHE", "").lower() in OFF:
+        return Path(os.devnull) / "off"   # no cache: nothing is read (a path below a device) or written
     root = os.environ.get("MEGATRON_SKILL_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "megatron-core-training")
     return Path(root) / "parser-verdicts"
@@ -257,17 +286,15 @@ def defaults(dests: tuple[str, ...] = tuple(RECORDED_DEFAULTS)) -> tuple[dict[st
         megatron = "unknown"
     key = hashlib.sha256(json.dumps(["defaults", megatron, sorted(dests)]).encode()).hexdigest()[:32]
     path = _cache_dir() / f"{key}.json"
-    try:
-        return json.loads(path.read_text()), f"Megatron's parser (megatron-core {megatron})"
-    except (OSError, ValueError):
-        pass
+    cached = files.read_record(path)
+    if cached is not None and set(cached) == set(dests) and all(
+            isinstance(v, (int, float, str, bool, type(None))) for v in cached.values()):
+        return cached, f"Megatron's parser (megatron-core {megatron})"
     try:
         args = parse([])
     except ToolError:
         return {d: RECORDED_DEFAULTS.get(d) for d in dests}, "recorded from megatron-core 0.19.2 (its parser failed here)"
     found = {d: getattr(args, d, None) for d in dests}
     found = {d: v if isinstance(v, (int, float, str, bool, type(None))) else str(v) for d, v in found.items()}
-    with contextlib.suppress(OSError):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, json.dumps(found))
+    _remember(path, found)
     return found, f"Megatron's parser (megatron-core {megatron})"
