@@ -94,11 +94,14 @@ def os_error(e: OSError, path: str | Path, where: str, what: str) -> ToolError:
         return ToolError("bad_request", f"{shown} is a folder, not a {what}", where=where,
                          fix=f"give the path of the {what} itself")
     if e.errno in (errno.EACCES, errno.EPERM):
-        return ToolError("not_found", f"cannot read {shown}: permission denied", where=where,
-                         fix=f"give a {what} this user may read")
+        return ToolError("not_found", f"{shown}: permission denied", where=where,
+                         fix=f"give a {what} this user may read (or write, for an output)")
+    if e.errno in (errno.EROFS, errno.ENOSPC, errno.EDQUOT):
+        return ToolError("bad_request", f"cannot write {shown}: {e.strerror or e}", where=where,
+                         fix=f"give a {what} on a writable disk with room")
     if e.errno == errno.ENXIO:  # a socket, or a device without its driver
         return _not_regular(shown, where, what)
-    return ToolError("bad_request", f"cannot open {shown}: {e.strerror or e}", where=where, fix=f"give a readable {what}")
+    return ToolError("bad_request", f"cannot read {shown}: {e.strerror or e}", where=where, fix=f"give a readable {what}")
 
 
 def _not_regular(shown: str, where: str, what: str) -> ToolError:
@@ -179,7 +182,10 @@ def open_stream(path: str | Path, where: str, what: str = "file") -> BinaryIO:
 def read_bytes(path: str | Path, where: str, what: str = "file", limit: int = JSON_LIMIT) -> bytes:
     """The bytes of a regular file of at most limit bytes."""
     with open_stream(path, where, what) as f:
-        data = f.read(limit + 1)
+        try:
+            data = f.read(limit + 1)
+        except OSError as e:  # opened, yet unreadable: /proc/self/mem (EIO), a file on a failing disk
+            raise os_error(e, path, where, what) from None
     if len(data) > limit:
         raise ToolError("bad_request", f"{_short(os.fspath(path), 200)} is larger than {limit:,} bytes, more than "
                         f"any {what} holds", where=where, fix=f"give the {what} itself")

@@ -10,6 +10,7 @@ and lets the same request return at once the second time.
 """
 from __future__ import annotations
 
+import errno
 import gzip
 import json
 import os
@@ -24,7 +25,7 @@ from .. import files as guarded
 from ..contract import Context, Tool
 from ..data.datasets import MADE_BY, dataset_files, file_facts, read_record
 from ..errors import ToolError
-from ..locks import Busy, FileLock, not_a_lock, write_atomic
+from ..locks import Busy, FileLock, NotALockFile, not_a_lock, write_atomic
 
 BATCH_LINES = 512
 MAX_REPORTED = 20
@@ -396,14 +397,21 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
     except ImportError as e:
         raise ToolError("environment", f"megatron-core is not importable: {e}", where="megatron.core",
                         fix="run tools/setup.sh (Python 3.12, torch, megatron-core)") from None
-    prefix.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        prefix.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise guarded.os_error(e, prefix.parent, "/output_prefix", "output folder") from None
     try:
         lock = FileLock(files["lock"]).acquire()
     except Busy:
         raise ToolError("conflict", f"another prepare-data run is writing {prefix}", where="/output_prefix",
                         fix="wait for it to finish, or choose another output_prefix") from None
-    except OSError:
-        raise not_a_lock(files["lock"], "/output_prefix") from None
+    except OSError as e:
+        if isinstance(e, NotALockFile) or e.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+            raise not_a_lock(files["lock"], "/output_prefix") from None
+        # no lock can be made there: a folder this user may not write, a read-only file system, a full disk
+        raise ToolError("bad_request", f"cannot write in {prefix.parent}: {e.strerror or e}", where="/output_prefix",
+                        fix="give an output_prefix in a folder this user may write, on a disk with room") from None
     try:
         _recover(files)
         done = _decide(req, files, rid, ctx, dry_run=False)

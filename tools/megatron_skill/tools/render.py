@@ -845,7 +845,10 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
         out["files"][0]["content"] = text
         return out
     files.make_folder(path.parent, "/output_dir")
-    write_atomic(path, text, mode=0o644 if out["launcher"] == "kubernetes" else 0o755)  # never half a script
+    try:
+        write_atomic(path, text, mode=0o644 if out["launcher"] == "kubernetes" else 0o755)  # never half a script
+    except OSError as e:  # a folder this user may not write, a read-only file system, a full disk
+        raise files.os_error(e, path, "/output_dir", "launch script") from None
     ctx.progress(f"render: wrote {path} ({out['label']})")
     return out
 
