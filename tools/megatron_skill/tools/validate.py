@@ -27,7 +27,7 @@ from ..adapter import described, manifest
 from ..adapter import flags as megatron_flags
 from ..adapter import parser as megatron_parser
 from ..adapter import script as script_args
-from ..contract import ROOT, Context, Tool, invoke
+from ..contract import ROOT, Context, Tool, invoke, validate_request
 from ..core.catalog import get_gpu
 from ..core.flops import padded_vocab_size
 from ..core.layout import RULES, Layout, broken_rules
@@ -819,7 +819,15 @@ def _launches(req: dict, ctx: Context) -> tuple[list[Launch], dict[str, Any], di
 
 def _validate_request(sub: dict, ctx: Context) -> dict[str, Any]:
     """A render request: rendered through the contract as a dry run (nothing written), so every
-    error render would raise is found, then its argument vector checked like any other."""
+    error render would raise is found, then its argument vector checked like any other. A render
+    request that does not match render's schema (a count given as text) is this request's error,
+    not a finding about a script: bad_request, where in render_request."""
+    try:
+        validate_request("render", {**sub, "dry_run": True})
+    except ToolError as e:
+        raise ToolError(e.code, f"render_request: {e.message}", where="/render_request" + (
+            e.where if e.where and e.where.startswith("/") and e.where != "/" else ""), fix=e.fix,
+            details=e.details) from None
     try:
         built = invoke("render", {**sub, "dry_run": True}, ctx)
     except ToolError as e:
