@@ -89,6 +89,25 @@ def _streams() -> None:
         elif fd and hasattr(stream, "reconfigure"):
             stream.reconfigure(encoding="utf-8", errors="backslashreplace" if fd == 2 else "strict")
     os.environ["PYTHONIOENCODING"] = "utf-8"  # child processes too (the trainer's log, a hook's output)
+    sys.stderr = _Shown(sys.stderr)
+
+
+class _Shown:
+    """stderr with the control characters of what is written escaped (tab, newline and carriage
+    return aside): a progress line, a summary or a warning that quotes a request's text (a path or
+    a name holding an escape sequence) never recolours, retitles or clears the terminal."""
+
+    TABLE = {c: f"\\x{c:02x}" for c in (*range(0x00, 0x09), 0x0b, 0x0c, *range(0x0e, 0x20), 0x7f,
+                                         *range(0x80, 0xa0))}
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text):
+        return self._stream.write(text.translate(self.TABLE) if isinstance(text, str) else text)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
 
 
 def _utf8_mode() -> None:

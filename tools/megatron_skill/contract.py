@@ -31,12 +31,28 @@ SCHEMA_DIR = schema_dir()
 NON_SEMANTIC = {"dry_run", "resume", "workers"}  # workers: how fast, not what
 
 
+# Control characters a request's text may carry (an escape sequence in a path or a model name)
+# are shown escaped on the terminal: a progress line or summary never moves the cursor, recolours
+# or retitles the terminal it is read on.
+_CONTROL = {c: f"\\x{c:02x}" for c in (*range(0x00, 0x09), *range(0x0b, 0x20), 0x7f)}
+_CONTROL.update({c: f"\\x{c:02x}" for c in range(0x80, 0xa0)})
+
+
+def shown_on_terminal(text: str) -> str:
+    """text with its control characters (other than tab and newline) escaped as \\xNN."""
+    return text.translate(_CONTROL)
+
+
+def _to_stderr(message: str) -> None:
+    print(shown_on_terminal(message), file=sys.stderr, flush=True)
+
+
 @dataclasses.dataclass
 class Context:
     """How a request is carried out: dry run or not, where progress goes, and the id of the
     request being served (set by call; a tool that calls another passes its own context on)."""
     dry_run: bool = False
-    progress: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr, flush=True)
+    progress: Callable[[str], None] = _to_stderr
     request_id: str | None = None
 
 
@@ -240,9 +256,27 @@ def call(tool_name: str, request: dict, ctx: Context | None = None) -> dict:
     finally:
         if remembering:
             remembering[0].reset(remembering[1])
+    if not env["ok"]:
+        env["error"] = _bounded(env["error"])
     if rid and "request_id" not in env:
         env["request_id"] = rid
     return strict_json(env)
+
+
+ERROR_TEXT_LIMIT = 2000  # characters of an error's message, where or fix
+
+
+def _bounded(error: dict) -> dict:
+    """An error whose message, where and fix are each at most ERROR_TEXT_LIMIT characters: they
+    quote what the request gave (an unknown 50 MB model name, a schema's 'x is not of type'), and
+    an answer is read by a person or an agent, not a 50 MB echo of its own request."""
+    out = dict(error)
+    for key in ("message", "where", "fix"):
+        text = out.get(key)
+        if isinstance(text, str) and len(text) > ERROR_TEXT_LIMIT:
+            keep = ERROR_TEXT_LIMIT // 2
+            out[key] = f"{text[:keep]}... ({len(text) - 2 * keep:,} characters left out) ...{text[-keep:]}"
+    return out
 
 
 # What the machine refuses, whatever the code: no permission, a read-only file system, a full disk
@@ -536,7 +570,7 @@ def main_for(tool: Tool, argv: list[str]) -> int:
         with _stdout_to_stderr():
             envelope = call(tool.name, request)
     except ToolError as e:
-        envelope = {"ok": False, "tool": tool.name, "error": e.to_json()}
+        envelope = {"ok": False, "tool": tool.name, "error": _bounded(e.to_json())}
     except KeyboardInterrupt:
         envelope = {"ok": False, "tool": tool.name,
                     "error": {"code": "runtime", "message": "interrupted", "fix": "run it again"}}
