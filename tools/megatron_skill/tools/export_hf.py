@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .. import files
+from .. import files, pickles
 from ..contract import Context, Tool
 from ..convert import checkpoint, output
 from ..convert.hf import COMPANION_FILES
@@ -32,6 +32,8 @@ def _source(req: dict) -> dict[str, Any]:
     root = files.folder(req["checkpoint"], "/checkpoint", "checkpoint folder")
     checkpoint.check_tracker(root, "/checkpoint")
     folder = checkpoint.iteration_dir(root)
+    if folder.is_dir():  # read without running it before anything loads it (its pickles could run code)
+        pickles.scan_checkpoint(folder, "/checkpoint")
     what = checkpoint.kind(folder) if folder.is_dir() else None
     if what is None:
         raise ToolError("not_found", f"{folder} holds no Megatron checkpoint", where="/checkpoint",

@@ -119,6 +119,10 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
     if req["training"].get("pretrained"):  # the job runs here, in its run folder: a folder here, made absolute
         start = files.folder(Path(req["training"]["pretrained"]).absolute(), "/training/pretrained",
                              "checkpoint folder")
+        from ..convert.checkpoint import iteration_dir
+        from ..pickles import scan_checkpoint
+
+        scan_checkpoint(iteration_dir(start), "/training/pretrained")  # Megatron unpickles what it loads
         req = {**req, "training": {**req["training"], "pretrained": str(start)}}
     if backend == "cpu":
         from ..runtime.cpu_run import plan_cpu_run
