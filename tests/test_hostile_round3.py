@@ -649,12 +649,6 @@ def _params():
     return out
 
 
-@pytest.mark.parametrize("case", _params())
-def test_hostile(case, tmp_path):
-    problems, _ = _run(case, tmp_path)
-    assert not problems, f"{case.id}: " + "\n".join(problems)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("tool,request_,allowed", CONCURRENT, ids=[c[0] for c in CONCURRENT])
 def test_the_same_request_twice_at_once(tool, request_, allowed, tmp_path):
@@ -729,3 +723,94 @@ def test_every_failure_line_passes_the_word_filter():
             assert patterns[code].search(line), (code, line)
             assert log._may_fail(line), f"{line!r} ({code}) holds none of FAILURE_WORDS"
             assert [f["code"] for f in log.parse([line])["failures"]][:1] == [code] or code == "node_failure", line
+
+
+# ---- checkpoints are pickles: a forged one is refused before anything loads it --------------------
+class _Runs:
+    """A pickle that would run a command as it is read (what a forged checkpoint file holds)."""
+
+    def __init__(self, command: str):
+        self.command = command
+
+    def __reduce__(self):
+        return (os.system, (self.command,))
+
+
+def _forged_checkpoint(root: Path, work: Path, where: str) -> None:
+    import pickle
+
+    import torch
+
+    ck = work / "ck"
+    it = ck / "iter_0000010"
+    it.mkdir(parents=True)
+    (ck / "latest_checkpointed_iteration.txt").write_text("10\n")
+    evil = _Runs(f"touch {root}/PWNED")
+    if where == "metadata":
+        (it / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
+        (it / ".metadata").write_bytes(pickle.dumps(evil, protocol=4))
+    elif where == "common":
+        (it / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
+        (it / "common.pt").write_bytes(pickle.dumps(evil, protocol=2))
+    elif where == "legacy_zip":
+        torch.save({"model": {"w": torch.zeros(2)}, "args": evil}, it / "mp_rank_00.pt")
+    elif where == "legacy_folder":
+        (it / "mp_rank_00").mkdir()
+        (it / "mp_rank_00" / "model_optim_rng.pt").write_bytes(pickle.dumps({"x": [1, evil]}, protocol=0))
+    elif where == "nested_bytes":   # torch.storage._load_from_bytes loads a second pickle nobody read
+        inner = pickle.dumps(evil)
+        (it / "mp_rank_00.pt").write_bytes(
+            b"\x80\x02ctorch.storage\n_load_from_bytes\nq\x00C" + bytes([len(inner)]) + inner + b"q\x01\x85q\x02Rq\x03.")
+    elif where == "truncated":
+        (it / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
+        (it / ".metadata").write_bytes(pickle.dumps(evil)[:7])
+
+
+for where in ("metadata", "common", "legacy_zip", "legacy_folder", "nested_bytes", "truncated"):
+    for tool, request in (("export-hf", {"checkpoint": "ck", "output": "exported", "model": "tiny-gpt"}),
+                          ("export-hf", {"checkpoint": "ck", "output": "exported", "model": "tiny-gpt",
+                                         "dry_run": True}),
+                          ("train", {**BASE["train"], "dry_run": True, "training": {"pretrained": "ck"}})):
+        add(Case("checkpoint", f"forged_{where}{'_dry' if request.get('dry_run') else ''}", tool, request=request,
+                 setup=lambda r, w, x=where: _forged_checkpoint(r, w, x), expect=("bad_request",),
+                 after=lambda r, w, env: "the checkpoint's pickle ran" if (r / "PWNED").exists() else None))
+
+
+def test_checkpoints_torch_and_megatron_write_pass_the_pickle_scan(tmp_path):
+    """What torch's distributed checkpoint and a legacy Megatron save hold is read as a checkpoint
+    (the scan refuses only what no checkpoint names)."""
+    import argparse
+    import collections
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from megatron_skill import pickles
+
+    dcp.save({"w": torch.zeros(4, 2), "extra": io_bytes()}, checkpoint_id=str(tmp_path / "dist"), no_dist=True)
+    legacy = tmp_path / "legacy" / "iter_0000001"
+    legacy.mkdir(parents=True)
+    import numpy as np
+    from megatron.core.enums import ModelType
+
+    torch.save({"model": collections.OrderedDict(w=torch.ones(2, dtype=torch.bfloat16)), "iteration": 1,
+                "args": argparse.Namespace(params_dtype=torch.bfloat16, model_type=ModelType.encoder_or_decoder,
+                                           seq_length=8),
+                "rng_state": [{"random_rng_state": __import__("random").getstate(),
+                               "np_rng_state": np.random.get_state(), "torch_rng_state": torch.get_rng_state()}]},
+               legacy / "mp_rank_00.pt")
+    for folder in (tmp_path / "dist", legacy):
+        pickles.scan_checkpoint(folder, "/checkpoint")
+
+
+def io_bytes():
+    import io
+
+    return io.BytesIO(b"common state")
+
+
+# Last: every case above is in CASES by now.
+@pytest.mark.parametrize("case", _params())
+def test_hostile(case, tmp_path):
+    problems, _ = _run(case, tmp_path)
+    assert not problems, f"{case.id}: " + "\n".join(problems)
