@@ -776,6 +776,27 @@ for where in ("metadata", "common", "legacy_zip", "legacy_folder", "nested_bytes
                  after=lambda r, w, env: "the checkpoint's pickle ran" if (r / "PWNED").exists() else None))
 
 
+def _forged_resume(root: Path, work: Path) -> None:
+    """The run folder of the request holds a checkpoint someone else put there: the resume would
+    unpickle it."""
+    import pickle
+
+    from megatron_skill.contract import call
+
+    request = {**BASE["train"], "training": {"train_iters": 2}}
+    run_dir = Path(call("train", {**request, "runs_root": str(work / "runs"), "dry_run": True})["result"]["run_dir"])
+    it = run_dir / "checkpoints" / "iter_0000001"
+    it.mkdir(parents=True)
+    (run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("1\n")
+    (it / "mp_rank_00.pt").write_bytes(pickle.dumps(_Runs(f"touch {root}/PWNED")))
+
+
+add(Case("checkpoint", "forged_in_the_run_folder", "train",
+         request=lambda w: {**BASE["train"], "training": {"train_iters": 2}, "runs_root": str(w / "runs")},
+         setup=_forged_resume, allowed=("runs",), expect=("bad_request",),
+         after=lambda r, w, env: "the checkpoint's pickle ran" if (r / "PWNED").exists() else None))
+
+
 def test_checkpoints_torch_and_megatron_write_pass_the_pickle_scan(tmp_path):
     """What torch's distributed checkpoint and a legacy Megatron save hold is read as a checkpoint
     (the scan refuses only what no checkpoint names)."""

@@ -240,6 +240,10 @@ def _last_attempt(run_dir: Path, ctx: Context) -> tuple[dict | None, int | None]
     """The run's state and its last checkpoint; an attempt still marked running (its train died:
     the lock was free) has its job's end reported first."""
     state, ckpt = read_state(run_dir), latest_checkpoint(run_dir / "checkpoints")
+    if ckpt is not None:  # what the resume unpickles, read first: a file put into the run folder could run code
+        from ..pickles import scan_checkpoint
+
+        scan_checkpoint(run_dir / "checkpoints" / f"iter_{ckpt:07d}", "/runs_root")
     if state and state.get("status") == "running":
         ended = settle.report(run_dir, locked=True)
         if ended:
