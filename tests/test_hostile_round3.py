@@ -797,6 +797,43 @@ add(Case("checkpoint", "forged_in_the_run_folder", "train",
          after=lambda r, w, env: "the checkpoint's pickle ran" if (r / "PWNED").exists() else None))
 
 
+# ---- Hugging Face folders whose safetensors headers are hostile (import-hf reads them in a dry run) --
+def _safetensors(kind: str):
+    def setup(root: Path, work: Path) -> None:
+        import struct
+
+        def header(h: bytes) -> bytes:
+            return struct.pack("<Q", len(h)) + h
+        one = {"model.embed_tokens.weight": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}
+        data = {"length_2_63": struct.pack("<Q", 2**63) + b"{}",
+                "length_past_end": struct.pack("<Q", 10**9) + b"{}",
+                "not_json": header(b"{nope"),
+                "dup_keys": header(b'{"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, '
+                                   b'"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}') + bytes(8),
+                "unknown_dtype": header(json.dumps({"a": {**one["model.embed_tokens.weight"], "dtype": "Q99"}}).encode())
+                + bytes(8),
+                "shape_negative_huge": header(json.dumps({"a": {"dtype": "F32", "shape": [-2, 10**30],
+                                                                "data_offsets": [0, 8]}}).encode()) + bytes(8),
+                "offsets_beyond_file": header(json.dumps({"a": {"dtype": "F32", "shape": [2],
+                                                                "data_offsets": [0, 10**12]}}).encode()) + bytes(8),
+                "nested_1e5": header(b'{"a":' + b"[" * 100_000 + b"]" * 100_000 + b"}"),
+                "metadata_list": header(json.dumps({"__metadata__": [1], "x": 5}).encode())}.get(kind)
+        if data is not None:
+            (work / "in/hf/model.safetensors").write_bytes(data)
+        elif kind == "index_outside":
+            (work / "in/hf/model.safetensors.index.json").write_text(json.dumps(
+                {"weight_map": {"a": "../../outside/mine.txt", "b": "/dev/zero", "c": "/proc/self/mem"}}))
+        elif kind == "shard_fifo":
+            os.mkfifo(work / "in/hf/model.safetensors")
+    return setup
+
+
+for kind in ("length_2_63", "length_past_end", "not_json", "dup_keys", "unknown_dtype", "shape_negative_huge",
+             "offsets_beyond_file", "nested_1e5", "metadata_list", "index_outside", "shard_fifo"):
+    add(Case("safetensors", kind, "import-hf", request=_base("import-hf", dry_run=True), setup=_safetensors(kind),
+             expect=("bad_model", "bad_request", "not_found")))
+
+
 def test_checkpoints_torch_and_megatron_write_pass_the_pickle_scan(tmp_path):
     """What torch's distributed checkpoint and a legacy Megatron save hold is read as a checkpoint
     (the scan refuses only what no checkpoint names)."""
