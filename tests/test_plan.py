@@ -336,6 +336,10 @@ def test_an_infeasible_plan_names_the_nearest_gpu_counts_and_batches_that_fit():
     env = call("plan", {"model": "llama3.1-405b", "num_gpus": 16384, "global_batch_size": 3})
     batches = [f["global_batch_size"] for f in env["error"]["details"]["nearest_feasible"]["global_batch_size"]]
     assert batches and all(_plan(model="llama3.1-405b", num_gpus=16384, global_batch_size=b, top=1) for b in batches)
+    # a count that is not whole nodes: the whole nodes around it come first (24 fits, 40 is further)
+    env = call("plan", {"model": "llama3-70b", "num_gpus": 10, "seq_length": 8192})
+    counts10 = [f["num_gpus"] for f in env["error"]["details"]["nearest_feasible"]["num_gpus"]]
+    assert counts10[:2] == [24, 32], counts10   # 16 does not fit; before, 40 was the first named
     code, out, err = run_inproc("plan", "--model", "llama3-70b", "--num-gpus", "8", "--seq-length", "8192")
     assert code == 4 and out["ok"] is False
     assert f"fits: {counts[0]} GPUs, global batch 512: {near['num_gpus'][0]['best']}" in err

@@ -80,7 +80,7 @@ def run(req: dict[str, Any], ctx: Context) -> dict[str, Any]:
         nearest = nearest_feasible(
             lambda n, b: search(model, gpu, n, seq, b, precisions, req.get("constraints") or {},
                                 headroom_gib=req["headroom_gib"], opts=opts),
-            n_gpus, per_node, gbs, budget=NEAREST_WORK * max(_work(res), 1),
+            n_gpus, per_node, gbs, budget=NEAREST_WORK * max(_work(res), NEAREST_MIN_WORK),
             more_gpus_only=next(iter(rejected), None) == "out_of_memory")
         raise ToolError("infeasible", f"no layout of {model.name} fits {n_gpus} x {gpu.key} "
                         f"at seq_length {seq}, global batch {gbs}",
@@ -115,6 +115,7 @@ def run(req: dict[str, Any], ctx: Context) -> dict[str, Any]:
 # search: a budget of work, not of time, so the same request names the same values on an idle and
 # on a loaded machine (on this 2-core machine about the plan's second for the catalog's models).
 NEAREST_WORK = 8
+NEAREST_MIN_WORK = 2_000  # a small request's own search (10 GPUs) is too little to reach the next nodes
 NEAREST_WANTED = 3       # feasible values of each kind worth naming
 
 
@@ -125,9 +126,11 @@ def _by_distance(values: set[int], centre: int) -> list[int]:
 
 def gpu_counts_near(n_gpus: int, per_node: int) -> list[int]:
     """GPU counts worth trying beside n_gpus: whole nodes (or powers of two below one node), a
-    node or two either way, and halves and doublings."""
+    node or two either way of the whole nodes around n_gpus (10 GPUs on 8-GPU nodes: 8, 16,
+    24, 32), and halves and doublings."""
     unit = per_node if n_gpus >= per_node else 1
-    near = {n_gpus + k * unit for k in (-2, -1, 1, 2)} | {n_gpus * f for f in (2, 4, 8, 16)}
+    below = n_gpus // unit * unit     # the whole nodes at or below n_gpus
+    near = {below + k * unit for k in (-2, -1, 0, 1, 2, 3)} | {n_gpus * f for f in (2, 4, 8, 16)}
     near |= {n_gpus // f for f in (2, 4) if n_gpus % f == 0}
     near |= {2 ** k for k in range(0, 15) if 2 ** k < per_node}
     def whole(c: int) -> bool:  # whole nodes, or a power of two inside one
