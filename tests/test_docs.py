@@ -376,3 +376,27 @@ def test_no_prose_contradicts_what_the_code_does(fact, claim, patterns):
     found = [f"{where}: {sentence!r}" for where, sentence in _prose_sentences()
              for p in patterns if re.search(p, sentence, flags=re.I)]
     assert not found, found
+
+
+# How the prose names each family the import converts (convert/hf.py ARCHITECTURES), and names
+# of families it does not convert that a list of supported ones must not hold.
+FAMILY_NAMES = {"llama": r"\bLlama\b", "mistral": r"\bMistral\b", "qwen2": r"\bQwen ?2\b",
+                "qwen3": r"\bQwen ?(?:2 ?/ ?)?3\b(?!-MoE)", "mixtral": r"\bMixtral\b", "qwen3_moe": r"\bQwen3-MoE\b"}
+NOT_CONVERTED = r"\b(Gemma|DeepSeek|Phi-?\d|Falcon|GPT-?2|Mamba|Nemotron|OLMo|Baichuan)\b"
+
+
+def test_every_list_of_the_imports_families_is_the_codes():
+    """A sentence that lists the families import-hf converts (it names five of them or more; one
+    naming a few, as what a test covers, is not such a list) names every family of
+    convert/hf.py's ARCHITECTURES and none it does not convert; a family added in code fails
+    here until the docs (and FAMILY_NAMES) say so."""
+    from megatron_skill.convert.hf import ARCHITECTURES
+
+    assert set(ARCHITECTURES.values()) == set(FAMILY_NAMES)
+    lists = [(where, s) for where, s in _prose_sentences()
+             if sum(bool(re.search(p, s)) for p in FAMILY_NAMES.values()) >= len(FAMILY_NAMES) - 1]
+    assert len({where for where, _ in lists}) >= 3, lists   # SKILL.md, choosing.md, pretrained.md
+    for where, sentence in lists:
+        missing = [f for f, pattern in FAMILY_NAMES.items() if not re.search(pattern, sentence)]
+        assert not missing, (where, missing, sentence[:300])
+        assert not re.search(NOT_CONVERTED, sentence), (where, sentence[:300])
