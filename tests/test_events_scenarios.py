@@ -289,12 +289,19 @@ def test_a_finished_job_reported_twice_is_one_summary_and_starts_nothing(tmp_pat
     assert _starts(marker, 0) == 0 and _ledger(run)["relaunches"] == []
 
 
+def _saved(run: Path, iteration: int) -> None:
+    """The run's last checkpoint is now at this iteration (its folder and Megatron's tracker)."""
+    (run / "checkpoints" / f"iter_{iteration:07d}").mkdir(exist_ok=True)
+    (run / "checkpoints" / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+
+
 @pytest.mark.parametrize("first", ["kill", "finished"])
 def test_a_kill_after_the_last_iteration_is_a_finished_run_not_a_resume(tmp_path, secret, first):
-    """torchrun was killed (SIGKILL, exit -9) once its worker had run every iteration (the issue's
-    60 of 60): its report and the trap's exit 0 are one finished run, whose summary starts nothing;
-    a resume would train 0 iterations and spend a relaunch."""
+    """torchrun was killed (SIGKILL, exit -9) once its worker had run every iteration and saved the
+    last one (the issue's 60 of 60): its report and the trap's exit 0 are one finished run, whose
+    summary starts nothing; a resume would train 0 iterations and spend a relaunch."""
     run, marker = _run(tmp_path, ["5.0E+00"] * 20, of=20)
+    _saved(run, 20)
     with open(run / "logs" / "train.log", "a") as f:
         f.write("torch.distributed.elastic.multiprocessing.api: failed (exitcode: -9) Signals.SIGKILL\n")
     runs = tmp_path / "runs"
@@ -305,3 +312,77 @@ def test_a_kill_after_the_last_iteration_is_a_finished_run_not_a_resume(tmp_path
     assert answers[0]["cause"] == "finished" and answers[0]["actions"][0]["kind"] == "summary"
     assert answers[1]["verdict"] == "duplicate" and answers[1]["facts"]["incident_actions"] == ["summary"]
     assert _starts(marker, 0) == 0 and _ledger(run)["relaunches"] == []
+    assert answers[0]["facts"]["left_to_train"] == 0
+    if first == "kill":
+        assert "its last checkpoint (20) is at train_iters" in answers[0]["actions"][0]["why"]
+
+
+@pytest.mark.parametrize("cli_call", [False, True])
+def test_a_kill_after_the_last_iteration_but_before_the_final_save_is_resumed(tmp_path, secret, cli_call):
+    """Every iteration is in the log (20 of 20) but the last checkpoint is 10: the kill came before
+    the final save, and a resume from checkpoint 10 still has 10 iterations to train. The user's
+    yes starts it (by the tool's API, or by launch.py on-event as the agent calls it)."""
+    run, marker = _run(tmp_path, ["5.0E+00"] * 20, of=20)
+    (run / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("10")
+    runs = tmp_path / "runs"
+    kill = trap_kill(run)
+    if cli_call:
+        path = tmp_path / "event.json"
+        path.write_text(json.dumps(ev.body(kill)))
+        proc = subprocess.run([sys.executable, str(ROOT / "tools" / "launch.py"), "on-event", "--event-file", str(path),
+                               "--runs-root", str(runs), "--apply", "--approve", "resume"], capture_output=True,
+                              text=True, timeout=180)
+        out = json.loads(proc.stdout)
+        assert proc.returncode == 0 and out["ok"], out
+        result = out["result"]
+    else:
+        result = _call(kill, runs, {}, apply=True, approve=True)
+    assert result["cause"] == "killed" and result["facts"]["checkpoint_iteration"] == 10
+    assert result["facts"]["left_to_train"] == 10 and result["facts"]["last_iteration"] == 20
+    action = _only_resume(result)
+    assert action["applied"]["pid"] and action["applied"]["approved"]
+    assert _starts(marker, 1) == 1 and len(_ledger(run)["relaunches"]) == 1
+
+
+@pytest.mark.parametrize("first", ["trap", "trigger"])
+def test_a_node_failure_report_of_a_trained_out_run_resumes_nothing(tmp_path, secret, first):
+    """The trap saw exit 0 (20 of 20, checkpoint 20 saved); Slurm's trigger then (or first) reports
+    NODE_FAIL for the same job: a node failure says more about why a job ended than a finish, but
+    nothing is left to train: one finished incident, under the default policy (which resumes a
+    node failure by itself) and with the user's yes, nothing starts."""
+    run, marker = _run(tmp_path, ["5.0E+00"] * 20, of=20)
+    _saved(run, 20)
+    runs = tmp_path / "runs"
+    reports = {"trap": trap_finished(run), "trigger": trigger(run, "NODE_FAIL")}
+    order = [first, "trigger" if first == "trap" else "trap"]
+    answers = [_call(reports[name], runs, {}, apply=True) for name in order]
+    assert [a["cause"] for a in answers] == ["finished", "finished"] and answers[0]["verdict"] == "handled"
+    assert answers[0]["actions"][0]["kind"] == "summary" and answers[1]["verdict"] == "duplicate"
+    for name in order:
+        again = _call(reports[name], runs, {}, apply=True, approve=True)
+        assert again["verdict"] == "duplicate" and again["facts"]["incident_actions"] == ["summary"]
+    assert _starts(marker, 0) == 0 and _ledger(run)["relaunches"] == []
+
+
+def test_an_nccl_timeout_after_the_final_save_is_a_finished_run(tmp_path, secret):
+    """A collective timed out in the job's shutdown (the watchdog's line after iteration 20 of 20,
+    checkpoint 20 saved; the trap saw exit 1): a finished run, its summary, nothing resumed, under
+    a policy that resumes NCCL timeouts by itself."""
+    run, marker = _run(tmp_path, ["5.0E+00"] * 20, of=20)
+    _saved(run, 20)
+    with open(run / "logs" / "train.log", "a") as f:
+        f.write("[rank3]: Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9, OpType=ALLREDUCE) ran "
+                "for 600000 milliseconds before timing out.\n")
+    policy = {"allow": {"nccl_timeout": ["resume"]}}
+    failed = _signed(run, "job.failed", "job", emitter.ending(1, run / "logs" / "train.log"))
+    result = _call(failed, tmp_path / "runs", policy, apply=True)
+    assert result["cause"] == "finished" and [a["kind"] for a in result["actions"]] == ["summary"], result
+    assert _starts(marker, 0) == 0 and _ledger(run)["relaunches"] == []
+    # The same log with the last checkpoint at 15: 5 iterations to train, and the policy resumes it.
+    (run / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("15")
+    again = _signed(run, "job.failed", "job", emitter.ending(1, run / "logs" / "train.log"))
+    again["job"]["job_id"] = "4243"
+    again = ev.sign({k: v for k, v in again.items() if k != "signature"}, SECRET.encode())
+    result = _call(again, tmp_path / "runs", policy, apply=True)
+    assert result["cause"] == "nccl_timeout" and _only_resume(result)["applied"]["pid"]
+    assert _starts(marker, 1) == 1

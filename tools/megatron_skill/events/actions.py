@@ -102,9 +102,15 @@ def facts(run: Run, event: dict[str, Any], ctx: Context) -> dict[str, Any]:
     """What the log says (the logs tool), and the run's record."""
     out: dict[str, Any] = {"run_dir": str(run.dir), "log": str(run.log), "checkpoint_iteration":
                            latest_checkpoint(run.ckpt_dir), "run_state": run.state.get("status")}
+    _read_log(run, out, ctx)
+    out["left_to_train"] = left_to_train(run, out)
+    return out
+
+
+def _read_log(run: Run, out: dict[str, Any], ctx: Context) -> None:
     if not run.log.is_file():
         out["log_missing"] = True
-        return out
+        return
     request: dict[str, Any] = {"log": str(run.log)}
     if run.state.get("gpu"):
         request["gpu"] = run.state["gpu"]
@@ -114,7 +120,7 @@ def facts(run: Run, event: dict[str, Any], ctx: Context) -> dict[str, Any]:
         summary = invoke("logs", request, ctx)
     except ToolError as e:
         out["log_unreadable"] = e.message
-        return out
+        return
     keep = ("logged_iterations", "last_iteration", "train_iters", "final_loss", "tokens_per_s", "tflops_per_gpu", "mfu",
             "max_allocated_gib", "nan_iterations", "skipped_iterations", "hints", "prediction")
     out.update({k: summary[k] for k in keep if k in summary})
@@ -122,7 +128,6 @@ def facts(run: Run, event: dict[str, Any], ctx: Context) -> dict[str, Any]:
     out["failures"] = [{k: f[k] for k in ("code", "meaning", "fix", "text", "ranks") if k in f}
                        for f in summary.get("failures", [])]
     out["anomalies"] = summary.get("anomalies", [])
-    return out
 
 
 def cause(event: dict[str, Any], found: dict[str, Any]) -> str:
@@ -139,15 +144,40 @@ def cause(event: dict[str, Any], found: dict[str, Any]) -> str:
     if kind == "job.finished":
         return "finished"
     why = _failure(kind, details, found)
-    # A kill once every iteration had run (torchrun stopped after its worker was done): the run is
-    # finished, and a resume would train nothing and spend a relaunch.
-    return "finished" if why == "killed" and trained_out(found) else why
+    # However a job ended (a kill once its worker was done, a node or a collective failing in the
+    # final save's wake), where nothing is left to train the run is finished: a resume would train
+    # nothing and spend a relaunch. A NaN or loss spike stays one: its last checkpoint holds the
+    # bad weights, and the rollback is a person's.
+    return "finished" if why not in ("nan", "loss_spike") and trained_out(found) else why
+
+
+def _whole_number(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**62
+
+
+def left_to_train(run: Run, found: dict[str, Any]) -> int | None:
+    """How many iterations a resume would still train: the run's train_iters (its log's, else its
+    request's) less the iteration it would resume from, its last checkpoint's; for a run that saves
+    no checkpoints (training.checkpoint false) the log's last iteration, there being nothing to
+    resume from. None where either is not known (no checkpoint yet is iteration 0)."""
+    training = _of(_of(run.state.get("request"), dict).get("training"), dict) or \
+        _of(_of(run.request, dict).get("training"), dict)
+    total = found.get("train_iters")
+    if not _whole_number(total) or not total:
+        total = training.get("train_iters")
+    if not _whole_number(total) or not total:
+        return None
+    if training.get("checkpoint") is False:
+        done = found.get("last_iteration")
+    else:
+        done = found.get("checkpoint_iteration") or 0
+    return max(0, total - done) if _whole_number(done) else None
 
 
 def trained_out(found: dict[str, Any]) -> bool:
-    """Whether the run's log shows its last iteration (train_iters) done."""
-    last, total = found.get("last_iteration"), found.get("train_iters")
-    return isinstance(last, int) and isinstance(total, int) and 0 < total <= last
+    """Whether a resume of the run would train nothing (facts' left_to_train is 0): its last
+    checkpoint is at train_iters, not only its log's last iteration."""
+    return found.get("left_to_train") == 0
 
 
 def _failure(kind: str, details: dict[str, Any], found: dict[str, Any]) -> str:

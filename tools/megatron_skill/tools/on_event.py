@@ -166,8 +166,11 @@ def decide(event: dict[str, Any], cause: str, nodes: list[str], run: actions.Run
     if kind == "summary":
         summary = actions.summary(run, found)
         if event["type"] != "job.finished":
-            summary["why"] += (f" (reported as {event['type']}, {event.get('details', {}).get('signal', 'killed')}, "
-                               "after its last iteration: nothing is left to train)")
+            how = event.get("details", {}).get("signal") or event.get("details", {}).get("failure") or "failed"
+            saved = found.get("checkpoint_iteration")
+            done = f"its last checkpoint ({saved}) is at train_iters" if saved else \
+                "its log shows its last iteration and it saves no checkpoints"
+            summary["why"] += f" (reported as {event['type']}, {how}, but {done}: a resume would train nothing)"
         return [summary]
     what = event["type"] if cause in ("stalled", "throughput_drop") else actions.failure_code(found)
     return [actions.diagnose(run, event, found, what)]
