@@ -656,3 +656,20 @@ def test_the_job_stops_before_the_first_step_when_its_python_lacks_the_tokenizer
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "cannot import tiktoken, which Megatron's TikTokenizer needs" in errors[0]
     assert "pip install tiktoken" in errors[0] and not (run_dir / "probe-0.json").exists()
+
+
+def test_a_person_reads_renders_warnings_on_stderr_and_is_told_the_stock_image_lacks_megatron_core(tmp_path):
+    from conftest import run_inproc
+
+    plan = json.dumps({"model": "llama3-8b", "gpu": "h100-sxm", "num_gpus": 16})
+    code, out, err = run_inproc("render", "--plan", plan, "--launcher", "slurm", "--container", '{"runtime": "pyxis"}',
+                                "--output-dir", str(tmp_path / "a"), "--dry-run")
+    assert code == 0 and out["ok"]
+    warnings = out["result"]["warnings"]
+    assert any("no megatron-core" in w and "nvidia/pytorch" in w for w in warnings)
+    assert all(f"render: warning: {w}" in err for w in warnings)   # each also on stderr, in plain words
+    code, out, err = run_inproc("render", "--plan", plan, "--launcher", "slurm", "--container",
+                                '{"runtime": "pyxis", "image": "registry.example/team/megatron:0.19"}',
+                                "--output-dir", str(tmp_path / "b"), "--dry-run")
+    assert code == 0 and not any("megatron-core" in w for w in out["result"].get("warnings", []))
+    assert "render: warning" not in err

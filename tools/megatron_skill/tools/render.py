@@ -821,6 +821,13 @@ def _head(path: Path) -> str:
         return ""
 
 
+def _stock_image(req: dict) -> bool:
+    """The container is NVIDIA's PyTorch image as published (the default): it has TE but no
+    megatron-core."""
+    image = (req.get("container") or {}).get("image") or ""
+    return re.sub(r"^(docker://|nvcr\.io[/#])", "", image).startswith("nvidia/pytorch:")
+
+
 def run(req: dict, ctx: Context) -> dict[str, Any]:
     req = with_plan(req, ctx)
     out = build(req, ctx)
@@ -834,8 +841,14 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
         warnings += [f"dataset {p} has a chat loss mask ({p}{MASK_SUFFIX}.bin), which Megatron-LM's pretrain_gpt.py "
                      "does not read: the prompts would be learned too (leave megatron_lm out to use the skill's entry)"
                      for p in (req.get("training") or {}).get("data_path") or [] if files.is_file(p + MASK_SUFFIX + ".idx")]
+    if _stock_image(req):
+        warnings.append(f"container image {req['container']['image']} is NVIDIA's PyTorch image, which has no "
+                        "megatron-core: the job step stops at its environment check unless the image is one built "
+                        "from it with pip install 'megatron-core==0.19.*' (give it as container.image)")
     if warnings:
         out["warnings"] = warnings
+    for w in warnings:  # a person at the terminal reads stderr; the JSON keeps them too
+        ctx.progress(f"render: warning: {w}")
     if files.kind_of(path) != "missing" and RENDERED_MARK not in _head(path):
         raise ToolError("conflict", f"{path} exists and was not written by render", where="/output_dir",
                         fix="choose another output_dir (the file is left as it is)")
