@@ -10,6 +10,7 @@ resume really started."""
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -386,3 +387,35 @@ def test_an_nccl_timeout_after_the_final_save_is_a_finished_run(tmp_path, secret
     result = _call(again, tmp_path / "runs", policy, apply=True)
     assert result["cause"] == "nccl_timeout" and _only_resume(result)["applied"]["pid"]
     assert _starts(marker, 1) == 1
+
+
+# ---- the user's yes comes late ------------------------------------------------------------------
+def test_a_yes_given_after_the_event_went_stale_still_starts_its_decided_resume(tmp_path, secret):
+    """The kill is answered (no --apply) while the event is fresh, just under the policy's hour;
+    the user's yes comes once the event is past the hour. The run's record took the event when it
+    was fresh: the same event with --apply --approve resume starts the decided resume (exit 0, not
+    10). An event the record never took is still refused when that old."""
+    run, marker = _run(tmp_path)
+    runs = tmp_path / "runs"
+    started_at = time.time() - 3590
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(started_at)) + f".{int(started_at % 1 * 1e6):06d}Z"
+    kill = ev.sign({**trap_kill(run), "time": stamp}, SECRET.encode())
+    told = _call(kill, runs, {})
+    assert told["verdict"] == "handled" and _only_resume(told)["needs_person"]
+    while time.time() - started_at < 3602:   # the event is now past the policy's hour
+        time.sleep(0.5)
+    path = tmp_path / "event.json"
+    path.write_text(json.dumps(ev.body(kill)))
+    cli = [sys.executable, str(ROOT / "tools" / "launch.py"), "on-event", "--event-file", str(path), "--runs-root",
+           str(runs)]
+    proc = subprocess.run(cli + ["--apply", "--approve", "resume"], capture_output=True, text=True, timeout=180)
+    out = json.loads(proc.stdout)
+    assert proc.returncode == 0 and out["ok"], out
+    assert out["result"]["verdict"] == "handled" and out["result"]["actions"][0]["applied"]["pid"]
+    assert _starts(marker, 1) == 1
+    # Another report of the same job, as old, that the record never took: a replay, refused.
+    other = ev.sign({**trap_term(run), "time": stamp}, SECRET.encode())
+    path.write_text(json.dumps(ev.body(other)))
+    proc = subprocess.run(cli + ["--apply", "--approve", "resume"], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 10 and json.loads(proc.stdout)["error"]["where"] == "/event_file/time"
+    assert _starts(marker, 1) == 1 and len(_ledger(run)["relaunches"]) == 1

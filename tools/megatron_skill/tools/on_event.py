@@ -69,7 +69,8 @@ def _secret() -> bytes:
     return secret
 
 
-def _trusted(event: dict[str, Any], where: str, max_age_s: float) -> None:
+def _trusted(event: dict[str, Any], where: str) -> None:
+    """The event's size and signature."""
     if len(ev.canonical(event)) > ev.MAX_BYTES:
         raise ToolError("bad_request", f"the event is larger than {ev.MAX_BYTES // 1024} KiB", where=where,
                         fix="shorten details.log_tail")
@@ -81,7 +82,16 @@ def _trusted(event: dict[str, Any], where: str, max_age_s: float) -> None:
         raise ToolError("refused", "the event's signature does not match: it was changed or signed with another "
                         "secret", where=where + "/signature", fix="nothing is done for it; if it is genuine, give "
                         "the emitters and this tool the same secret")
+
+
+def _fresh(event: dict[str, Any], where: str, max_age_s: float, ledger: Ledger) -> None:
+    """The event's age: an event older than max_age_s is refused as a replay, unless the run's
+    record took it when it was fresh (then it is the same event again: the user's yes to its
+    decided action, given later, still applies it)."""
     age = time.time() - ev.parse_time(event["time"])
+    known = ledger.seen(event["event_id"])
+    if known and known.get("time") == event["time"] and known.get("type") == event["type"]:
+        return
     if age > max_age_s:
         raise ToolError("refused", f"the event is {age / 60:.0f} minutes old, older than the policy's "
                         f"{max_age_s / 60:.0f} (a replay, or a receiver that held it)", where=where + "/time",
@@ -251,13 +261,14 @@ def _start(action: dict[str, Any], run: actions.Run, key: str, ledger: Ledger, n
 def run(req: dict, ctx: Context) -> dict[str, Any]:
     _check_policy(req["policy"])
     event, where = _load(req)
-    _trusted(event, where, req["policy"]["max_age_s"])
+    _trusted(event, where)
     runs_root = Path(os.path.realpath(req["runs_root"]))
     run_dir = _run_dir(runs_root, event, where)
     key = ev.incident(event)
     base = {"event_id": event["event_id"], "type": event["type"], "run_id": event["run_id"], "incident": key}
+    ledger = Ledger(runs_root, event["run_id"]).read()
+    _fresh(event, where, req["policy"]["max_age_s"], ledger)
     if ctx.dry_run:
-        ledger = Ledger(runs_root, event["run_id"]).read()
         return {**base, "dry_run": True, **_handle(event, key, run_dir, ledger, req, ctx, dry=True)}
     # A train that died before its job's end left the run "running" with nobody holding it: the
     # run is marked failed and that end is sent now (it comes back as an event of its own).
