@@ -324,3 +324,53 @@ def test_data_paths_without_a_file_name_are_left_as_they_are():
 
     assert dataset_record("/") is None and dataset_record(".") is None
     assert match_tokenizer({"data_path": ["/", "."]}, 256) == {"data_path": ["/", "."]}
+
+
+def test_a_sentencepiece_model_tokenizes_as_megatrons_training_reads_it(tmp_path, cli):
+    """A SentencePiece .model (or a folder holding only tokenizer.model, as Llama 2's): every
+    document's ids are those Megatron's own tokenizer, built from the answer's training fields
+    (tokenizer_type, tokenizer_model) by build_tokenizer as training builds it, gives the text,
+    then its EOS; render takes those fields as they are."""
+    import argparse
+    import shutil
+
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
+    from megatron.training.arguments import add_megatron_arguments
+
+    model = ROOT / "tests" / "fixtures" / "tokenizers" / "sentencepiece-300.model"
+    (tmp_path / "llama2").mkdir()
+    shutil.copy(model, tmp_path / "llama2" / "tokenizer.model")
+    lines = [json.loads(ln) for ln in CORPUS.read_text().splitlines() if ln.strip()][:40]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    for name, tok in (("file", model), ("folder", tmp_path / "llama2")):
+        prefix = tmp_path / name
+        rc, out, err = cli("prepare-data", "--input", str(tmp_path / "in.jsonl"), "--output-prefix", str(prefix),
+                           "--tokenizer", str(tok), "--workers", "1")
+        assert rc == 0, (out, err[-2000:])
+        res = out["result"]
+        assert res["tokenizer"]["type"] == "sentencepiece" and res["tokenizer"]["vocab_size"] == 300
+        training = res["training"]
+        assert training["tokenizer_type"] == "SentencePieceTokenizer"
+        args = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)).parse_args(
+            ["--tokenizer-type", training["tokenizer_type"], "--tokenizer-model", training["tokenizer_model"]])
+        args.rank, args.tensor_model_parallel_size = 0, 1
+        megatron_tok = build_tokenizer(args)
+        ds = IndexedDataset(str(prefix))
+        assert len(ds) == len(lines)
+        for i in (0, len(lines) // 2, len(lines) - 1):
+            assert ds[i].tolist() == megatron_tok.tokenize(lines[i]["text"]) + [megatron_tok.eod]
+    for given in (training, {"data_path": training["data_path"]}):   # the fields, or the dataset's record alone
+        rc, out, _ = cli("render", "--model", "tiny-gpt", "--gpu", "h100-sxm", "--num-gpus", "1", "--dry-run",
+                         "--output-dir", str(tmp_path / "r"), "--training", json.dumps(given))
+        script = out["result"]["files"][0]["content"]
+        assert rc == 0 and "--tokenizer-type SentencePieceTokenizer" in script
+        assert f"--tokenizer-model {training['tokenizer_model']}" in script
+    # a file named .model that is not one, and chat data (no template in a .model): clear refusals
+    (tmp_path / "fake.model").write_text("not a model")
+    rc, out, _ = cli("prepare-data", "--input", str(tmp_path / "in.jsonl"), "--output-prefix", str(tmp_path / "x"),
+                     "--tokenizer", str(tmp_path / "fake.model"))
+    assert rc != 0 and out["error"]["code"] == "bad_request" and out["error"]["where"] == "/tokenizer"
+    rc, out, _ = cli("prepare-data", "--input", str(tmp_path / "in.jsonl"), "--output-prefix", str(tmp_path / "y"),
+                     "--tokenizer", str(model), "--format", "chat")
+    assert rc != 0 and out["error"]["where"] == "/tokenizer" and "chat" in out["error"]["fix"]

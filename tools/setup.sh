@@ -39,7 +39,7 @@ have_all() {
   .venv/bin/python - <<'PY'
 import importlib.util, sys
 mods = ("megatron.core", "torch", "numpy", "jinja2", "jsonschema", "pytest", "xdist", "hypothesis", "tokenizers",
-        "skills_ref", "skillsaw", "ruff")
+        "sentencepiece", "skills_ref", "skillsaw", "ruff")
 sys.exit(0 if all(importlib.util.find_spec(m) for m in mods) else 1)
 PY
   [ -x .venv/bin/shellcheck ]

@@ -102,7 +102,8 @@ def dataset_record(prefix: str, where: str = "/training/data_path") -> dict[str,
 
 def match_tokenizer(training: dict[str, Any], model_vocab: int) -> dict[str, Any]:
     """Training settings with the tokenizer flags that match datasets made by prepare-data:
-    a Hugging Face dataset gets its tokenizer folder, a byte dataset NullTokenizer with
+    a Hugging Face dataset gets its tokenizer folder, a SentencePiece one its .model with
+    SentencePieceTokenizer (unless the request names another SentencePiece type), a byte dataset NullTokenizer with
     vocabulary 257 (end of document 256).  Datasets made elsewhere are left as they are."""
     out = dict(training)
     for i, entry in enumerate(training.get("data_path") or []):
@@ -114,12 +115,14 @@ def match_tokenizer(training: dict[str, Any], model_vocab: int) -> dict[str, Any
             raise ToolError("bad_request", f"dataset {entry} was tokenized with a {tok['vocab_size']}-token "
                             f"vocabulary, larger than the model's {model_vocab}", where=f"/training/data_path/{i}",
                             fix="use a model with a vocabulary at least that large, or re-tokenize")
-        if tok["type"] == "huggingface":
+        if tok["type"] in ("huggingface", "sentencepiece"):
             if out.get("tokenizer_model") not in (None, tok["path"]):
                 raise ToolError("bad_request", f"dataset {entry} was tokenized with {tok['path']}, not "
                                 f"{out['tokenizer_model']}", where="/training/tokenizer_model",
                                 fix="train with the tokenizer the dataset was made with")
             out["tokenizer_model"] = tok["path"]
+            if tok["type"] == "sentencepiece":   # Megatron's three SentencePiece types tokenize alike in 0.19
+                out.setdefault("tokenizer_type", "SentencePieceTokenizer")
         elif tok["type"] == "byte" and "vocab_size" not in training and not out.get("tokenizer_model"):
             out["vocab_size"] = tok["vocab_size"]
     return out

@@ -127,14 +127,57 @@ class HFTokenizer:
                 "eod_id": self.eod_id}
 
 
+class SentencePieceModel:
+    """A SentencePiece .model file, tokenized by Megatron's own wrapper (the one its
+    SentencePieceTokenizer, GPTSentencePieceTokenizer and Llama2Tokenizer types build, with their
+    defaults): the ids Megatron's training sees for --tokenizer-model FILE. End of document is the
+    model's EOS."""
+
+    def __init__(self, file: Path):
+        try:
+            from megatron.core.tokenizers.text.libraries.sentencepiece_tokenizer import SentencePieceTokenizer
+        except ImportError as e:
+            raise ToolError("environment", f"a SentencePiece model needs the 'sentencepiece' package ({e})",
+                            where="/tokenizer", fix="pip install sentencepiece (tools/setup.sh does)") from None
+        guarded.regular_file(file, "/tokenizer", "SentencePiece model")  # not a pipe, device or folder
+        try:
+            self.tok = SentencePieceTokenizer(str(file))
+        except Exception as e:  # noqa: BLE001 -- sentencepiece raises RuntimeError/OSError of its own wording
+            raise ToolError("bad_request", f"{file} is not a SentencePiece model: {str(e)[:300]}", where="/tokenizer",
+                            fix="give the tokenizer.model saved with the model") from None
+        self.file = file
+        self.vocab_size = self.tok.vocab_size
+        self.eod_id = self.tok.eos_id
+        if self.eod_id is None or self.eod_id < 0:
+            raise ToolError("bad_request", f"{file} has no end-of-sentence piece", where="/tokenizer",
+                            fix="use a model trained with an eos piece, or set append_eod false")
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.text_to_ids(text)
+
+    def chat_template(self):
+        raise ToolError("bad_request", "a SentencePiece model file carries no chat template", where="/tokenizer",
+                        fix="give the model's Hugging Face tokenizer folder (tokenizer.json and tokenizer_config.json "
+                            "with a chat_template) for chat data")
+
+    def describe(self) -> dict[str, Any]:
+        return {"type": "sentencepiece", "path": str(self.file), "vocab_size": self.vocab_size, "eod_id": self.eod_id}
+
+
 def load_tokenizer(spec: str):
     if spec == "byte":
         return ByteTokenizer()
     p = guarded.check_names(spec, "/tokenizer")
-    file = p / "tokenizer.json" if guarded.kind_of(p) == "folder" else p
+    folder = guarded.kind_of(p) == "folder"
+    file = p / "tokenizer.json" if folder else p
+    if folder and guarded.kind_of(file) == "missing" and guarded.kind_of(p / "tokenizer.model") != "missing":
+        file = p / "tokenizer.model"          # a SentencePiece model alone (Llama 2, Mistral's first models)
+    if file.name.endswith(".model") and guarded.kind_of(file) != "missing":
+        return SentencePieceModel(file)
     if guarded.kind_of(file) == "missing" or not file.name.endswith(".json"):
-        raise ToolError("not_found", f"no tokenizer.json at {spec}", where="/tokenizer",
-                        fix="give a local folder holding tokenizer.json (nothing is downloaded), or 'byte'")
+        raise ToolError("not_found", f"no tokenizer.json or SentencePiece .model at {spec}", where="/tokenizer",
+                        fix="give a local folder holding tokenizer.json or tokenizer.model, or a .model file "
+                            "(nothing is downloaded), or 'byte'")
     try:
         import tokenizers  # noqa: F401
     except ImportError:
@@ -540,6 +583,8 @@ def _result(req: dict, tokenizer: dict[str, Any], files: dict[str, Path], writer
     training: dict[str, Any] = {"data_path": [str(files["bin"].with_suffix(""))]}
     if tokenizer["type"] == "huggingface":
         training["tokenizer_model"] = tokenizer["path"]
+    elif tokenizer["type"] == "sentencepiece":
+        training.update(tokenizer_model=tokenizer["path"], tokenizer_type="SentencePieceTokenizer")
     return {"output_prefix": str(files["bin"].with_suffix("")), "format": req["format"],
             "files": [str(files[k]) for k in ("bin", "idx", "json") + (("mask_bin", "mask_idx") if chat else ())],
             **({"learned_tokens": writer.learned} if chat else {}),
@@ -550,5 +595,5 @@ def _result(req: dict, tokenizer: dict[str, Any], files: dict[str, Path], writer
 
 
 TOOL = Tool(name="prepare-data", summary="Tokenize JSONL into a Megatron indexed dataset (.bin/.idx) "
-                     "with megatron-core's builder; bad lines reported; atomic; byte or local HF tokenizer.",
+                     "with megatron-core's builder; bad lines reported; atomic; byte, local HF or SentencePiece tokenizer.",
                      run=run)
