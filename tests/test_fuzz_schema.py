@@ -616,7 +616,8 @@ def test_a_sample_through_the_command_line(sandbox):
         try:
             env = json.loads(proc.stdout, parse_constant=lambda name: (_ for _ in ()).throw(ValueError(name)))
         except ValueError as e:
-            failures.append(f"{tool} {text[:80]!r}: stdout is not one JSON object ({e}): {proc.stdout[:200]!r}")
+            failures.append(f"{tool} {text[:80]!r}: stdout is not one JSON object ({e}): {proc.stdout[:200]!r}, "
+                            f"exit {proc.returncode}, stderr {proc.stderr[-400:]!r}")
             continue
         changed = [p for p, v in _snapshot(tmp_path / "home", work).items() if before.get(p) != v]
         seconds = time.monotonic() - started - 10  # less the interpreter's start
