@@ -541,3 +541,27 @@ def test_conditional_flags_are_a_finding_of_their_condition():
     # none of the group is a flag of Megatron's own parser (else it would not be conditional)
     known = megatron_flags.known_flags()
     assert not any(f in known for g in megatron_flags.CONDITIONAL_GROUPS for f in g.flags)
+
+
+def test_the_memory_read_back_counts_te_s_tp_overlap_buffers_as_the_planner_does():
+    """--tp-comm-overlap on TE's layers (TP 2 with sequence parallelism) adds Transformer Engine's
+    userbuffers outside torch's allocator: validate's verdict moves by what the planner's memory
+    model counts for them (core/memory.userbuffer_bytes), not by nothing."""
+    from types import SimpleNamespace
+
+    from megatron_skill.core.layout import Layout
+    from megatron_skill.core.memory import GIB, userbuffer_bytes
+
+    args = ("--num-layers 4 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32 "
+            "--group-query-attention --num-query-groups 8 --seq-length 8192 --max-position-embeddings 8192 "
+            "--micro-batch-size 1 --global-batch-size 64 --tensor-model-parallel-size 2 --sequence-parallel --bf16 "
+            "--use-distributed-optimizer --swiglu --normalization RMSNorm --position-embedding-type rope "
+            "--untie-embeddings-and-output-weights --disable-bias-linear --lr 3e-4 --lr-warmup-iters 1 "
+            "--train-iters 100 --mock-data --tokenizer-type NullTokenizer --vocab-size 128256")
+    peaks = []
+    for extra in ("", " --tp-comm-overlap"):
+        res = call("validate", {"args": (args + extra).split(), "gpu": "h100-sxm", "num_gpus": 8})["result"]
+        peaks.append(res["memory"]["peak_gib"])
+    lay = Layout(tp=2, dp=4, mbs=1, gbs=64, seq_length=8192, sequence_parallel=True)
+    expected = userbuffer_bytes(SimpleNamespace(hidden_size=4096), lay) / GIB   # sized by the hidden size alone
+    assert expected > 0.5 and abs((peaks[1] - peaks[0]) - expected) < 0.02, (peaks, expected)

@@ -343,4 +343,5 @@ def memory_options(ns: Any, assumed: dict[str, str]) -> MemoryOptions:
                          grad_bytes=2 if megatron.grad_reduce_in_bf16 else 4,
                          fused_cross_entropy=megatron.cross_entropy_fusion,
                          fsdp_params=megatron.fsdp, recompute_modules=frozenset(modules),
-                         adam_temp_bytes=0 if fused_adam else 4, local_clip=not te)
+                         adam_temp_bytes=0 if fused_adam else 4, local_clip=not te,
+                         te_attention=te, tp_comm_overlap=te and megatron.tp_comm_overlap)

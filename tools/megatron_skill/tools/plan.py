@@ -10,6 +10,7 @@ from ..contract import Context, Tool
 from ..core import evidence
 from ..core.flops import padded_vocab_size
 from ..core.layout import Layout
+from ..core.memory import CONTEXT_GIB, FRAGMENTATION, NCCL_GIB_PER_GROUP
 from ..core.options import RuntimeOptions
 from ..core.planner import Candidate, rank, search
 from ..core.resolve import default_global_batch, default_seq_length, resolve_cluster, resolve_model
@@ -21,8 +22,9 @@ ASSUMPTIONS = [
     "(num_floating_point_operations: causal attention halved, recompute not counted) over the dense BF16 peak, also for FP8.",
     "Memory: bf16 weights, fp32 gradients, fp32 master weights and Adam moments (sharded over DPxCP "
     "by the distributed optimizer); flash attention; no dropout; fp32 copy of the logits in the loss.",
-    "allowance_gib is outside torch's allocator (CUDA context, cuBLAS workspace, NCCL buffers: "
-    "1 GiB + 0.5 GiB per kind of process group) plus 5% fragmentation of activations.",
+    f"allowance_gib is outside torch's allocator (CUDA context, cuBLAS workspace, NCCL buffers: "
+    f"{CONTEXT_GIB:g} GiB + {NCCL_GIB_PER_GROUP:g} GiB per kind of process group; Transformer Engine's "
+    f"userbuffers where TP communication overlap is on) plus {FRAGMENTATION:.0%} fragmentation of activations.",
     "Step time: GEMM roofline at calibrated efficiency (catalog/calibration.json), flash attention, "
     "memory-bound elementwise work, TP collectives not overlapped in forward, DP reduce/gather overlapped "
     "with the last micro-batch, pipeline bubble (PP-1)/VP micro-batch slots.",
