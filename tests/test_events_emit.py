@@ -332,3 +332,20 @@ def test_the_trigger_delivers_what_the_job_left_in_its_outbox_when_its_sender_di
     assert answers[0]["incident"] == answers[1]["incident"]
     (resume,) = answers[1]["actions"]
     assert resume["allowed"] and resume["argv"][:3] == ["sbatch", f"--chdir={run}", "--exclude=gpu[03-04]"]
+
+
+def test_the_attempt_comes_from_the_flag_or_slurms_restart_count(tmp_path):
+    """Slurm's trigger passes the job's Restarts (--attempt); a job's own emitters read
+    SLURM_RESTART_COUNT; anything that is not a count is left out, and the event still goes."""
+    env = {k: v for k, v in os.environ.items() if k not in (ev.URL_ENV, "SLURM_RESTART_COUNT")}
+    cases = [(["--attempt", "2"], {}, 2), ([], {"SLURM_RESTART_COUNT": "3"}, 3),
+             (["--attempt", "0"], {"SLURM_RESTART_COUNT": "3"}, 0), (["--attempt", "x"], {}, None),
+             ([], {"SLURM_RESTART_COUNT": "1e9"}, None)]
+    for i, (argv, extra, attempt) in enumerate(cases):
+        run = tmp_path / f"run{i}"
+        run.mkdir()
+        proc = subprocess.run(EMIT + ["send", "--type", "job.started", "--job-id", "77", "--run-id", "r1", "--run-dir",
+                                      str(run), *argv], capture_output=True, text=True, timeout=60, env={**env, **extra})
+        assert proc.returncode == 0, proc.stderr
+        (event,) = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+        assert event["job"].get("attempt") == attempt, (argv, extra, event)

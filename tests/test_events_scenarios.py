@@ -51,8 +51,9 @@ def _run(tmp_path: Path, losses: list[str] | None = None, of: int = 1000) -> tup
     return run, marker
 
 
-def _signed(run: Path, kind: str, emitter_name: str, details: dict, host: str = "gpu03") -> dict:
-    job = {"job_id": JOB, "scheduler": "slurm", "host": host, "nodes": NODES}
+def _signed(run: Path, kind: str, emitter_name: str, details: dict, host: str = "gpu03",
+            attempt: int | None = None) -> dict:
+    job = {"job_id": JOB, "scheduler": "slurm", "host": host, "nodes": NODES, "attempt": attempt}
     return ev.sign(ev.new(kind, run.name, job, emitter_name, details=details, run_dir=str(run),
                           log=str(run / "logs" / "train.log")), SECRET.encode())
 
@@ -419,3 +420,77 @@ def test_a_yes_given_after_the_event_went_stale_still_starts_its_decided_resume(
     proc = subprocess.run(cli + ["--apply", "--approve", "resume"], capture_output=True, text=True, timeout=180)
     assert proc.returncode == 10 and json.loads(proc.stdout)["error"]["where"] == "/event_file/time"
     assert _starts(marker, 1) == 1 and len(_ledger(run)["relaunches"]) == 1
+
+
+# ---- a job Slurm requeued: each attempt's end is an incident of its own, and a requeue is Slurm's resume ----
+def _attempt(event: dict, attempt: int) -> dict:
+    """The same report from the job's attempt-th restart (SLURM_RESTART_COUNT in the job)."""
+    body = {k: v for k, v in event.items() if k != "signature"}
+    return ev.sign(ev.new(body["type"], body["run_id"], {**body["job"], "attempt": attempt}, body["emitter"],
+                          details=body.get("details"), run_dir=body.get("run_dir"), log=body.get("log")),
+                   SECRET.encode())
+
+
+def test_each_attempt_of_a_requeued_job_ends_in_an_incident_of_its_own(tmp_path, secret):
+    """Job 4242's first attempt is killed and the user's yes resumes it; its second attempt (a
+    restart: SLURM_RESTART_COUNT 1) is killed too: a new incident, whose resume the user's yes
+    starts, not a duplicate of the first. Slurm's trigger, which knows no attempt, reports the
+    second attempt's node failure: it joins the second attempt's incident (the last the record
+    knows), not the first one's."""
+    run, marker = _run(tmp_path)
+    runs = tmp_path / "runs"
+    first = _call(trap_kill(run), runs, {}, apply=True, approve=True)
+    assert first["incident"] == f"{run.name}/{JOB}/end" and _only_resume(first)["applied"]["pid"]
+    assert _starts(marker, 1) == 1
+    second = _call(_attempt(trap_kill(run), 1), runs, {"allow": {}}, apply=True)
+    assert second["verdict"] == "handled" and second["incident"] == f"{run.name}/{JOB}~1/end"
+    assert second["cause"] == "killed" and _only_resume(second)["needs_person"]
+    node = _call(trigger(run, "NODE_FAIL"), runs, {})   # no attempt: the last one's
+    assert node["incident"] == second["incident"] and node["cause"] == "node_failure"
+    # The policy would start it, but not 300 s after the last relaunch (its back-off): the user's yes.
+    assert node["verdict"] == "handled" and "back-off" in _only_resume(node)["why"]
+    node = _call(trigger(run, "NODE_FAIL"), runs, {}, apply=True, approve=True)
+    assert node["incident"] == second["incident"] and _only_resume(node)["applied"]["approved"]
+    assert _starts(marker, 2) == 2 and len(_ledger(run)["relaunches"]) == 2
+    for event in (trap_kill(run), _attempt(trap_kill(run), 1)):
+        assert _call(event, runs, {}, apply=True, approve=True)["verdict"] == "duplicate"
+    assert _starts(marker, 2) == 2
+
+
+@pytest.mark.parametrize("order", ["end_first", "requeue_first"])
+def test_a_job_slurm_requeued_is_not_resumed_beside_its_requeued_attempt(tmp_path, secret, order):
+    """Slurm's trigger reports the node failure of job 4242 and Slurm requeues the job (the
+    cluster's JobRequeue, a script without --no-requeue): its attempt 1 starts (job.started,
+    SLURM_RESTART_COUNT 1). The requeued job resumes from the last checkpoint itself: the first
+    attempt's resume is not started, with the default policy's yes or the user's, in either order
+    of the reports; the second attempt's end is its own incident."""
+    run, marker = _run(tmp_path)
+    runs = tmp_path / "runs"
+    started = _attempt(_signed(run, "job.started", "job", {}), 1)
+    if order == "end_first":
+        told = _call(trigger(run, "NODE_FAIL"), runs, {})   # answered, not applied yet
+        assert _only_resume(told)["allowed"]
+        requeue = _call(started, runs, {})
+        assert requeue["verdict"] == "handled" and [a["kind"] for a in requeue["actions"]] == ["record"]
+        assert "Slurm requeued job 4242" in requeue["actions"][0]["why"]
+    else:
+        assert _call(started, runs, {})["verdict"] == "noted"
+    end = _call(_attempt(trap_kill(run), 0), runs, {}, apply=True, approve=True)
+    assert end["incident"] == f"{run.name}/{JOB}/end"
+    assert [a["kind"] for a in end["actions"]] in ([], ["record"]) and _starts(marker, 0) == 0, end
+    again = _call(_attempt(trigger(run, "NODE_FAIL"), 0), runs, {}, apply=True, approve=True)   # --attempt 0
+    assert not any(a.get("applied") for a in again["actions"]) and _starts(marker, 0) == 0
+    assert _ledger(run)["relaunches"] == []
+    later = _call(_attempt(trap_kill(run), 1), runs, {}, apply=True, approve=True)
+    assert later["incident"] == f"{run.name}/{JOB}~1/end" and _only_resume(later)["applied"]["pid"]
+    assert _starts(marker, 1) == 1
+
+
+def test_a_requeue_after_the_skill_already_resumed_asks_a_person_to_stop_one(tmp_path, secret):
+    run, marker = _run(tmp_path)
+    runs = tmp_path / "runs"
+    assert _only_resume(_call(trigger(run, "NODE_FAIL"), runs, {}, apply=True))["applied"]["pid"]
+    requeue = _call(_attempt(_signed(run, "job.started", "job", {}), 1), runs, {})
+    (action,) = requeue["actions"]
+    assert action["kind"] == "diagnose" and action["needs_person"] and action["commands"] == [f"scancel {JOB}"]
+    assert "two copies of the run" in action["why"] and _starts(marker, 1) == 1

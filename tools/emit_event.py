@@ -44,9 +44,14 @@ def _job(args: argparse.Namespace) -> dict:
     slurm = env.get("SLURM_JOB_ID")
     return {"job_id": args.job_id or slurm or env.get("MEGATRON_SKILL_JOB_ID") or f"{socket.gethostname()}.{os.getppid()}",
             "scheduler": args.scheduler or ("slurm" if slurm else "torchrun"),
-            "attempt": int(env["SLURM_RESTART_COUNT"]) if env.get("SLURM_RESTART_COUNT", "").isdigit() else None,
+            "attempt": _attempt(args.attempt if args.attempt is not None else env.get("SLURM_RESTART_COUNT")),
             "host": socket.gethostname()[:255],
             "nodes": _nodes(args.nodes or env.get("SLURM_JOB_NODELIST"))}
+
+
+def _attempt(text: str | None) -> int | None:
+    """The job's attempt (restarts before this one): a number of at most 9 digits, else left out."""
+    return int(text) if text and text.isdigit() and len(text) <= 9 else None
 
 
 def _nodes(hostlist: str | None) -> list[str] | None:
@@ -82,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--run-dir")
         s.add_argument("--request-id")
         s.add_argument("--job-id")
+        s.add_argument("--attempt", help="the job's restarts before this attempt (Slurm's Restarts of "
+                       "'scontrol show job', SLURM_RESTART_COUNT in the job); default SLURM_RESTART_COUNT")
         s.add_argument("--scheduler", choices=["slurm", "torchrun", "local", "other"])
         s.add_argument("--emitter", default="job" if name == "send" else "watcher",
                        choices=["job", "watcher", "train", "scheduler", "monitor"])

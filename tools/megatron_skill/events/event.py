@@ -112,11 +112,20 @@ def secret_from_env(env: dict[str, str] | None = None) -> bytes | None:
         return None
 
 
+def job_of(event: dict[str, Any]) -> str:
+    """The job's run the event is about: its job id, and for a job that Slurm requeued its attempt
+    (job.attempt, SLURM_RESTART_COUNT), JOB~N: each attempt ends on its own, and each end is an
+    incident of its own. ("~" is in no job id: JOB~1 is never another job's id.)"""
+    job = event["job"]
+    attempt = job.get("attempt")
+    return f"{job['job_id']}~{attempt}" if attempt else job["job_id"]
+
+
 def incident(event: dict[str, Any]) -> str:
-    """What the event is about, so that two reports of one thing act once: the end of a job
-    (its trap, the train tool and the scheduler each report it), a stall, a loss anomaly, a
-    throughput drop of one job; a checkpoint by its iteration; a start by its job."""
-    job = event["job"]["job_id"]
+    """What the event is about, so that two reports of one thing act once: the end of a job's
+    attempt (its trap, the train tool and the scheduler each report it), a stall, a loss anomaly,
+    a throughput drop of one attempt; a checkpoint by its iteration; a start by its attempt."""
+    job = job_of(event)
     kind = event["type"]
     if kind in ENDINGS:
         what = "end"

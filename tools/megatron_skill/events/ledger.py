@@ -22,6 +22,7 @@ from typing import Any
 from ..errors import ToolError
 from ..files import read_regular
 from ..locks import Busy, FileLock, write_atomic
+from .event import job_of
 
 KEEP_EVENTS = 2000  # event ids remembered per run; older ones go (a replay that old is stale anyway)
 LOCK_WAIT_S = 30.0
@@ -190,10 +191,19 @@ class Ledger:
     def note(self, event: dict[str, Any], verdict: str, incident: str | None) -> None:
         self.data["events"][event["event_id"]] = {"type": event["type"], "time": event["time"], "seen": time.time(),
                                                   "verdict": verdict, "incident": incident,
-                                                  "job_id": event["job"]["job_id"]}
+                                                  "job_id": job_of(event)}
+
+    def latest_attempt(self, job_id: str) -> int:
+        """The last attempt of this job that the record has events of (0: its first, or none)."""
+        attempts = [0]
+        for e in self.data["events"].values():
+            job, _, n = str(e.get("job_id")).partition("~")
+            if job == job_id and n.isdigit():
+                attempts.append(int(n))
+        return max(attempts)
 
     def job_running(self, job_id: str) -> bool:
-        """A start of this job was reported and no end."""
+        """A start of this job's attempt (job_of) was reported and no end."""
         kinds = {e["type"] for e in self.data["events"].values() if e.get("job_id") == job_id}
         return "job.started" in kinds and not kinds & {"job.finished", "job.failed"}
 

@@ -12,6 +12,7 @@ whichever report or repeat of the event brings the apply.
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import time
 from pathlib import Path
@@ -133,11 +134,11 @@ def _run_dir(runs_root: Path, event: dict[str, Any], where: str) -> Path:
 def _running(run: actions.Run, ledger: Ledger, event: dict[str, Any]) -> bool:
     lock = run.dir / "run.lock"
     held = lock.is_file() and RunLock(run.dir).held_elsewhere()  # (a FIFO put there would block the probe)
-    return held or (event["type"] not in ("job.finished", "job.failed") and ledger.job_running(event["job"]["job_id"]))
+    return held or (event["type"] not in ("job.finished", "job.failed") and ledger.job_running(ev.job_of(event)))
 
 
 def _ended(run: actions.Run, ledger: Ledger, event: dict[str, Any], found: dict[str, Any]) -> bool:
-    return (ledger.job_ended(event["job"]["job_id"]) or run.state.get("status") == "finished"
+    return (ledger.job_ended(ev.job_of(event)) or run.state.get("status") == "finished"
             or found.get("log_state") == "finished")
 
 
@@ -264,10 +265,11 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
     _trusted(event, where)
     runs_root = Path(os.path.realpath(req["runs_root"]))
     run_dir = _run_dir(runs_root, event, where)
-    key = ev.incident(event)
-    base = {"event_id": event["event_id"], "type": event["type"], "run_id": event["run_id"], "incident": key}
     ledger = Ledger(runs_root, event["run_id"]).read()
     _fresh(event, where, req["policy"]["max_age_s"], ledger)
+    event = _of_attempt(event, ledger)
+    key = ev.incident(event)
+    base = {"event_id": event["event_id"], "type": event["type"], "run_id": event["run_id"], "incident": key}
     if ctx.dry_run:
         return {**base, "dry_run": True, **_handle(event, key, run_dir, ledger, req, ctx, dry=True)}
     # A train that died before its job's end left the run "running" with nobody holding it: the
@@ -281,13 +283,26 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
         return {**base, **_handle(event, key, run_dir, ledger, req, ctx, dry=False)}
 
 
+def _of_attempt(event: dict[str, Any], ledger: Ledger) -> dict[str, Any]:
+    """A job's end that the scheduler reported without its attempt (Slurm's trigger on the
+    controller, where SLURM_RESTART_COUNT is not set, unless it passes --attempt) is the end of the
+    job's last attempt
+    the record knows: after Slurm requeued a job, its end is the requeued attempt's, not the first
+    attempt's, whose end was handled."""
+    job = event["job"]
+    if "attempt" in job or event["type"] not in ev.ENDINGS or event["emitter"] != "scheduler":
+        return event
+    latest = ledger.latest_attempt(job["job_id"])
+    return {**event, "job": {**job, "attempt": latest}} if latest else event
+
+
 def _handle(event: dict[str, Any], key: str, run_dir: Path, ledger: Ledger, req: dict, ctx: Context,
             dry: bool) -> dict[str, Any]:
     first = ledger.seen(event["event_id"])
     decided = False
     if first is None:
         out = _take_report(event, key, run_dir, ledger, req, ctx, dry)
-        if out.get("verdict") == "noted":
+        if "decided" not in out:   # noted, or a requeued attempt's start answered
             return out
         decided, found = out["decided"], out["facts"]
     else:
@@ -326,6 +341,12 @@ def _take_report(event: dict[str, Any], key: str, run_dir: Path, ledger: Ledger,
     it is new or this report names a more specific cause."""
     kind = event["type"]
     if kind in ("job.started", "checkpoint.saved"):
+        requeued = _requeued(event, ledger) if kind == "job.started" else None
+        if requeued:
+            ledger.note(event, "reported", None)
+            if not dry:
+                ledger.save()
+            return {"verdict": "handled", "cause": None, "actions": requeued, "facts": {}}
         if not dry:
             ledger.note(event, "noted", None)
             if kind == "checkpoint.saved":
@@ -365,6 +386,10 @@ def _take_report(event: dict[str, Any], key: str, run_dir: Path, ledger: Ledger,
     nodes = list(dict.fromkeys(n for r in record["reports"] for n in r.get("nodes", [])))
     todo = decide(deciding, best, nodes, run, found, _running(run, ledger, event), req["policy"],
                   ledger.dir / "proposals", ctx)
+    attempt = event["job"].get("attempt") or 0
+    if kind in ev.ENDINGS and ledger.latest_attempt(event["job"]["job_id"]) > attempt:
+        todo = [_left_to_slurm(a, event["job"]["job_id"], ledger.latest_attempt(event["job"]["job_id"]))
+                for a in todo]
     ledger.decide(key, event, best, todo)
     if best == "nan" and kind == "loss.anomaly":
         _end_went_nan(ledger, key, event, todo)
@@ -372,6 +397,45 @@ def _take_report(event: dict[str, Any], key: str, run_dir: Path, ledger: Ledger,
         ledger.save()  # the decision before anything starts
         _write_proposals(todo, ledger)
     return {"decided": True, "facts": found}
+
+
+def _left_to_slurm(action: dict[str, Any], job_id: str, attempt: int) -> dict[str, Any]:
+    """A relaunch of an attempt that Slurm requeued: the requeued attempt continues from the last
+    checkpoint itself, and a resume of the skill's would run beside it on the same run folder."""
+    if action["kind"] not in RELAUNCHING:
+        return action
+    return {"kind": "record", "needs_person": False,
+            "why": f"{action['why']}; but Slurm requeued job {job_id} (its attempt {attempt} started): the requeued "
+                   "job continues from the last checkpoint itself, and nothing is started beside it (the skill's "
+                   "scripts ask for --no-requeue; this job's did not)"}
+
+
+def _requeued(event: dict[str, Any], ledger: Ledger) -> list[dict[str, Any]] | None:
+    """A start of a requeued attempt (job.attempt > 0): each earlier attempt's end whose relaunch
+    has not started is left to Slurm (its actions become a record); where one has started, the
+    job now runs twice on one run folder, which a person must stop. None when nothing changes."""
+    attempt = event["job"].get("attempt") or 0
+    if not attempt:
+        return None
+    job = event["job"]["job_id"]
+    out = []
+    for n in range(attempt):
+        key = ev.incident({**event, "type": "job.failed", "job": {**event["job"], "attempt": n}})
+        record = ledger.incident(key)
+        if not record:
+            continue
+        started = ledger.relaunched(key)
+        if started:
+            out.append({"kind": "diagnose", "needs_person": True, "commands": [f"scancel {shlex.quote(job)}"],
+                        "why": f"Slurm requeued job {job} (attempt {attempt} started) after its attempt {n} ended, "
+                               f"for which a {started[0]} was already started (output {started[1].get('output', '?')}"
+                               "): two copies of the run now train on one run folder; stop one of them (scancel "
+                               "the requeued job, or the relaunch)"})
+        elif any(a.get("kind") in RELAUNCHING for a in record.get("actions", [])):
+            todo = [_left_to_slurm(a, job, attempt) for a in record["actions"]]
+            ledger.decide(key, event, record.get("cause"), todo)
+            out.extend(todo)
+    return out or None
 
 
 def _job_key(key: str) -> str:
