@@ -162,3 +162,70 @@ def test_a_cpu_runs_diagnosis_points_at_its_own_ranks_and_no_gpu_tool(tmp_path, 
                          silent_s=900), secret)
     text = "\n".join(_on_event(gpu, tmp_path / "runs")["result"]["actions"][0]["commands"])
     assert "pretrain_gpt.py" in text and "nvidia-smi" in text
+
+
+# ---- the user's policy, recorded in the runs root ----------------------------------------------
+def _launch(*argv: str) -> tuple[int, dict]:
+    proc = subprocess.run(LAUNCH + ["on-event", *argv], capture_output=True, text=True, timeout=180)
+    return proc.returncode, json.loads(proc.stdout)
+
+
+def test_the_users_policy_is_recorded_and_judges_every_later_call_that_gives_none(tmp_path, secret):
+    """The user says "resume a plain kill by itself, never a node failure": the agent records it
+    once (--save-policy, no event needed). An agent woken later in a new session runs on-event
+    without --policy: the kill of job 4242 resumes by itself, the node failure of job 4243 waits
+    for a person, each answer naming the recorded policy; a call that gives a policy is judged
+    under that one, and leaves the record as it is."""
+    run, marker = _marked_run(tmp_path)
+    runs = tmp_path / "runs"
+    chosen = {"allow": {"killed": ["resume"]}, "backoff_s": 0}
+    code, out = _launch("--runs-root", str(runs), "--policy", json.dumps(chosen), "--save-policy")
+    assert code == 0 and out["result"]["policy"]["saved"] and out["result"]["policy"]["allow"] == chosen["allow"]
+    stored = runs / ".events" / "policy.json"
+    assert json.loads(stored.read_text())["allow"] == chosen["allow"]
+    path = tmp_path / "event.json"
+    path.write_text(json.dumps(ev.sign(_event("job.failed", exit_code=137, signal="SIGKILL"), secret)))
+    code, out = _launch("--event-file", str(path), "--runs-root", str(runs), "--apply")
+    assert code == 0 and out["result"]["cause"] == "killed", out
+    assert out["result"]["policy"]["source"] == "stored" and out["result"]["policy"]["file"] == str(stored)
+    assert out["result"]["actions"][0]["applied"]["pid"] and _starts(marker, 1) == 1
+    path.write_text(json.dumps(ev.sign(_event("job.failed", job_id="4243", failure="node_failure"), secret)))
+    code, out = _launch("--event-file", str(path), "--runs-root", str(runs), "--apply")
+    (action,) = out["result"]["actions"]
+    assert out["result"]["cause"] == "node_failure" and action["needs_person"] and "applied" not in action
+    assert "does not start a resume after node_failure" in action["why"] and _starts(marker, 1) == 1
+    # Given with the call, a policy judges that call only.
+    code, out = _launch("--event-file", str(path), "--runs-root", str(runs), "--apply", "--policy",
+                        json.dumps({"allow": {"node_failure": ["resume"]}, "backoff_s": 0}))
+    assert out["result"]["policy"]["source"] == "request" and out["result"]["actions"][0]["applied"]["pid"]
+    assert _starts(marker, 2) == 2 and json.loads(stored.read_text())["allow"] == chosen["allow"]
+
+
+def test_a_recorded_policy_that_is_not_one_is_a_clear_error_and_nothing_starts(tmp_path, secret):
+    run, marker = _marked_run(tmp_path)
+    runs = tmp_path / "runs"
+    (runs / ".events").mkdir()
+    stored = runs / ".events" / "policy.json"
+    path = tmp_path / "event.json"
+    path.write_text(json.dumps(ev.sign(_event("job.failed", failure="node_failure"), secret)))
+    elsewhere = tmp_path / "permissive.json"
+    elsewhere.write_text(json.dumps({"allow": {"killed": ["resume"]}}))
+    for bad in ("{", "[]", '{"allow": {"stalled": ["resume"]}}', '{"max_relaunches": -1}', '{"sunspots": 1}', "link"):
+        if stored.is_symlink() or stored.exists():
+            stored.unlink()
+        if bad == "link":
+            stored.symlink_to(elsewhere)
+        else:
+            stored.write_text(bad)
+        code, out = _launch("--event-file", str(path), "--runs-root", str(runs), "--apply")
+        assert code == 8 and out["error"]["code"] == "runtime" and out["error"]["where"] == str(stored), (bad, out)
+        assert "--save-policy" in out["error"]["fix"]
+    assert _starts(marker, 0) == 0
+    # Recording asks for a policy, and a runs root that is there.
+    code, out = _launch("--runs-root", str(runs), "--save-policy")
+    assert code == 2
+    code, out = _launch("--event-file", str(path), "--runs-root", str(runs), "--save-policy")
+    assert code == 2 and out["error"]["where"] == "/policy"
+    code, out = _launch("--runs-root", str(tmp_path / "nowhere"), "--policy", "{}", "--save-policy")
+    assert code == 3 and out["error"]["where"] == "/runs_root"
+    assert elsewhere.read_text() == json.dumps({"allow": {"killed": ["resume"]}})

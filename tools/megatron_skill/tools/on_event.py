@@ -11,6 +11,7 @@ whichever report or repeat of the event brings the apply.
 """
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import subprocess
@@ -259,11 +260,88 @@ def _start(action: dict[str, Any], run: actions.Run, key: str, ledger: Ledger, n
 
 
 # ---- the tool ----------------------------------------------------------------------------------
+POLICY_FILE = "policy.json"  # RUNS_ROOT/.events/policy.json: the runs root's recorded policy
+
+
+def _policy_schema() -> dict[str, Any]:
+    from ..contract import load_schema
+
+    return load_schema("on-event", "request")["properties"]["policy"]
+
+
+def _stored_policy(path: Path) -> dict[str, Any] | None:
+    """The runs root's recorded policy (save_policy wrote it), its defaults filled; None when
+    there is none. A link, or a file that is not a policy, is a clear error naming it."""
+    from ..contract import _fill_defaults
+
+    if not os.path.lexists(path):
+        return None
+
+    def damaged(why: str) -> ToolError:
+        return ToolError("runtime", f"the runs root's recorded policy {path} is not usable: {why}", where=str(path),
+                         fix="record the policy again (on-event --policy JSON --save-policy), or move the file aside "
+                             "(the default policy is then used)")
+    if os.path.islink(path):
+        raise damaged("it is a symbolic link, not the file on-event writes")
+    try:
+        stored = files.read_json(path, str(path), "recorded policy", MAX_FILE_BYTES)
+    except ToolError as e:
+        raise damaged(e.message) from None
+    error = next(iter(validator(_policy_schema()).iter_errors(stored)), None)
+    if error is not None:
+        raise damaged(f"at /{'/'.join(str(p) for p in error.absolute_path)}: {error.message}")
+    policy = _fill_defaults({"properties": {"policy": _policy_schema()}}, {"policy": stored})["policy"]
+    try:
+        _check_policy(policy)
+    except ToolError as e:
+        raise damaged(e.message) from None
+    return policy
+
+
+def _policy(req: dict, runs_root: Path, ctx: Context) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The policy of this call: the request's (recorded as the runs root's with save_policy), else
+    the runs root's recorded one, else the defaults; and what the answer says of it."""
+    from ..contract import _fill_defaults
+
+    path = runs_root / ".events" / POLICY_FILE
+    if "policy" in req:
+        _check_policy(req["policy"])
+        info: dict[str, Any] = {"source": "request"}
+        if req.get("save_policy"):
+            if not files.is_dir(runs_root):
+                raise ToolError("not_found", f"no runs root {runs_root} to record the policy in", where="/runs_root",
+                                fix="give the runs root the runs are in (train's runs_root)")
+            if os.path.islink(path) or (os.path.lexists(path) and not files.is_file(path)):
+                raise ToolError("runtime", f"{path} is not a file on-event wrote (a link, or not a regular file)",
+                                where=str(path), fix="move it aside; on-event writes the recorded policy there")
+            if not ctx.dry_run:
+                own_folder(runs_root, ".events")
+                write_atomic(path, json.dumps(req["policy"], indent=1, sort_keys=True) + "\n")
+            info.update(file=str(path), saved=not ctx.dry_run)
+        return req["policy"], {**info, **req["policy"]}
+    if req.get("save_policy"):
+        raise ToolError("bad_request", "save_policy records the policy given with it, and none is given",
+                        where="/policy", fix="give the policy to record (--policy JSON)")
+    stored = _stored_policy(path)
+    if stored is not None:
+        return stored, {"source": "stored", "file": str(path), **stored}
+    policy = _fill_defaults({"properties": {"policy": _policy_schema()}}, {"policy": {}})["policy"]
+    return policy, {"source": "default", **policy}
+
+
 def run(req: dict, ctx: Context) -> dict[str, Any]:
-    _check_policy(req["policy"])
+    runs_root = Path(os.path.realpath(req["runs_root"]))
+    policy, about = _policy(req, runs_root, ctx)
+    req = {**req, "policy": policy}
+    if "event" not in req and "event_file" not in req:   # only the policy, recorded
+        return {"policy": about}
+    out = _event(req, runs_root, ctx)
+    return {**out, "policy": about}
+
+
+def _event(req: dict, runs_root: Path, ctx: Context) -> dict[str, Any]:
     event, where = _load(req)
     _trusted(event, where)
-    runs_root = Path(os.path.realpath(req["runs_root"]))
     run_dir = _run_dir(runs_root, event, where)
     ledger = Ledger(runs_root, event["run_id"]).read()
     _fresh(event, where, req["policy"]["max_age_s"], ledger)
