@@ -4,6 +4,7 @@ dies leaves its run failed with its end sent, by its watchdog or by the next on-
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -203,3 +204,26 @@ def test_emit_event_settle_marks_the_run_and_sends_the_end_itself(tmp_path, rece
     (failed,) = receiver.events("job.failed")
     assert failed["job"]["job_id"] == f"{run.name}.1" and failed["details"]["failure"] == "killed"
     assert json.loads((run / "state.json").read_text())["status"] == "failed"
+
+
+def test_a_train_of_another_host_is_not_read_as_dead_here(tmp_path, receiver, secret):
+    """The run's lock records the train that holds it (pid, host). Where flock is each host's own
+    (a file system that does not share it), no holder here says nothing of a train on another
+    host: on-event here leaves that run running and sends no end; the same record of this host,
+    with no holder, is a dead train's, settled as before."""
+    run = _running_run(tmp_path)
+    (run / "run.lock").write_text(json.dumps({"pid": 4321, "host": "gpu-node-17", "since": time.time()}))
+    stall = ev.sign(_event("training.stalled", job_id=f"{run.name}.1", iteration=7, silent_s=900), secret)
+    out = _on_event(stall, tmp_path / "runs")["result"]
+    assert "ended_attempt" not in out and json.loads((run / "state.json").read_text())["status"] == "running"
+    subprocess.run([sys.executable, str(ROOT / "tools" / "emit_event.py"), "settle", "--run-dir", str(run)],
+                   check=True, timeout=60, capture_output=True)
+    assert json.loads((run / "state.json").read_text())["status"] == "running"
+    assert json.loads((run / "run.lock").read_text())["host"] == "gpu-node-17"   # its record left as it was
+    time.sleep(1)
+    assert not receiver.events("job.failed")
+    (run / "run.lock").write_text(json.dumps({"pid": 4321, "host": socket.gethostname(), "since": time.time()}))
+    out = _on_event(ev.sign(_event("job.started", job_id=f"{run.name}.2"), secret), tmp_path / "runs")["result"]
+    assert out["ended_attempt"]["job_id"] == f"{run.name}.1"
+    assert json.loads((run / "state.json").read_text())["status"] == "failed"
+    assert receiver.wait_for("job.failed")["job"]["job_id"] == f"{run.name}.1"

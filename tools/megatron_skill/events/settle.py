@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -65,15 +66,27 @@ def end_event(run_dir: Path, state: dict[str, Any]) -> dict[str, Any]:
                   request_id=run, run_dir=str(run_dir), log=str(log), layout=layout or None)
 
 
+def elsewhere(run_dir: Path) -> str | None:
+    """The host of the train that last took the run's lock, where that is not this host (its
+    record in run.lock: train leaves it there when it dies, and empties it when it ends). A lock
+    is the kernel's of one host where the file system does not share flock between hosts: that no
+    process holds it here says nothing of a train there, which may be alive."""
+    host = runs.RunLock(run_dir).owner().get("host")
+    return host[:255] if isinstance(host, str) and host and host != socket.gethostname() else None
+
+
 def dead_attempt(run_dir: Path, locked: bool = False) -> dict[str, Any] | None:
     """When the run's last attempt died without recording its end: mark it failed in state.json
-    and answer the end event to send (None otherwise, and while the run's lock is held by a
-    live process). locked: the caller holds the run's lock itself (train, as it starts)."""
+    and answer the end event to send (None otherwise, while the run's lock is held by a live
+    process, and when its train ran on another host: elsewhere). locked: the caller holds the
+    run's lock itself (train, as it starts again: its run, wherever its last attempt ran)."""
     run_dir = Path(run_dir)
     if not (run_dir / runs.STATE).is_file():
         return None
     lock = runs.RunLock(run_dir)
     if not locked:
+        if elsewhere(run_dir):
+            return None
         try:
             lock.acquire()
         except (ToolError, OSError):   # held by a live train: its attempt is not dead
