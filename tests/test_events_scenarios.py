@@ -409,6 +409,13 @@ def test_a_yes_given_after_the_event_went_stale_still_starts_its_decided_resume(
     path.write_text(json.dumps(ev.body(kill)))
     cli = [sys.executable, str(ROOT / "tools" / "launch.py"), "on-event", "--event-file", str(path), "--runs-root",
            str(runs)]
+    # That late, a policy that resumes kills starts nothing by itself: the run may have changed since.
+    proc = subprocess.run(cli + ["--apply", "--policy", json.dumps(POLICY[("killed", "policy")])], capture_output=True,
+                          text=True, timeout=180)
+    out = json.loads(proc.stdout)
+    assert proc.returncode == 0 and out["result"]["verdict"] == "pending", out
+    assert _only_resume(out["result"])["needs_person"] and "minutes old" in out["result"]["actions"][0]["why"]
+    assert _starts(marker, 0) == 0
     proc = subprocess.run(cli + ["--apply", "--approve", "resume"], capture_output=True, text=True, timeout=180)
     out = json.loads(proc.stdout)
     assert proc.returncode == 0 and out["ok"], out

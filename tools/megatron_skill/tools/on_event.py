@@ -86,14 +86,14 @@ def _trusted(event: dict[str, Any], where: str) -> None:
                         "the emitters and this tool the same secret")
 
 
-def _fresh(event: dict[str, Any], where: str, max_age_s: float, ledger: Ledger) -> None:
+def _fresh(event: dict[str, Any], where: str, max_age_s: float, ledger: Ledger) -> float | None:
     """The event's age: an event older than max_age_s is refused as a replay, unless the run's
     record took it when it was fresh (then it is the same event again: the user's yes to its
-    decided action, given later, still applies it)."""
+    decided action, given later, still applies it). The age of such a late event, else None."""
     age = time.time() - ev.parse_time(event["time"])
     known = ledger.seen(event["event_id"])
     if known and known.get("time") == event["time"] and known.get("type") == event["type"]:
-        return
+        return age if age > max_age_s else None
     if age > max_age_s:
         raise ToolError("refused", f"the event is {age / 60:.0f} minutes old, older than the policy's "
                         f"{max_age_s / 60:.0f} (a replay, or a receiver that held it)", where=where + "/time",
@@ -101,6 +101,7 @@ def _fresh(event: dict[str, Any], where: str, max_age_s: float, ledger: Ledger) 
     if age < -CLOCK_SKEW_S:
         raise ToolError("refused", f"the event is dated {-age / 60:.0f} minutes in the future", where=where + "/time",
                         fix="check the emitting host's clock (NTP)")
+    return None
 
 
 def _is_run(folder: Path) -> bool:
@@ -224,6 +225,10 @@ def _judge(action: dict[str, Any], cause: str, key: str, ledger: Ledger, req: di
     if kind not in req["policy"]["allow"].get(cause, []):
         return _for_person(a, f"the policy does not start a {kind} after {cause} by itself: run the command, or "
                               f"on-event again with --apply --approve {kind}")
+    if req.get("late_s"):
+        return _for_person(a, f"the event is {req['late_s'] / 60:.0f} minutes old, past the policy's "
+                              f"{req['policy']['max_age_s'] / 60:.0f}: the policy starts nothing that late (the run may "
+                              f"have changed since); the user's yes does (--apply --approve {kind})")
     policy = req["policy"]
     ok, why, not_before = ledger.relaunch_allowed(now, policy["max_relaunches"], policy["window_s"],
                                                   policy["backoff_s"])
@@ -344,7 +349,7 @@ def _event(req: dict, runs_root: Path, ctx: Context) -> dict[str, Any]:
     _trusted(event, where)
     run_dir = _run_dir(runs_root, event, where)
     ledger = Ledger(runs_root, event["run_id"]).read()
-    _fresh(event, where, req["policy"]["max_age_s"], ledger)
+    req = {**req, "late_s": _fresh(event, where, req["policy"]["max_age_s"], ledger)}
     event = _of_attempt(event, ledger)
     key = ev.incident(event)
     base = {"event_id": event["event_id"], "type": event["type"], "run_id": event["run_id"], "incident": key}
