@@ -185,7 +185,7 @@ def test_the_same_event_and_the_same_incident_from_another_emitter_act_once(tmp_
     first = ev.sign(_event("job.failed", exit_code=143, signal="SIGTERM", failure="nccl_timeout"), secret)
     a = _on_event(first, tmp_path / "runs")["result"]
     assert a["verdict"] == "handled" and [x["kind"] for x in a["actions"]] == ["resume"]
-    assert a["actions"][0]["commands"] == [f"sbatch --chdir={run} {run / 'launch.sbatch'}"]
+    assert a["actions"][0]["commands"] == [f"sbatch --chdir={run} --no-requeue {run / 'launch.sbatch'}"]
     assert a["actions"][0]["allowed"] and not a["actions"][0]["needs_person"]
     # Answered, not started: the same event again answers the same action, still to start.
     again = _on_event(first, tmp_path / "runs")["result"]
@@ -259,7 +259,7 @@ def test_a_later_node_failure_report_upgrades_a_kill_and_resumes_without_the_job
         moved = ev.sign({**{k: v for k, v in event.items() if k != "signature"}, "run_id": sb.name,
                          "event_id": "x" + event["event_id"]}, secret)
         out = _on_event(moved, tmp_path / "runs")["result"]
-    assert out["actions"][0]["commands"] == [f"sbatch --chdir={sb} '--exclude=gpu[03-04]' {sb / 'launch.sbatch'}"]
+    assert out["actions"][0]["commands"] == [f"sbatch --chdir={sb} '--exclude=gpu[03-04]' --no-requeue {sb / 'launch.sbatch'}"]
 
 
 def test_the_watchers_nccl_report_gives_the_jobs_bare_end_its_cause(tmp_path, secret):

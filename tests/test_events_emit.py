@@ -277,7 +277,8 @@ def test_a_node_failure_from_the_trigger_resumes_without_the_jobs_nodes(tmp_path
     assert event["details"]["failure"] == "node_failure" and event["job"]["nodes"] == ["gpu[03-04]"]
     assert event["emitter"] == "scheduler" and event["job"]["job_id"] == "4242"
     (action,) = _on_event(event, tmp_path / "runs")["result"]["actions"]
-    assert action["argv"] == ["sbatch", f"--chdir={run}", "--exclude=gpu[03-04]", str(run / "launch.sbatch")]
+    assert action["argv"] == ["sbatch", f"--chdir={run}", "--exclude=gpu[03-04]", "--no-requeue",
+                              str(run / "launch.sbatch")]
     assert "--exclude=gpu03" not in " ".join(action["commands"]) and socket.gethostname() not in action["argv"]
 
 

@@ -233,7 +233,9 @@ def resume(run: Run, why: str, exclude: list[str]) -> dict[str, Any]:
         action["commands"] = [f"cd {shlex.quote(run.cwd)} && {_shell(argv)}"]
         action.update(argv=argv, cwd=run.cwd)
     elif run.script and run.script.suffix == ".sbatch":
-        argv = ["sbatch", f"--chdir={run.dir}", *([f"--exclude={excluded}"] if excluded else []), str(run.script)]
+        # No requeue: the skill resumes the job (a requeued copy would train beside its resume).
+        argv = ["sbatch", f"--chdir={run.dir}", *([f"--exclude={excluded}"] if excluded else []), "--no-requeue",
+                str(run.script)]
         action["commands"] = [_shell(argv)]
         action["argv"] = argv
         if excluded:
