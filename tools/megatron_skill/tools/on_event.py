@@ -424,20 +424,7 @@ def _take_report(event: dict[str, Any], key: str, run_dir: Path, ledger: Ledger,
     it is new or this report names a more specific cause."""
     kind = event["type"]
     if kind in ("job.started", "checkpoint.saved"):
-        requeued = _requeued(event, ledger) if kind == "job.started" else None
-        if requeued:
-            ledger.note(event, "reported", None)
-            if not dry:
-                ledger.save()
-            return {"verdict": "handled", "cause": None, "actions": requeued, "facts": {}}
-        if not dry:
-            ledger.note(event, "noted", None)
-            if kind == "checkpoint.saved":
-                details = event.get("details", {})
-                ledger.checkpoint(details.get("checkpoint_iteration", -1), details.get("loss"))
-            ledger.save()
-        return {"verdict": "noted", "actions": [{"kind": "record", "needs_person": False, "why": f"{kind} recorded"}],
-                "facts": {}}
+        return _start_or_checkpoint(event, ledger, dry)
     run = actions.Run(run_dir, event)
     found = actions.facts(run, event, ctx)
     cause = actions.cause(event, found)
@@ -480,6 +467,26 @@ def _take_report(event: dict[str, Any], key: str, run_dir: Path, ledger: Ledger,
         ledger.save()  # the decision before anything starts
         _write_proposals(todo, ledger)
     return {"decided": True, "facts": found}
+
+
+def _start_or_checkpoint(event: dict[str, Any], ledger: Ledger, dry: bool) -> dict[str, Any]:
+    """A job's start or a checkpoint: noted (a checkpoint's iteration and loss kept for later
+    rollbacks), unless a start is Slurm's requeue of a job whose end the record holds."""
+    kind = event["type"]
+    requeued = _requeued(event, ledger) if kind == "job.started" else None
+    if requeued:
+        ledger.note(event, "reported", None)
+        if not dry:
+            ledger.save()
+        return {"verdict": "handled", "cause": None, "actions": requeued, "facts": {}}
+    if not dry:
+        ledger.note(event, "noted", None)
+        if kind == "checkpoint.saved":
+            details = event.get("details", {})
+            ledger.checkpoint(details.get("checkpoint_iteration", -1), details.get("loss"))
+        ledger.save()
+    return {"verdict": "noted", "actions": [{"kind": "record", "needs_person": False, "why": f"{kind} recorded"}],
+            "facts": {}}
 
 
 def _left_to_slurm(action: dict[str, Any], job_id: str, attempt: int) -> dict[str, Any]:
