@@ -29,6 +29,7 @@ esac
 state=$(field JobState)
 nodes=$(field NodeList)
 code=$(field ExitCode)  # STATUS:SIGNAL
+restarts=$(field Restarts)  # the attempt Slurm's requeues are at (0 for the first)
 status=${code%%:*}
 signal=${code##*:}
 if [ "${signal:-0}" != 0 ]; then status=$((128 + signal)); fi
@@ -42,5 +43,6 @@ if [ "$state" != COMPLETED ] && [ "${status:-0}" = 0 ]; then status=1; fi
 details="{\"message\": \"Slurm job $job: $state\"${failure:+, \"failure\": \"$failure\"}}"
 here=$(cd "$(dirname "$0")" && pwd)
 exec "${PYTHON:-python3}" "$here/emit_event.py" send --end --exit-code "${status:-1}" --emitter scheduler \
-  --scheduler slurm --job-id "$job" --run-id "$run_id" --run-dir "$workdir" ${nodes:+--nodes "$nodes"} \
+  --scheduler slurm --job-id "$job" ${restarts:+--attempt "$restarts"} --run-id "$run_id" --run-dir "$workdir" \
+  ${nodes:+--nodes "$nodes"} \
   --log "$workdir/logs/train.log" --details "$details"
