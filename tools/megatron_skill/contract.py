@@ -535,7 +535,7 @@ class _OnceEach(argparse.Namespace):
             flag = _flag(key)
             raise ToolError("bad_request", f"{flag} is given twice, with two values ({_shown(first)} and "
                             f"{_shown(value)})", where="argv",
-                            fix=f"give {flag} once (a flag and its --no- form count as the same flag)")
+                            fix=f"give {flag} once (a switch and its negated form count as the same flag)")
         seen[key] = (count + 1, first)
         super().__setattr__(key, value)
 
