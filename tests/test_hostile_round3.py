@@ -39,6 +39,7 @@ from test_fuzz_schema import (
     SECRET,
     _prepared,
     _sandbox,
+    _snapshot,
     answer_problem,
     cap_memory,
     written_outside,
@@ -99,21 +100,6 @@ def _prepare(root: Path) -> Path:
     (root / "outside" / "mine.txt").write_text("a file of the user's\n")
     (root / "cache").mkdir()
     return work
-
-
-def _snapshot(*roots: Path) -> dict[str, tuple]:
-    """Every entry below roots: its kind and, for what is no folder, its size and modification time
-    (links not followed). A folder's own time is left out: a file made below an allowed path
-    changes the time of the folders above it."""
-    seen: dict[str, tuple] = {}
-    for top in roots:
-        for folder, dirs, names in os.walk(top):
-            for name in dirs + names:
-                path = os.path.join(folder, name)
-                st = os.lstat(path)
-                seen[path] = (st.st_mode,) if name in dirs and not os.path.islink(path) else (
-                    st.st_mode, st.st_size, st.st_mtime_ns)
-    return seen
 
 
 def _dry(case: Case, request: Any) -> bool:
@@ -668,7 +654,8 @@ def test_the_same_request_twice_at_once(tool, request_, allowed, tmp_path):
         return proc.returncode, _answer(proc.stdout), proc.stderr
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         results = list(pool.map(one, range(2)))
-    changed = sorted(p for p, v in _snapshot(*roots).items() if before.get(p) != v)
+    after = _snapshot(*roots)
+    changed = sorted(p for p in set(before) | set(after) if before.get(p) != after.get(p))
     problems = []
     for code, env_, err in results:
         if env_ is None or code != exit_code(env_) or b"Traceback" in err:
