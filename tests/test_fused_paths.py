@@ -241,6 +241,71 @@ def test_compiled_fp8_quantize_matches_eager_and_lays_out_the_transpose():
         assert torch.equal(q.float(), q0.float()) and torch.equal(q_t.float(), q0.float().t())
 
 
+def test_delayed_scaling_scales_by_the_previous_pass_and_saturates_beyond_it():
+    """TE's delayed recipe at history length 1: the first pass scales by its own maximum, each
+    later pass by the previous pass's, values beyond that saturate (no NaN), a zero maximum
+    scales by one, and each pass records its own maximum for the next."""
+    from megatron_skill.runtime.fp8_delayed import DelayedScaling, cast_transpose_amax
+    from megatron_skill.runtime.fp8_linear import E4M3, E5M2, MAX, quantize_with_transpose
+
+    torch.manual_seed(5)
+    x = torch.randn(64, 32, dtype=torch.bfloat16)
+    s = DelayedScaling()
+    q, q_t, scale = s.quantize(x, E4M3)
+    q0, _, scale0 = quantize_with_transpose(x, E4M3)
+    assert torch.equal(q.float(), q0.float()) and torch.equal(scale, scale0)
+    big = x * 4
+    q, q_t, scale = s.quantize(big, E4M3)
+    torch.testing.assert_close(scale, x.float().abs().amax() / MAX[E4M3])     # the previous pass's
+    assert not torch.isnan(q.float()).any() and q.float().abs().max() == MAX[E4M3]
+    assert (q.float().abs() == MAX[E4M3]).sum() > 1                           # saturated, not wrapped
+    assert torch.equal(q_t.float(), q.float().t()) and q_t.is_contiguous()
+    torch.testing.assert_close(s.amax, big.float().abs().amax())              # this pass's, for the next
+    q, _, scale = s.quantize(x, E4M3)
+    torch.testing.assert_close(scale, big.float().abs().amax() / MAX[E4M3])
+    zero = torch.zeros((), dtype=torch.float32)
+    _, _, scale, amax = cast_transpose_amax(x, zero, E5M2)
+    assert float(scale) == 1.0 and float(amax) == float(x.float().abs().max())
+    _, _, scale, _ = cast_transpose_amax(x, torch.tensor(float("inf")), E5M2)
+    assert float(scale) == 1.0
+
+
+def test_fp8_matmul_with_delayed_scaling_stays_linear_over_passes():
+    from megatron_skill.runtime.fp8_delayed import LayerScaling
+    from megatron_skill.runtime.fp8_linear import FP8Matmul
+
+    torch.manual_seed(6)
+    w0 = torch.randn(96, 128) * 0.05
+    scaling = LayerScaling()
+    for step in range(3):
+        x0 = torch.randn(64, 128) * (1 + 0.1 * step)
+        x1, w1 = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        y1 = x1 @ w1.t()
+        g = torch.randn_like(y1)
+        y1.backward(g)
+        x2, w2 = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        y2 = FP8Matmul.apply(x2, w2, scaling)
+        y2.backward(g)
+        assert _rel(y2, y1) < 0.05 and 0 < _rel(x2.grad, x1.grad) < 0.1 and _rel(w2.grad, w1.grad) < 0.1
+    assert scaling.x.amax is not None and scaling.g.amax is not None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the Triton kernel)")
+def test_delayed_scaling_kernel_matches_torch_on_cuda():
+    from megatron_skill.runtime import fp8_delayed
+    from megatron_skill.runtime.fp8_linear import E4M3, E5M2
+
+    torch.manual_seed(7)
+    for m, n in ((4096, 2048), (1000, 200)):
+        x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16) * 3
+        prev = x.float().abs().amax() * 0.5
+        for dtype in (E4M3, E5M2):
+            got = fp8_delayed._cast_transpose_amax_triton(x, prev, dtype)
+            want = fp8_delayed.cast_transpose_amax(x.cpu(), prev.cpu(), dtype)
+            for a, b in zip(got, want):
+                assert torch.equal(a.float().cpu(), b.float())
+
+
 def test_native_gqa_attention_matches_expanded_keys_and_values():
     """SDPA reading the shared key/value heads itself (enable_gqa) against the expansion."""
     from megatron.core.transformer.enums import AttnMaskType

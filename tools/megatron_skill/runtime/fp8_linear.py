@@ -14,6 +14,8 @@ asynchronous gradient all-reduce); elsewhere they are Megatron's own BF16 layers
 """
 from __future__ import annotations
 
+import os
+
 import torch
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
@@ -21,6 +23,9 @@ from . import compiled
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 MAX = {E4M3: 448.0, E5M2: 57344.0}
+# "delayed": each layer's input and output gradient scaled by their maximum of the previous pass
+# (runtime/fp8_delayed.py); an experiment, measured on one GPU model, so not a request option yet
+SCALING = os.environ.get("MEGATRON_SKILL_FP8_SCALING", "tensorwise")
 
 
 def quantize(t: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,21 +105,22 @@ class FP8Matmul(torch.autograd.Function):
     """y = x @ w.T with x [m, k], w [n, k]; FP8 forward and backward products."""
 
     @staticmethod
-    def forward(ctx, x, w):
-        xq, xq_t, sx = quantize_with_transpose(x, E4M3)
+    def forward(ctx, x, w, scaling=None):
+        """scaling: the layer's fp8_delayed.LayerScaling, or None for current scaling."""
+        xq, xq_t, sx = scaling.x.quantize(x, E4M3) if scaling else quantize_with_transpose(x, E4M3)
         wq, wq_t, sw = _quantized_weight(w)
         ctx.save_for_backward(xq_t, sx, wq_t, sw)
-        ctx.dtypes = (x.dtype, w.dtype)
+        ctx.dtypes, ctx.scaling = (x.dtype, w.dtype), scaling
         return scaled_mm(xq, sx, wq.t(), sw, x.dtype, fast_accum=True)   # wq.t(): column-major as is
 
     @staticmethod
     def backward(ctx, gy):
         xq_t, sx, wq_t, sw = ctx.saved_tensors
         x_dtype, w_dtype = ctx.dtypes
-        gq, gq_t, sg = quantize_with_transpose(gy, E5M2)
+        gq, gq_t, sg = ctx.scaling.g.quantize(gy, E5M2) if ctx.scaling else quantize_with_transpose(gy, E5M2)
         gx = scaled_mm(gq, sg, wq_t.t(), sw, x_dtype)            # [m, n] @ [n, k]
         gw = scaled_mm(gq_t, sg, xq_t.t(), sx, w_dtype)          # [n, m] @ [m, k]
-        return gx, gw
+        return gx, gw, None
 
 
 def _fp8_ok(x: torch.Tensor, w: torch.Tensor, kwargs: dict) -> bool:
@@ -127,21 +133,31 @@ def _fp8_ok(x: torch.Tensor, w: torch.Tensor, kwargs: dict) -> bool:
     return x.shape[-1] % 16 == 0 and w.shape[0] % 16 == 0 and x.numel() // x.shape[-1] % 16 == 0
 
 
-def _fp8_forward_impl(plain, input, weight, *args, **kwargs):
+def _layer_scaling(layer):
+    if SCALING != "delayed":
+        return None
+    if getattr(layer, "_fp8_scaling", None) is None:
+        from .fp8_delayed import LayerScaling
+        layer._fp8_scaling = LayerScaling()
+    return layer._fp8_scaling
+
+
+def _fp8_forward_impl(layer, plain, input, weight, *args, **kwargs):
     """Megatron's _forward_impl contract (it passes everything by keyword): FP8 when it can,
     else ``plain``, Megatron's own implementation."""
     bias = kwargs.get("bias", args[0] if args else None)
     if not _fp8_ok(input, weight, kwargs):
         return plain(input, weight, *args, **kwargs)
-    out = FP8Matmul.apply(input.reshape(-1, input.shape[-1]), weight).view(*input.shape[:-1], weight.shape[0])
+    x2d = input.reshape(-1, input.shape[-1])
+    out = FP8Matmul.apply(x2d, weight, _layer_scaling(layer)).view(*input.shape[:-1], weight.shape[0])
     return out + bias if bias is not None else out
 
 
 class FP8ColumnParallelLinear(ColumnParallelLinear):
     def _forward_impl(self, input, weight, *args, **kwargs):
-        return _fp8_forward_impl(super()._forward_impl, input, weight, *args, **kwargs)
+        return _fp8_forward_impl(self, super()._forward_impl, input, weight, *args, **kwargs)
 
 
 class FP8RowParallelLinear(RowParallelLinear):
     def _forward_impl(self, input, weight, *args, **kwargs):
-        return _fp8_forward_impl(super()._forward_impl, input, weight, *args, **kwargs)
+        return _fp8_forward_impl(self, super()._forward_impl, input, weight, *args, **kwargs)
