@@ -20,8 +20,14 @@ PRETRAINED_PLACEHOLDERS = ("/models/Llama-3.2-1B", "/models/Qwen3-8B", "runs/ckp
                            "runs/RUN_ID/checkpoints", "chats.jsonl", "runs/data/chats", "/data/chats")
 
 
-def code_blocks(path):
-    return re.findall(r"```[a-z]*\n(.*?)```", path.read_text(), flags=re.S)
+DATA_FENCES = ("json", "json5", "yaml", "toml")
+
+
+def code_blocks(path, data=False):
+    """The fenced blocks of a markdown file, whatever their language tag (json5 too, so a later
+    block is not read from a closing fence); data blocks (JSON, YAML) only when data is true."""
+    return [body for tag, body in re.findall(r"```([a-z0-9_+-]*)\n(.*?)```", path.read_text(), flags=re.S)
+            if data or tag not in DATA_FENCES]
 
 
 def commands(block):
@@ -220,7 +226,7 @@ def test_errors_of_the_past_do_not_come_back():
     """Flags that do not exist or are obsolete appear only as 'replaced by' mentions, never in code."""
     bad = ["--fp8-hybrid", "--cpu-optimizer-type", "--use-flash-attn", "--use-mcore-models"]
     for doc in DOCS:
-        for block in code_blocks(doc):
+        for block in code_blocks(doc, data=True):
             for flag in bad:
                 assert flag not in block, f"{doc.name} uses {flag} in a code block"
         text = doc.read_text()
