@@ -42,7 +42,7 @@ mods = ("megatron.core", "torch", "numpy", "jinja2", "jsonschema", "pytest", "xd
         "sentencepiece", "skills_ref", "skillsaw", "ruff")
 sys.exit(0 if all(importlib.util.find_spec(m) for m in mods) else 1)
 PY
-  [ -x .venv/bin/shellcheck ]
+  [ -x .venv/bin/shellcheck ] && [ -x .venv/bin/shfmt ]
 }
 if ! have_all 2>/dev/null; then
   say "[2/3] installing torch (PyPI's CUDA build, which also runs on CPU), megatron-core 0.19 and the test tools:"
