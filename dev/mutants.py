@@ -108,7 +108,7 @@ MUTANTS = [
      "tests": ["tests/test_rules.py::test_a_qk_norm_model_is_never_planned_onto_sequence_parallel_local_layers"]},
     # ---- the script reader (adapter/shell.py)
     {"id": "shell-colon-default", "area": "script reader", "file": PKG + "adapter/shell.py",
-     "original": 'is_set = value is not None and not (colon and value == "")',
+     "original": 'is_set = value is not None and not (op.startswith(":") and value == "")',
      "replacement": "is_set = value is not None",
      "why": "${V:-w} takes w when V is empty too (${V-w} only when V is unset)",
      "tests": [GUARDS + "::test_the_reader_expands_defaults_as_bash_does"]},
@@ -123,7 +123,7 @@ MUTANTS = [
      "why": "V+=text appends to a string variable; the mutant drops what the script set before",
      "tests": [GUARDS + "::test_the_reader_appends_to_strings_and_counts_as_bash_does"]},
     {"id": "shell-decrement", "area": "script reader", "file": PKG + "adapter/shell.py",
-     "original": 'new = old + (1 if "++" in expr else -1)',
+     "original": 'new = old + (1 if op == "++" else -1)',
      "replacement": "new = old + 1",
      "why": "(( N-- )) counts down",
      "tests": [GUARDS + "::test_the_reader_appends_to_strings_and_counts_as_bash_does"]},

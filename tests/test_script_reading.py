@@ -2,6 +2,7 @@
 in fixtures of our own (arrays of quoted pairs, if/else on FP8, an entry in a variable, bash -c
 strings, heredocs to sbatch, sourced configuration, functions), read the way bash reads them and
 never run."""
+import json
 import os
 import subprocess
 import sys
@@ -329,3 +330,62 @@ def test_a_command_string_with_a_variable_left_to_the_caller_still_launches():
     vectors = [la.args for p in reading.paths for la in p.launches]
     assert ["--num-layers", "2"] in vectors and ["--num-layers", "2", "--num-layers", "4"] not in vectors
     assert len(reading.paths) == 2   # COPY is as unknown as what it copies: both ways
+
+
+# ---- the parser under the reader: shfmt's syntax tree
+
+def test_an_array_item_that_starts_with_a_bracket_is_one_word_as_bash_reads_it():
+    # NVIDIA's DeepSeek-V3 example (examples/megatron_fsdp/sbatch_mfsdp_deepseek_v3.sh): shfmt alone
+    # refuses `[0]*3+[1]*58` in an array ("`[x]` must be followed by `=`"); bash takes it as a word.
+    text = """
+    MOE_ARGS=(
+        --num-experts 256
+        --moe-layer-freq [0]*3+[1]*58
+        --moe-router-topk 8
+    )
+    torchrun --nproc-per-node 8 pretrain_gpt.py ${MOE_ARGS[@]} --seq-length 4096
+    """
+    assert _args(text) == [["--num-experts", "256", "--moe-layer-freq", "[0]*3+[1]*58", "--moe-router-topk", "8",
+                            "--seq-length", "4096"]]
+    # An index written as bash writes one still is one.
+    assert _args("A=([1]=--bf16 [0]=--fp16)\npython pretrain_gpt.py \"${A[@]}\"\n") == [["--fp16", "--bf16"]]
+
+
+def test_a_heredoc_with_more_on_its_line_is_read(tmp_path):
+    # render writes `if ! python - <<'PY'; then` (the TE check); bash reads the heredoc's body from the
+    # next line and goes on with `; then` on the first.
+    text = """
+    if ! python - <<'PY' 2>/dev/null; then
+    import transformer_engine
+    PY
+        echo "Transformer Engine does not import"; exit 1
+    fi
+    torchrun --nproc-per-node 8 pretrain_gpt.py --transformer-impl transformer_engine
+    """
+    reading = shell.read(textwrap.dedent(text))
+    assert [p.ended for p in reading.paths] == ["exit at line 5", None]
+    assert reading.paths[1].launches[0].args == ["--transformer-impl", "transformer_engine"]
+    assert reading.paths[1].launches[0].where == "line 7"
+    assert reading.paths[0].choices == ["if at line 2: `! python - <<'PY' 2>/dev/null` true"]
+
+
+def test_shell_syntax_errors_name_their_line_and_an_oversized_text_is_refused():
+    with pytest.raises(shell.ShellSyntax) as e:
+        shell.read("python pretrain_gpt.py \\\n  --save '/x\n")
+    assert e.value.line == 2
+    with pytest.raises(shell.ScriptTooLarge):
+        shell.read("echo " + "a " * shell.MAX_PARSE_BYTES)
+    res = call("validate", {"script_text": "python pretrain_gpt.py --num-layers 2 " + "#" * shell.MAX_PARSE_BYTES})
+    assert not res["ok"] and res["error"]["code"] == "invalid_script", res
+    assert "kilobytes" in res["error"]["message"]
+
+
+def test_without_shfmt_validate_answers_one_json_environment_error(tmp_path):
+    script = tmp_path / "launch.sh"
+    script.write_text("torchrun --nproc-per-node 8 pretrain_gpt.py --num-layers 2\n")
+    env = {**os.environ, shell.SHFMT_ENV: str(tmp_path / "no-such-shfmt")}
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "launch.py"), "validate", "--script", str(script)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    answer = json.loads(proc.stdout)
+    assert proc.returncode == 5 and answer["error"]["code"] == "environment", (proc.returncode, proc.stdout)
+    assert "pip install shfmt-py" in answer["error"]["fix"] and "Traceback" not in proc.stderr

@@ -1,42 +1,68 @@
 """Bash as launch scripts are written, read and never run.
 
 A launch script is data to us: which Python entry it starts, with which words, under which
-launcher and environment.  This module reads the subset of bash those scripts use the way
-bash itself would: quoting (an array item "--fp8-format hybrid" stays one word when quoted
-as "${A[@]}" and splits when unquoted), parameter expansion (${V:-x}, ${V:=x}, ${V:+x},
-${V#p}, ${V%p}, ${V/p/r}, ${#V}, ${A[i]}), $((arithmetic)), if/elif/else, case, for, while,
-functions with their positional parameters, `source` of files next to the script, heredocs
-(a body fed to bash or sbatch, or written with cat to a file run later), and `bash -c`
-strings.
+launcher and environment.  This module reads the scripts the way bash itself would: quoting
+(an array item "--fp8-format hybrid" stays one word when quoted as "${A[@]}" and splits when
+unquoted), parameter expansion (${V:-x}, ${V:=x}, ${V:+x}, ${V#p}, ${V%p}, ${V/p/r}, ${#V},
+${A[i]}), $((arithmetic)), if/elif/else, case, for, while, functions with their positional
+parameters, `source` of files next to the script, heredocs (a body fed to bash or sbatch, or
+written with cat to a file run later), and `bash -c` strings.
 
 Nothing is executed.  A command substitution other than a few pure ones (echo, dirname,
 basename, pwd) has an unknown value; a condition that depends on an unknown value or on the
 machine (`[ -f x ]`, `python -c 'import te'`) is not decided: both ways are followed, and
 each path through the script says which way it went at which line.
 
-Why the lexer and parser are our own (measured 2026-12, on the 327 scripts the tests read and
-NVIDIA's Megatron-LM examples): tree-sitter-bash 0.25.1 turns `if ! cmd <<'X'; then` (a heredoc
-with more on its line, an open upstream bug) into an error node, and render's own scripts are
-written so; as the front end of this evaluation it made 12 tests fail, for 1,517 lines. shfmt
-3.14 refuses an array item that starts with `[` (the DeepSeek-V3 example's
-`--moe-layer-freq [0]*3+[1]*58`) and costs a process, about 20 ms, per parse; bashlex reads no
-arrays.
+The parsing is shfmt's (mvdan/sh, the `shfmt` binary of the PyPI package shfmt-py, MIT/BSD):
+`shfmt --to-json -ln bash` gives its typed syntax tree (Stmt, CallExpr, IfClause, ...; words as
+Lit, SglQuoted, DblQuoted, ParamExp, CmdSubst and ArithmExp parts; arithmetic and [[ ]] tests
+already parsed), and this module evaluates that tree: no text is scanned again for `$`, quotes or
+braces.  It replaced a lexer and recursive-descent parser of our own (2026-12), measured with
+dev/compare_shell_reader.py on 203 distinct scripts (112 of NVIDIA Megatron-LM's examples at
+core_v0.19.0, 82 that the reader's tests hand it, 8 that render writes, the test fixture): 184
+read the same (launches, words, lines, environment, path labels, notes); 17 are scripts bash
+cannot parse either, refused at the same line in shfmt's words; in 2 (NVIDIA's nemotron-nano-vl
+scripts, whose `sh -c` string does not parse) the old reader had left the nested string's name
+on the labels of the lines after it.  The module went from 1,576 lines to about 1,300.  A shfmt
+process costs 9 ms for the median script (1.5 KB) and 24 ms for the largest (19 KB); a text
+is parsed once per read, so the corpus's 203 reads ran 310 processes in 4.5 s (the old reader:
+1.0 s).  shfmt's JSON is about 350 times the text and the parse of a 1 MiB script took 22-50 s
+and 3.4 GB: one text is parsed up to MAX_PARSE_BYTES (128 KiB: 3-4 s, 360 MB), one read up
+to MAX_READ_BYTES and MAX_PARSES texts.
+
+Other parsers were measured first.  tree-sitter-bash 0.25.1 turns `if ! cmd <<'X'; then` (a
+heredoc with more on its line, which render writes) into an error node; bashlex reads no arrays
+and is GPL.  shfmt 3.14 refuses an unquoted array item that starts with `[` (NVIDIA's DeepSeek-V3
+`--moe-layer-freq [0]*3+[1]*58`): parse() works around that one gap (see there).
 """
 from __future__ import annotations
 
-import ast
 import dataclasses
 import fnmatch
+import json
 import operator
+import os
 import re
+import shutil
+import subprocess
+import sys
+import sysconfig
 from pathlib import Path
 from typing import Any, Callable
+
+from ..errors import ToolError
 
 MAX_PATHS = 16          # paths through undecided conditions; beyond, the first way is taken
 MAX_STEPS = 50_000      # commands evaluated in all; a script that loops further is cut short
 MAX_DEPTH = 8           # nesting of source, functions, bash -c and heredoc scripts
 MAX_LOOP = 256          # iterations of one loop
 MAX_FILE_BYTES = 1 << 20
+MAX_PARSE_BYTES = 128 << 10   # one text given to shfmt (a launch script is kilobytes)
+MAX_READ_BYTES = 512 << 10    # all the texts one read parses (sourced files, heredocs, bash -c)
+MAX_PARSES = 256              # distinct texts one read parses (a shfmt process each)
+MAX_BRACKET_RETRIES = 64
+SHFMT_TIMEOUT_S = 120
+SHFMT_ENV = "MEGATRON_SKILL_SHFMT"   # the shfmt binary to use instead of the one found
 
 
 class ShellSyntax(Exception):
@@ -45,433 +71,96 @@ class ShellSyntax(Exception):
         self.line = line
 
 
-# ---------------------------------------------------------------- lexer
-
-@dataclasses.dataclass
-class Tok:
-    kind: str            # "w" word, "op" operator, "nl" newline, "arith" ((...)), "hd" heredoc body
-    text: str
-    line: int
-    heredoc: list | None = None   # for "hd": [body, quoted], filled when the body is read
+class ScriptTooLarge(ShellSyntax):
+    """A text longer than the reader parses."""
 
 
-OPS = (";;&", "<<<", "<<-", "&>>", ";;", ";&", "&&", "||", "|&", "<<", ">>", ">|", ">&", "<&", "<>", "&>",
-       ";", "&", "|", "(", ")", "<", ">")
-META = set(" \t\n;&|()<>")
-ASSIGN_HEAD = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\[[^\]]*\])?\+?=")
-REDIRECTS = {"<", ">", ">>", ">|", "<>", "&>", "&>>", ">&", "<&", "<<<"}
+# ---------------------------------------------------------------- front end: shfmt's syntax tree
+
+def shfmt_binary() -> str:
+    """The shfmt binary: $MEGATRON_SKILL_SHFMT if set, else the one shfmt-py installed beside this
+    interpreter, else the first on PATH."""
+    override = os.environ.get(SHFMT_ENV)
+    found = [override] if override is not None else [
+        os.path.join(sysconfig.get_path("scripts"), "shfmt"), os.path.join(os.path.dirname(sys.executable), "shfmt"),
+        shutil.which("shfmt")]
+    for path in found:
+        if path and os.path.isfile(path) and os.access(path, os.X_OK):
+            return path
+    raise ToolError("environment", "reading a shell script needs the shfmt parser, and none is installed"
+                    + (f" ({SHFMT_ENV}={override} is not an executable file)" if override is not None else ""),
+                    fix="pip install shfmt-py (tools/setup.sh installs it with the skill)")
 
 
-def lex(text: str) -> list[Tok]:
-    toks: list[Tok] = []
-    i, n, line = 0, len(text), 1
-    pending: list[tuple[str, bool, bool, Tok]] = []   # heredocs whose bodies start at the next line
-    while i < n:
-        c = text[i]
-        if c in " \t\r":
-            i += 1
-        elif c == "\\" and text.startswith("\\\n", i):
-            i, line = i + 2, line + 1
-        elif c == "\n":
-            toks.append(Tok("nl", "\n", line))
-            i, line = i + 1, line + 1
-            if pending:
-                i, line = _read_heredocs(text, i, line, pending)
-                pending = []
-        elif c == "#":
-            while i < n and text[i] != "\n":
-                i += 1
-        elif text.startswith("((", i):
-            j = _closing(text, i + 1, line)
-            if text.startswith("))", j - 1):
-                toks.append(Tok("arith", text[i + 2:j - 1], line))
-                line += text.count("\n", i, j + 1)
-                i = j + 1
-            else:  # "( (" written together: two subshells
-                toks.append(Tok("op", "(", line))
-                i += 1
-        elif c in "<>&|;()":
-            op = next(o for o in OPS if text.startswith(o, i))
-            i += len(op)
-            if op in ("<<", "<<-"):
-                while i < n and text[i] in " \t":
-                    i += 1
-                j, _ = _word_end(text, i, line)
-                raw = text[i:j]
-                i = j
-                delim = _unquote_delimiter(raw)
-                tok = Tok("hd", delim, line, heredoc=["", raw != delim])
-                toks.append(tok)
-                pending.append((delim, raw != delim, op == "<<-", tok))
-            else:
-                toks.append(Tok("op", op, line))
-        else:
-            j, nl = _word_end(text, i, line)
-            word = text[i:j]
-            if j < n and text[j] in "<>" and word.isdigit():
-                toks.append(Tok("op", "io", line))   # 2>&1: the number belongs to the redirection
-            else:
-                toks.append(Tok("w", word, line))
-            line += nl
-            i = j
-    if pending:  # a heredoc without its body: the script ends first
-        for _, _, _, tok in pending:
-            tok.heredoc[0] = ""
-    return toks
+_ERROR = re.compile(r"^(?:<standard input>:)?(\d+):(\d+): (.*)$")
+_RAW_TYPES = {None, "Word", "ParamExp", "CmdSubst", "ArithmExp", "ProcSubst", "ExtGlob"}
 
 
-def _unquote_delimiter(raw: str) -> str:
-    return raw.replace("'", "").replace('"', "").replace("\\", "")
+def _hook(data: bytes) -> Callable[[dict], Any]:
+    """json object_hook: positions become the node's line ("Pos"); words and expansions keep the
+    text they were written as ("Raw"), for labels and for values left as written."""
+    def hook(d: dict) -> Any:
+        if "Offset" in d and "Line" in d and "Col" in d:
+            return (d["Line"], d["Offset"])
+        out = {k: v for k, v in d.items() if not isinstance(v, tuple)}
+        pos, end, kind = d.get("Pos"), d.get("End"), d.get("Type")
+        if isinstance(pos, tuple):
+            out["Pos"] = pos[0]
+            if isinstance(end, tuple) and kind in _RAW_TYPES and (kind is not None or "Parts" in d):
+                out["Raw"] = data[pos[1]:end[1]].decode("utf-8", errors="replace")
+        if isinstance(d.get("InPos"), tuple) and d["InPos"][0]:
+            out["InPos"] = True
+        return out
+    return hook
 
 
-def _read_heredocs(text: str, i: int, line: int, pending: list) -> tuple[int, int]:
-    for delim, _quoted, strip_tabs, tok in pending:
-        body = []
-        while i < len(text):
-            j = text.find("\n", i)
-            j = len(text) if j < 0 else j
-            raw = text[i:j]
-            i, line = j + 1, line + 1
-            check = raw.lstrip("\t") if strip_tabs else raw
-            if check.rstrip("\r") == delim:
-                break
-            body.append(check)
-        tok.heredoc[0] = "\n".join(body) + "\n"
-    return i, line
-
-
-def _word_end(text: str, i: int, line: int) -> tuple[int, int]:
-    """End of the word at i, and the newlines inside it. Quotes, $(...), ${...} and `...`
-    may hold metacharacters; NAME=( ... ) takes its whole parenthesised list."""
-    n, start, nl = len(text), i, 0
-    while i < n:
-        c = text[i]
-        if c in META:
-            if c == "(" and ASSIGN_HEAD.fullmatch(text[start:i]):
-                j = _closing(text, i, line)
-                nl += text.count("\n", i, j)
-                i = j + 1
+def parse(text: str) -> dict:
+    """shfmt's File node for a bash text; ShellSyntax where shfmt (and bash) cannot parse it."""
+    data = text.replace("\r\n", "\n").encode("utf-8", errors="replace")
+    if len(data) > MAX_PARSE_BYTES:
+        raise ScriptTooLarge(f"the text is {len(data):,} bytes; the reader parses at most {MAX_PARSE_BYTES:,} "
+                             "(a launch script is kilobytes)", 1)
+    for _ in range(MAX_BRACKET_RETRIES + 1):
+        try:
+            proc = subprocess.run([shfmt_binary(), "--to-json", "-ln", "bash"], input=data, capture_output=True,
+                                  timeout=SHFMT_TIMEOUT_S)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise ToolError("environment", f"the shfmt parser did not answer: {e}",
+                            fix="pip install --force-reinstall shfmt-py") from None
+        if proc.returncode == 0:
+            return json.loads(proc.stdout, object_hook=_hook(data))
+        err = proc.stderr.decode("utf-8", errors="replace").strip()
+        m = _ERROR.match(err.splitlines()[0] if err else "")
+        if m is None:
+            raise ToolError("environment", f"the shfmt parser failed: {err[:300] or 'no message'}",
+                            fix="pip install --force-reinstall shfmt-py")
+        line, col, message = int(m.group(1)), int(m.group(2)), m.group(3)
+        # shfmt 3.14 reads an unquoted array item that starts with `[` as an index (`[0]*3+[1]*58` in
+        # NVIDIA's DeepSeek-V3 example) and refuses it without the `=`; bash takes it as a word. A
+        # backslash before that `[` gives the same word's value to a reader that never globs, and
+        # moves no line.
+        if message.startswith("`[x]` must be followed by `=`"):
+            start = sum(len(x) for x in data.split(b"\n")[:line - 1]) + line - 1
+            at = start + col - 1
+            if data[at:at + 1] == b"[":
+                data = data[:at] + b"\\" + data[at:]
                 continue
-            break
-        if c == "\\":
-            if text.startswith("\\\n", i):
-                nl += 1
-            i += 2
-        elif c in "'\"`" or c == "$" and i + 1 < n and text[i + 1] in "({":
-            if c == '"':
-                j = _dquote_end(text, i + 1, line + nl)
-            elif c == "$":
-                j = _closing(text, i + 1, line + nl)
-            elif (j := text.find(c, i + 1)) < 0:
-                raise ShellSyntax(("a single quote" if c == "'" else "a backquote") + " is never closed", line + nl)
-            nl += text.count("\n", i, j)
-            i = j + 1
-        else:
-            i += 1
-    return i, nl
+        raise ShellSyntax(message, line)
+    raise ShellSyntax("too many array items that start with '['", 1)
 
 
-def _dquote_end(text: str, i: int, line: int) -> int:
-    n = len(text)
-    while i < n:
-        c = text[i]
-        if c == "\\":
-            i += 2
-        elif c == '"':
-            return i
-        elif c == "$" and i + 1 < n and text[i + 1] in "({":
-            i = _closing(text, i + 1, line) + 1
-        elif c == "`":
-            j = text.find("`", i + 1)
-            i = (j if j >= 0 else n) + 1
-        else:
-            i += 1
-    raise ShellSyntax("a double quote is never closed", line)
+def _parts(word: dict | None) -> list[dict]:
+    return (word or {}).get("Parts") or []
 
 
-def _closing(text: str, i: int, line: int) -> int:
-    """Index of the ")" or "}" closing the "(" or "{" at i: a parenthesis across quotes and
-    comments; a ${ by its braces alone (quotes inside ${...} are rare)."""
-    opening = text[i]
-    parens = opening == "("
-    closing = ")" if parens else "}"
-    depth, n = 0, len(text)
-    while i < n:
-        c = text[i]
-        if c == opening:
-            depth += 1
-        elif c == closing:
-            depth -= 1
-            if depth == 0:
-                return i
-        elif c == "\\":
-            i += 1
-        elif parens and c == "'":
-            j = text.find("'", i + 1)
-            i = (j if j >= 0 else n)
-        elif parens and c == '"':
-            i = _dquote_end(text, i + 1, line)
-        elif parens and c == "#" and (i == 0 or text[i - 1] in " \t\n("):
-            j = text.find("\n", i)
-            i = (j if j >= 0 else n) - 1
-        i += 1
-    raise ShellSyntax("a parenthesis is never closed" if parens else "a ${ is never closed", line)
+def _unescape(text: str, escapable: str | None) -> str:
+    """A literal's backslashes: unquoted (escapable None) each escapes the next character; in double
+    quotes and heredocs only those of `escapable`. A backslash-newline is removed."""
+    return re.sub(r"\\(.)" if escapable is None else r"\\([" + re.escape(escapable) + "\n])",
+                  lambda m: "" if m.group(1) == "\n" else m.group(1), text, flags=re.S)
 
 
-# ---------------------------------------------------------------- parser
-
-@dataclasses.dataclass
-class Cmd:
-    words: list[Tok]
-    assigns: list[Tok]
-    redirs: list[tuple[str, Tok]]
-    line: int
-
-
-@dataclasses.dataclass
-class Node:
-    kind: str                 # seq, andor, pipe, if, case, for, while, group, subshell, func, cond, arith, not
-    line: int
-    parts: list = dataclasses.field(default_factory=list)
-    text: str = ""
-
-
-RESERVED_END = {"then", "elif", "else", "fi", "do", "done", "esac", "}"}
-
-
-class Parser:
-    def __init__(self, toks: list[Tok]):
-        self.t, self.i = toks, 0
-
-    def peek(self) -> Tok | None:
-        return self.t[self.i] if self.i < len(self.t) else None
-
-    def word_is(self, *words: str) -> bool:
-        tok = self.peek()
-        return tok is not None and tok.kind == "w" and tok.text in words
-
-    def op_is(self, *ops: str) -> bool:
-        tok = self.peek()
-        return tok is not None and tok.kind == "op" and tok.text in ops
-
-    def accept(self, *texts: str) -> bool:
-        """Take the next token if it is one of these words or operators."""
-        if self.word_is(*texts) or self.op_is(*texts):
-            self.take()
-            return True
-        return False
-
-    def take(self) -> Tok:
-        tok = self.t[self.i]
-        self.i += 1
-        return tok
-
-    def expect_word(self, word: str, opened: Tok | int) -> None:
-        if not self.word_is(word):
-            line = opened if isinstance(opened, int) else opened.line
-            raise ShellSyntax(f"expected '{word}' for the construct opened at line {line}", line)
-        self.take()
-
-    def skip_newlines(self, ops: tuple = (";",)) -> None:
-        while self.peek() is not None and (self.peek().kind == "nl" or self.op_is(*ops)):
-            self.take()
-
-    def take_word(self, message: str, line: int) -> Tok:
-        if self.peek() is None or self.peek().kind != "w":
-            raise ShellSyntax(message, line)
-        return self.take()
-
-    def parse_list(self, stop_words: frozenset = frozenset(), stop_ops: tuple = ()) -> Node:
-        seq = Node("seq", self.peek().line if self.peek() else 0)
-        while True:
-            self.skip_newlines((";", "&"))
-            tok = self.peek()
-            if tok is None or (tok.kind == "w" and tok.text in stop_words) or (tok.kind == "op" and tok.text in stop_ops):
-                return seq
-            if tok.kind == "op" and tok.text in (")", ";;", ";&", ";;&"):
-                raise ShellSyntax(f"unexpected '{tok.text}'", tok.line)
-            if tok.kind == "w" and tok.text in RESERVED_END:
-                raise ShellSyntax(f"unexpected '{tok.text}'", tok.line)
-            seq.parts.append(self.parse_andor())
-
-    def parse_andor(self) -> Node:
-        node = Node("andor", self.peek().line, [(None, self.parse_pipe())])
-        while self.op_is("&&", "||"):
-            op = self.take().text
-            self.skip_newlines(())
-            node.parts.append((op, self.parse_pipe()))
-        return node
-
-    def parse_pipe(self) -> Node:
-        negate = self.accept("!")
-        node = Node("pipe", self.peek().line if self.peek() else 0, [self.parse_command()])
-        while self.accept("|", "|&"):
-            self.skip_newlines(())
-            node.parts.append(self.parse_command())
-        return Node("not", node.line, [node]) if negate else node
-
-    def parse_command(self) -> Any:
-        tok = self.peek()
-        if tok is None:
-            raise ShellSyntax("a command is missing at the end of the script", self.t[-1].line if self.t else 0)
-        if tok.kind == "arith":
-            self.take()
-            return self._redirected(Node("arith", tok.line, text=tok.text))
-        if tok.kind == "op" and tok.text == "(":
-            self.take()
-            body = self.parse_list(stop_ops=(")",))
-            if not self.accept(")"):
-                raise ShellSyntax("a subshell '(' is never closed", tok.line)
-            return self._redirected(Node("subshell", tok.line, [body]))
-        if tok.kind == "w":
-            compound = {"if": self.parse_if, "case": self.parse_case, "for": self.parse_for,
-                        "while": self.parse_while, "until": self.parse_while, "{": self.parse_group,
-                        "function": self.parse_function, "[[": self.parse_cond, "select": self.parse_for}
-            if tok.text in compound:
-                return compound[tok.text]()
-            nxt = self.t[self.i + 1] if self.i + 1 < len(self.t) else None
-            after = self.t[self.i + 2] if self.i + 2 < len(self.t) else None
-            if nxt and after and nxt.kind == "op" and nxt.text == "(" and after.kind == "op" and after.text == ")" \
-                    and re.fullmatch(r"[A-Za-z_][\w:.-]*", tok.text):
-                self.i += 3
-                self.skip_newlines()
-                return Node("func", tok.line, [self.parse_command()], text=tok.text)
-        return self.parse_simple()
-
-    def _redirected(self, node: Any) -> Any:
-        while self.peek() is not None and (self.op_is(*REDIRECTS, "io") or self.peek().kind == "hd"):
-            tok = self.take()
-            if tok.kind == "op" and tok.text != "io" and self.peek() is not None and self.peek().kind == "w":
-                self.take()   # the redirection's target
-        return node
-
-    def parse_simple(self) -> Cmd:
-        start = self.peek()
-        cmd = Cmd([], [], [], start.line)
-        while True:
-            tok = self.peek()
-            if tok is None or tok.kind in ("nl", "arith"):
-                break
-            if tok.kind == "hd":
-                cmd.redirs.append(("<<", self.take()))
-            elif tok.kind == "op":
-                if tok.text == "io":
-                    self.take()
-                    continue
-                if tok.text not in REDIRECTS:
-                    break
-                op = self.take().text
-                cmd.redirs.append((op, self.take_word(f"a redirection '{op}' has no target", tok.line)))
-            else:
-                if not cmd.words and ASSIGN_HEAD.match(tok.text):
-                    cmd.assigns.append(self.take())
-                elif cmd.words or tok.text not in RESERVED_END:
-                    cmd.words.append(self.take())
-                else:
-                    break
-        if not (cmd.words or cmd.assigns or cmd.redirs):
-            raise ShellSyntax(f"unexpected '{start.text.strip()}'", start.line)
-        return cmd
-
-    def parse_if(self) -> Node:
-        opened = self.take()
-        node = Node("if", opened.line)
-        while True:
-            cond = self.parse_list(frozenset({"then"}))
-            self.expect_word("then", opened)
-            body = self.parse_list(frozenset({"elif", "else", "fi"}))
-            node.parts.append((cond, body))
-            if self.accept("elif"):
-                continue
-            if self.accept("else"):
-                node.parts.append((None, self.parse_list(frozenset({"fi"}))))
-            self.expect_word("fi", opened)
-            return self._redirected(node)
-
-    def parse_case(self) -> Node:
-        opened = self.take()
-        word = self.take_word("case without a word", opened.line)
-        self.skip_newlines()
-        self.expect_word("in", opened)
-        node = Node("case", opened.line, text=word.text)
-        node.parts.append(word)
-        items = []
-        while True:
-            self.skip_newlines()
-            if self.accept("esac"):
-                break
-            self.accept("(")
-            patterns = [self.take_word("a case pattern is missing", opened.line)]
-            while self.accept("|"):
-                patterns.append(self.take_word("a case pattern is missing", opened.line))
-            if not self.accept(")"):
-                raise ShellSyntax("a case pattern needs ')'", patterns[-1].line)
-            body = self.parse_list(frozenset({"esac"}), (";;", ";&", ";;&"))
-            items.append((patterns, body))
-            self.accept(";;", ";&", ";;&")
-        node.parts.append(items)
-        return self._redirected(node)
-
-    def parse_for(self) -> Node:
-        opened = self.take()
-        tok = self.peek()
-        if tok is not None and tok.kind == "arith":  # for ((i=0; i<n; i++))
-            self.take()
-            self.skip_newlines()
-            return self._redirected(Node("for", opened.line, [None, None, self.do_group(opened)], text=tok.text))
-        name = self.take_word("for without a variable", opened.line).text
-        words = None
-        self.skip_newlines(())
-        if self.accept("in"):
-            words = []
-            while self.peek() is not None and self.peek().kind == "w":
-                words.append(self.take())
-        self.skip_newlines()
-        return self._redirected(Node("for", opened.line, [name, words, self.do_group(opened)]))
-
-    def do_group(self, opened: Tok) -> Node:
-        self.expect_word("do", opened)
-        body = self.parse_list(frozenset({"done"}))
-        self.expect_word("done", opened)
-        return body
-
-    def parse_while(self) -> Node:
-        opened = self.take()
-        cond = self.parse_list(frozenset({"do"}))
-        return self._redirected(Node("while", opened.line, [cond, self.do_group(opened)], text=opened.text))
-
-    def parse_group(self) -> Node:
-        opened = self.take()
-        body = self.parse_list(frozenset({"}"}))
-        self.expect_word("}", opened)
-        return self._redirected(Node("group", opened.line, [body]))
-
-    def parse_function(self) -> Node:
-        opened = self.take()
-        name = self.take_word("function without a name", opened.line).text
-        if self.accept("(") and not self.accept(")"):
-            raise ShellSyntax("function name() needs ')'", opened.line)
-        self.skip_newlines()
-        return Node("func", opened.line, [self.parse_command()], text=name)
-
-    def parse_cond(self) -> Node:
-        opened = self.take()
-        toks = []
-        while not self.word_is("]]"):
-            if self.peek() is None or self.peek().kind == "nl":
-                raise ShellSyntax("[[ is never closed with ]]", opened.line)
-            toks.append(self.take())
-        self.take()
-        return self._redirected(Node("cond", opened.line, toks))
-
-
-def parse(text: str) -> Node:
-    p = Parser(lex(text))
-    node = p.parse_list()
-    if p.peek() is not None:
-        tok = p.peek()
-        raise ShellSyntax(f"unexpected '{tok.text}'", tok.line)
-    return node
+_C_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "a": "\a", "b": "\b", "e": "\x1b", "f": "\f", "v": "\v"}
 
 
 # ---------------------------------------------------------------- evaluation
@@ -504,7 +193,7 @@ class Path_:
     """One way through the script: its variables, what it launched, which way it went."""
     vars: dict[str, Any]
     exported: set
-    funcs: dict[str, Node]
+    funcs: dict[str, dict]           # function bodies: shfmt Stmt nodes
     positional: tuple | None         # None: the script's own arguments, unknown here
     files: dict[str, str]            # files written by heredocs (cat > f <<EOF)
     sbatch: dict[str, str]
@@ -536,7 +225,9 @@ class Reading:
 
 
 SBATCH = re.compile(r"^#SBATCH\s+(--?[A-Za-z][\w-]*)(?:[= ]\s*(\S+))?", re.M)
+ASSIGN_HEAD = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\[[^\]]*\])?\+?=")
 SHELLS = {"bash", "sh", "zsh", "dash"}
+DECLARE = {"export", "declare", "typeset", "local", "readonly"}
 WRAPPERS = {"env", "exec", "time", "nohup", "command", "builtin", "stdbuf", "nice", "ionice", "numactl", "taskset",
             "timeout", "xargs", "apptainer", "singularity"}
 # Commands that name a *.py without starting it.
@@ -545,9 +236,49 @@ NOT_LAUNCHERS = {"echo", "printf", "cat", "ls", "cp", "mv", "rm", "mkdir", "touc
                  "du", "wc", "sort", "cut", "ln", "scp", "rsync", "sha256sum", "md5sum", "file", "stat", "diff",
                  "patch", "tar", "unzip", "which", "type", "realpath", "readlink", "dirname", "basename", "vim", "less"}
 PURE_SUBST = {"echo", "dirname", "basename", "pwd", "printf", "realpath", "readlink", "cd", "true"}
+LIMIT = 1 << 63
 
 
-_PLAIN = re.compile(r"[^\\$`]+|\\")   # a run of text with no expansion in it, or a backslash kept
+class _Fields:
+    """The fields a word becomes, built part by part as bash splits them."""
+
+    def __init__(self, split: bool):
+        self.split, self.fields, self.cur, self.have, self.unknown = split, [], [], False, False
+
+    def literal(self, text: str) -> None:
+        self.cur.append(text)
+        self.have = True
+
+    def text(self, text: str) -> None:   # an unquoted expansion's value: split at blanks
+        if not self.split:
+            return self.literal(text)
+        for k, part in enumerate(re.split(r"[ \t\n]+", text)):
+            if k > 0:
+                self.end_field()
+            if part:
+                self.literal(part)
+
+    def end_field(self) -> None:
+        if self.have or self.cur:
+            self.fields.append("".join(self.cur))
+        self.cur, self.have = [], False
+
+    def items(self, items: tuple, quoted: bool) -> None:
+        for k, item in enumerate(items):
+            if k > 0 and not self.split:
+                self.cur.append(" ")
+            elif k > 0 and quoted:
+                self.fields.append("".join(self.cur))
+                self.cur, self.have = [], False
+            if quoted or not self.split:
+                self.literal(item)
+            else:
+                self.text((" " if k > 0 else "") + item)
+
+    def done(self) -> list[str]:
+        if self.have or self.cur:
+            self.fields.append("".join(self.cur))
+        return self.fields
 
 
 class Reader:
@@ -563,12 +294,32 @@ class Reader:
         self.where_file = ""
         self.src: list[str] = []
         self._current: Path_ | None = None
+        self._trees: dict[str, dict | ShellSyntax] = {}
+        self._parsed = 0
+        self._arith_depth = 0
 
     def note(self, text: str) -> None:
         if text not in self.notes:
             self.notes.append(text)
 
     # -------------------------------------------------------------- driver
+    def parse(self, text: str) -> dict:
+        """The text's tree, parsed once per read; a read parses MAX_PARSES texts, MAX_READ_BYTES in all."""
+        tree = self._trees.get(text)
+        if tree is None:
+            self._parsed += len(text)
+            try:
+                if self._parsed > MAX_READ_BYTES or len(self._trees) >= MAX_PARSES:
+                    raise ScriptTooLarge(f"the script and what it runs are more than {MAX_READ_BYTES:,} bytes or "
+                                         f"{MAX_PARSES} texts", 1)
+                tree = parse(text)
+            except ShellSyntax as e:
+                tree = e
+            self._trees[text] = tree
+        if isinstance(tree, ShellSyntax):
+            raise tree
+        return tree
+
     def read(self, text: str) -> Reading:
         start = Path_(vars={**{k: v for k, v in self.env.items()}}, exported=set(self.env), funcs={},
                       positional=self.positional, files={}, sbatch={}, launches=[], choices=[], unresolved=[])
@@ -582,49 +333,69 @@ class Reader:
         saved, self.where_file = self.where_file, where_file
         saved_src, self.src = self.src, text.splitlines()
         try:
-            tree = parse(text)
-        except ShellSyntax as e:
-            if self.depth == 0:
-                raise
-            self.note(f"{where_file or 'nested script'} line {e.line}: not read ({e})")
-            return paths
-        try:
-            return self.eval(tree, paths)
+            try:
+                tree = self.parse(text)
+            except ShellSyntax as e:
+                if self.depth == 0:
+                    raise
+                self.note(f"{where_file or 'nested script'} line {e.line}: not read ({e})")
+                return paths
+            return self.eval(tree.get("Stmts") or [], paths)
         finally:
             self.where_file, self.src = saved, saved_src
 
-    def eval(self, node: Any, paths: list[Path_]) -> list[Path_]:
+    def eval(self, stmts: list[dict], paths: list[Path_]) -> list[Path_]:
+        for stmt in stmts:
+            paths = self.stmt(stmt, paths)
+        return paths
+
+    def stmt(self, stmt: dict, paths: list[Path_]) -> list[Path_]:
         live = [p for p in paths if p.ended is None]
-        done = [p for p in paths if p.ended is not None]
         if not live:
             return paths
-        return done + self._eval(node, live)
-
-    def _eval(self, node: Any, paths: list[Path_]) -> list[Path_]:
+        done = [p for p in paths if p.ended is not None]
         self.steps += 1
         if self.steps > MAX_STEPS:
             self.note(f"stopped after {MAX_STEPS:,} commands: the rest of the script was not read")
-            for p in paths:
+            for p in live:
                 p.ended = p.ended or "not read further (too many commands)"
-            return paths
-        if isinstance(node, Cmd):
-            return self._each(paths, lambda p: self.command(node, p))
-        if node.kind in ("seq", "pipe", "group"):
-            for part in node.parts:
-                paths = self.eval(part, paths)
-            return paths
-        if node.kind == "andor":
-            return self.andor(node, paths)
-        if node.kind in ("cond", "arith", "not"):
-            return paths  # a test on its own changes nothing we read
-        if node.kind == "func":
-            return self._each(paths, lambda p: p.funcs.update({node.text: node.parts[0]}))
-        one = {"subshell": self.subshell, "if": self.if_, "case": self.case, "for": self.for_, "while": self.while_}
-        return self._each(paths, lambda p: one[node.kind](node, p))
+            return done + live
+        cmd = stmt.get("Cmd")
+        if cmd is None or stmt.get("Negated"):
+            return done + live   # `! cmd` on its own, a test, changes nothing we read
+        kind = cmd["Type"]
+        if kind == "BinaryCmd" and cmd["Op"] in ("&&", "||"):
+            return done + self.andor(_andor(cmd), live)
+        if kind == "BinaryCmd":   # a pipeline: each command in turn
+            return done + self.stmt(cmd["Y"], self.stmt(cmd["X"], live))
+        if kind == "Block":
+            return done + self.eval(cmd.get("Stmts") or [], live)
+        if kind == "TimeClause" and cmd.get("Stmt"):
+            saved, self._prefix = self._prefix, self._prefix + ["time"] + (["-p"] if cmd.get("PosixFormat") else [])
+            try:
+                return done + self.stmt(cmd["Stmt"], live)
+            finally:
+                self._prefix = saved
+        one = {"CallExpr": lambda p: self.command(cmd, stmt, p), "DeclClause": lambda p: self.declare(cmd, p),
+               "Subshell": lambda p: self.subshell(cmd, p), "IfClause": lambda p: self.if_(cmd, p),
+               "CaseClause": lambda p: self.case(cmd, p), "ForClause": lambda p: self.for_(cmd, p),
+               "WhileClause": lambda p: self.while_(cmd, p), "ArithmCmd": lambda p: self._arith_effect([cmd["X"]], p),
+               "LetClause": lambda p: self._arith_effect(cmd.get("Exprs") or [], p),
+               "FuncDecl": lambda p: p.funcs.update({cmd["Name"]["Value"]: cmd["Body"]})}
+        return done + (self._each(live, one[kind]) if kind in one else live)
 
-    def subshell(self, node: Node, p: Path_) -> list[Path_]:
+    def _arith_effect(self, exprs: list[dict], p: Path_) -> None:
+        """(( N++ )) and let on their own: their assignments."""
+        self._current = p
+        try:
+            for x in exprs:
+                self.arith(x, p)
+        except _Unknown:
+            pass
+
+    def subshell(self, node: dict, p: Path_) -> list[Path_]:
         saved_vars, saved_exp = dict(p.vars), set(p.exported)
-        outs = self.eval(node.parts[0], [p])
+        outs = self.eval(node.get("Stmts") or [], [p])
         for q in outs:
             q.vars, q.exported = dict(saved_vars), set(saved_exp)
             if q.ended and q.ended.startswith("exit"):
@@ -640,19 +411,24 @@ class Reader:
 
     # -------------------------------------------------------------- conditions
     def truth(self, node: Any, p: Path_) -> bool | None:
-        """Whether a condition list succeeds, or None when that cannot be known here."""
+        """Whether a condition (a list of statements, or one) succeeds, or None when that cannot be
+        known here."""
         self._current = p
         try:
-            if isinstance(node, Cmd):
-                return self.command_truth(node, p)
-            if node.kind == "seq":
+            if isinstance(node, list):
                 value = True
-                for part in node.parts:
-                    value = self.truth(part, p)
+                for stmt in node:
+                    value = self.truth(stmt, p)
                 return value
-            if node.kind == "andor":
-                value = self.truth(node.parts[0][1], p)
-                for op, part in node.parts[1:]:
+            cmd = node.get("Cmd")
+            if node.get("Negated"):
+                value = self.truth({"Cmd": cmd}, p)
+                return None if value is None else not value
+            kind = (cmd or {}).get("Type")
+            if kind == "BinaryCmd" and cmd["Op"] in ("&&", "||"):
+                parts = _andor(cmd)
+                value = self.truth(parts[0][1], p)
+                for op, part in parts[1:]:
                     if op == "&&" and value is False or op == "||" and value is True:
                         continue
                     right = self.truth(part, p)
@@ -662,105 +438,116 @@ class Reader:
                     else:
                         value = right
                 return value
-            if node.kind == "pipe":
-                return self.truth(node.parts[-1], p) if len(node.parts) == 1 else None
-            if node.kind == "not":
-                value = self.truth(node.parts[0], p)
-                return None if value is None else not value
-            if node.kind == "cond":
-                return self.cond([t.text for t in node.parts], p, double=True)
-            if node.kind == "arith":
-                return self.arith(node.text, p) != 0
+            if kind == "CallExpr":
+                return self.command_truth(cmd, p)
+            if kind == "TestClause":
+                return self.test(cmd["X"], p)
+            if kind == "ArithmCmd":
+                return self.arith(cmd["X"], p) != 0
         except _Unknown:
             return None
         return None
 
-    def command_truth(self, cmd: Cmd, p: Path_) -> bool | None:
-        if not cmd.words:
+    def command_truth(self, cmd: dict, p: Path_) -> bool | None:
+        words = cmd.get("Args") or []
+        if not words:
             return True
-        name = cmd.words[0].text
+        name = words[0]["Raw"]
         if name in ("true", ":"):
             return True
         if name == "false":
             return False
         if name in ("[", "test"):
-            words = [t.text for t in cmd.words[1:]]
+            words = words[1:]
             if name == "[":
-                if not words or words[-1] != "]":
+                if not words or words[-1]["Raw"] != "]":
                     return None
                 words = words[:-1]
-            return self.cond(words, p, double=False)
+            ops = ("&&", "||", "!", "(", ")", "-a", "-o")
+            w = [x["Raw"] if x["Raw"] in ops else self._test_word(x, p, split=True) for x in words]
+            value, rest = self._cond_or(w)
+            return value if not rest else None
         return None
 
-    def cond(self, raw: list[str], p: Path_, double: bool) -> bool | None:
-        words: list[str] = []
-        for r in raw:
-            if r in ("&&", "||", "!", "(", ")", "-a", "-o") and not double or r in ("&&", "||", "!", "(", ")"):
-                words.append(r)
-                continue
-            fields, unknown = self.expand(r, p, split=not double)
-            if unknown:
-                raise _Unknown()
-            words.append(" ".join(fields) if double else (fields[0] if len(fields) == 1 else " ".join(fields)))
-        value, rest = self._cond_or(words, double)
-        return value if not rest else None
+    def _test_word(self, word: dict, p: Path_, split: bool = False) -> str:
+        fields, unknown = self.expand(word, p, split=split)
+        if unknown:
+            raise _Unknown()
+        return fields[0] if split and len(fields) == 1 else " ".join(fields)
 
-    def _cond_or(self, w: list[str], double: bool, ops: tuple = ("||", "-o")) -> tuple[bool | None, list[str]]:
-        """a || b over a && b (which binds closer): True decides an ||, False an &&."""
+    def test(self, node: dict, p: Path_) -> bool | None:
+        """A [[ ]] test; every word is expanded (an unknown one makes the whole test unknown)."""
+        kind, op = node["Type"], node.get("Op")
+        if kind == "ParenTest":
+            return self.test(node["X"], p)
+        if kind == "UnaryTest" and op == "!":
+            value = self.test(node["X"], p)
+            return None if value is None else not value
+        if kind == "UnaryTest":
+            return self._unary(op, self._test_word(node["X"], p))
+        if kind == "BinaryTest" and op in ("&&", "||"):
+            a, b, decides = self.test(node["X"], p), self.test(node["Y"], p), op == "||"
+            return decides if decides in (a, b) else (None if None in (a, b) else not decides)
+        if kind == "BinaryTest":
+            return self._binary(self._test_word(node["X"], p), op, self._test_word(node["Y"], p), double=True)
+        return self._test_word(node, p) != ""
+
+    def _cond_or(self, w: list[str], ops: tuple = ("||", "-o")) -> tuple[bool | None, list[str]]:
+        """[ a -o b ] over a -a b (which binds closer): True decides an -o, False an -a."""
         decides = ops[0] == "||"
-        operand = (lambda x: self._cond_or(x, double, ("&&", "-a"))) if decides else (lambda x: self._cond_not(x, double))
+        operand = (lambda x: self._cond_or(x, ("&&", "-a"))) if decides else self._cond_not
         value, w = operand(w)
         while w and w[0] in ops:
             right, w = operand(w[1:])
             value = decides if decides in (value, right) else (None if None in (value, right) else not decides)
         return value, w
 
-    def _cond_not(self, w: list[str], double: bool) -> tuple[bool | None, list[str]]:
+    def _cond_not(self, w: list[str]) -> tuple[bool | None, list[str]]:
         if w and w[0] == "!":
-            value, w = self._cond_not(w[1:], double)
+            value, w = self._cond_not(w[1:])
             return (None if value is None else not value), w
         if w and w[0] == "(":
-            value, w = self._cond_or(w[1:], double)
+            value, w = self._cond_or(w[1:])
             return value, (w[1:] if w and w[0] == ")" else w)
-        return self._cond_prim(w, double)
-
-    def _cond_prim(self, w: list[str], double: bool) -> tuple[bool | None, list[str]]:
         if not w:
             return False, w
         if len(w) >= 3 and w[1] in ("==", "=", "!=", "=~", "-eq", "-ne", "-lt", "-le", "-gt", "-ge", "<", ">"):
-            a, op, b = w[0], w[1], w[2]
-            rest = w[3:]
-            if op in ("==", "=", "!="):
-                same = fnmatch.fnmatchcase(a, b) if double else a == b
-                return (same if op != "!=" else not same), rest
-            if op == "=~":
-                try:
-                    return re.search(b, a) is not None, rest
-                except re.error:
-                    return None, rest
-            if op in ("<", ">"):
-                return ((a < b) if op == "<" else (a > b)), rest
-            try:
-                x, y = int(a or 0), int(b or 0)
-            except ValueError:
-                return None, rest
-            return {"-eq": x == y, "-ne": x != y, "-lt": x < y, "-le": x <= y, "-gt": x > y, "-ge": x >= y}[op], rest
+            return self._binary(w[0], w[1], w[2], double=False), w[3:]
         if len(w) >= 2 and re.fullmatch(r"-[a-zA-Z]", w[0]):
-            op, a, rest = w[0], w[1], w[2:]
-            if op == "-z":
-                return a == "", rest
-            if op == "-n":
-                return a != "", rest
-            if op == "-v":
-                return a in self._current.vars, rest
-            return None, rest  # files, terminals: the machine decides
+            return self._unary(w[0], w[1]), w[2:]
         return w[0] != "", w[1:]
 
+    def _binary(self, a: str, op: str, b: str, double: bool) -> bool | None:
+        if op in ("==", "=", "!="):
+            same = fnmatch.fnmatchcase(a, b) if double else a == b
+            return same if op != "!=" else not same
+        if op == "=~":
+            try:
+                return re.search(b, a) is not None
+            except re.error:
+                return None
+        if op in ("<", ">"):
+            return (a < b) if op == "<" else (a > b)
+        try:
+            x, y = int(a or 0), int(b or 0)
+        except ValueError:
+            return None
+        return {"-eq": x == y, "-ne": x != y, "-lt": x < y, "-le": x <= y, "-gt": x > y, "-ge": x >= y}.get(op)
+
+    def _unary(self, op: str, a: str) -> bool | None:
+        if op == "-z":
+            return a == ""
+        if op == "-n":
+            return a != ""
+        if op == "-v":
+            return a in self._current.vars
+        return None  # files, terminals: the machine decides
+
     # -------------------------------------------------------------- compound commands
-    def andor(self, node: Node, paths: list[Path_]) -> list[Path_]:
-        paths = self.eval(node.parts[0][1], paths)
-        prev = node.parts[0][1]
-        for op, part in node.parts[1:]:
+    def andor(self, parts: list[tuple[str | None, dict]], paths: list[Path_]) -> list[Path_]:
+        paths = self.stmt(parts[0][1], paths)
+        prev = parts[0][1]
+        for op, part in parts[1:]:
             out = []
             for p in paths:
                 if p.ended:
@@ -770,12 +557,12 @@ class Reader:
                 if value is None:
                     value = True  # commands are taken to succeed: `mkdir -p x || exit 1` goes on
                 runs = value if op == "&&" else not value
-                out.extend(self.eval(part, [p]) if runs else [p])
+                out.extend(self.stmt(part, [p]) if runs else [p])
             paths, prev = out, part
         return paths
 
     def branch(self, p: Path_, label: str, ways: list[tuple[str, Any]]) -> list[Path_]:
-        """Follow each way (a label and the node to run) on its own copy of p."""
+        """Follow each way (a label and the statements to run) on its own copy of p."""
         room = MAX_PATHS - self._live_paths + 1
         if room < len(ways):
             self.note(f"more than {MAX_PATHS} paths through the script: at {label} and later, only the first way "
@@ -792,21 +579,23 @@ class Reader:
 
     _live_paths = 1
 
-    def if_(self, node: Node, p: Path_) -> list[Path_]:
-        ways = []
-        for cond, body in node.parts:
-            if cond is None:
-                ways.append(("the else branch", body))
+    def if_(self, node: dict, p: Path_) -> list[Path_]:
+        ways, clause, tried = [], node, []
+        while clause is not None:
+            cond = clause.get("Cond")
+            if not cond:
+                ways.append(("the else branch", clause.get("Then") or []))
                 break
             value = self.truth(cond, p)
+            tried.append(self.source_line(cond[0]["Pos"]))
             if value is not False:
-                ways.append((f"{self.source_line(cond.line)} true", body))
+                ways.append((f"{tried[-1]} true", clause.get("Then") or []))
             if value is True:
                 break
+            clause = clause.get("Else")
         else:
-            tried = [self.source_line(c.line) for c, _ in node.parts if c is not None]
             ways.append((" and ".join(tried) + " false" if len(tried) == 1 else "no condition true", None))
-        return self.branch(p, f"if at {self.where(node.line)}", ways)
+        return self.branch(p, f"if at {self.where(node['Pos'])}", ways)
 
     def where(self, line: int) -> str:
         """line N, and inside what: 'line 5 of bash -c at line 13 of the heredoc at line 219'."""
@@ -818,28 +607,30 @@ class Reader:
         text = re.sub(r"^(el)?if\s+|;?\s*then\s*$", "", text)
         return "`" + (text[:77] + "..." if len(text) > 80 else text) + "`"
 
-    def case(self, node: Node, p: Path_) -> list[Path_]:
-        word_tok, items = node.parts
-        fields, unknown = self.expand(word_tok.text, p, split=False)
+    def case(self, node: dict, p: Path_) -> list[Path_]:
+        fields, unknown = self.expand(node["Word"], p, split=False)
         subject = " ".join(fields)
         ways = []
-        for patterns, body in items:
-            pats = [" ".join(self.expand(t.text, p, split=False)[0]) for t in patterns]
+        for item in node.get("Items") or []:
+            patterns = item.get("Patterns") or []
+            body = item.get("Stmts") or []
             if unknown:
-                ways.append((f"'{'|'.join(t.text for t in patterns)})'", body))
-            elif any(fnmatch.fnmatchcase(subject, pat) for pat in pats):
+                ways.append((f"'{'|'.join(w['Raw'] for w in patterns)})'", body))
+            elif any(fnmatch.fnmatchcase(subject, " ".join(self.expand(w, p, split=False)[0])) for w in patterns):
                 ways = [("match", body)]
                 break
         if unknown:
             ways.append(("no pattern matched", None))
-        return self.branch(p, f"case {word_tok.text} at {self.where(node.line)}", ways) if ways else [p]
+        return self.branch(p, f"case {node['Word']['Raw']} at {self.where(node['Pos'])}", ways) if ways else [p]
 
-    def for_(self, node: Node, p: Path_) -> list[Path_]:
-        name, words, body = node.parts
-        if name is None:  # for ((...)): run the body once, its count is rarely what matters
-            self.note(f"line {node.line}: an arithmetic for loop is read once")
+    def for_(self, node: dict, p: Path_) -> list[Path_]:
+        loop, body = node["Loop"], node.get("Do") or []
+        if loop["Type"] != "WordIter":  # for ((...)): run the body once, its count is rarely what matters
+            self.note(f"line {node['Pos']}: an arithmetic for loop is read once")
             return self.eval(body, [p])
-        items = list(p.positional or ()) if words is None else [f for t in words for f in self.expand(t.text, p)[0]]
+        name = loop["Name"]["Value"]
+        items = [f for w in loop.get("Items") or [] for f in self.expand(w, p)[0]] if loop.get("InPos") \
+            else list(p.positional or ())
         cur = [p]
         for item in items[:MAX_LOOP]:
             for q in cur:
@@ -847,60 +638,77 @@ class Reader:
             cur = self.eval(body, cur)
         return cur
 
-    def while_(self, node: Node, p: Path_) -> list[Path_]:
-        cond, body = node.parts
+    def while_(self, node: dict, p: Path_) -> list[Path_]:
+        kind = "until" if node.get("Until") else "while"
         cur = [p]
         for _ in range(MAX_LOOP):
-            value = self.truth(cond, cur[0]) if len(cur) == 1 else None
-            if node.text == "until" and value is not None:
+            value = self.truth(node.get("Cond") or [], cur[0]) if len(cur) == 1 else None
+            if kind == "until" and value is not None:
                 value = not value
             if value is None:
-                self.note(f"line {node.line}: a {node.text} loop whose condition is not known here is not followed")
+                self.note(f"line {node['Pos']}: a {kind} loop whose condition is not known here is not followed")
             if not value:
                 break
-            cur = self.eval(body, cur)
+            cur = self.eval(node.get("Do") or [], cur)
             if not cur:
                 break
         return cur
 
     # -------------------------------------------------------------- simple commands
-    def command(self, cmd: Cmd, p: Path_) -> list[Path_] | None:
+    def command(self, cmd: dict, stmt: dict, p: Path_) -> list[Path_] | None:
         self._current = p
         argv, lines = [], []
-        for t in cmd.words:
-            if argv and argv[0] in ("export", "declare", "typeset", "local", "readonly") and ASSIGN_HEAD.match(t.text):
-                argv.append(t.text)
-                lines.append(t.line)
-                continue
-            fields = self.expand(t.text, p)[0]
+        for word in cmd.get("Args") or []:
+            fields = self.expand(word, p)[0]
             argv += fields
-            lines += [t.line] * len(fields)
+            lines += [word["Pos"]] * len(fields)
         if not argv:
-            for a in cmd.assigns:
-                self.assign(a.text, p, export=False, line=a.line)
+            for a in cmd.get("Assigns") or []:
+                self.assign(a, p, export=False)
             return None
         prefix_env = {}
-        for a in cmd.assigns:
-            name, value = self._assignment_value(a.text, p)
+        for a in cmd.get("Assigns") or []:
+            name, value = self._assignment_value(a, p)
             if isinstance(value, str):
                 prefix_env[name] = value
-        return self.run_argv(argv, lines, cmd, p, prefix_env)
+        return self.run_argv(argv, lines, cmd["Pos"], stmt.get("Redirs") or [], p, prefix_env)
 
-    def run_argv(self, argv: list[str], lines: list[int], cmd: Cmd, p: Path_, prefix_env: dict[str, str],
-                 prefix: list[str] | None = None) -> list[Path_] | None:
+    def declare(self, node: dict, p: Path_, words: list[Any] | None = None, variant: str | None = None) -> None:
+        """export, declare, local ...: the clause's Assign nodes, or the words of a command (env export A=1)."""
+        variant = variant or node["Variant"]["Value"]
+        items: list[Any] = []
+        for a in (node.get("Args") or []) if words is None else words:
+            if isinstance(a, str):
+                items.append(a)
+            elif a.get("Naked") and "Name" in a:
+                items.append(a["Name"]["Value"])
+            elif a.get("Naked"):
+                items += self.expand(a.get("Value"), p)[0]
+            else:
+                items.append(a)
+        opts = [a for a in items if isinstance(a, str) and a.startswith("-")]
+        export = variant == "export" or any("x" in o for o in opts)
+        for a in items:
+            if not isinstance(a, str):
+                self.assign(a, p, export=export)
+            elif ASSIGN_HEAD.match(a):
+                name, value = a.split("=", 1)
+                name = name.rstrip("+").split("[")[0]
+                p.vars[name] = value
+                if export:
+                    p.exported.add(name)
+            elif not a.startswith("-") and re.fullmatch(r"[A-Za-z_]\w*", a):
+                if export:
+                    p.exported.add(a)
+                if variant != "export":
+                    p.vars.setdefault(a, "" if "-a" not in opts else ())
+
+    def run_argv(self, argv: list[str], lines: list[int], line: int, redirs: list[dict], p: Path_,
+                 prefix_env: dict[str, str], prefix: list[str] | None = None) -> list[Path_] | None:
         name = argv[0]
         prefix = prefix or []
-        if name in ("export", "declare", "typeset", "local", "readonly"):
-            export = name == "export" or any(a.startswith("-") and "x" in a for a in argv[1:] if not ASSIGN_HEAD.match(a))
-            for a in argv[1:]:
-                if ASSIGN_HEAD.match(a):
-                    self.assign(a, p, export=export, line=lines[0])
-                elif not a.startswith("-") and re.fullmatch(r"[A-Za-z_]\w*", a):
-                    if export:
-                        p.exported.add(a)
-                    if name != "export":
-                        p.vars.setdefault(a, "" if "-a" not in argv else ())
-            return None
+        if name in DECLARE:
+            return self.declare({}, p, argv[1:], name)
         if name == "unset":
             for a in argv[1:]:
                 if not a.startswith("-"):
@@ -917,16 +725,16 @@ class Reader:
                 p.positional = p.positional[k:]
             return None
         if name in ("exit",):
-            p.ended = f"exit at line {cmd.line}"
+            p.ended = f"exit at line {line}"
             return None
         if name == "return":
             raise _Return()
         if name in ("source", "."):
-            return self.source(argv[1:], cmd, p)
+            return self.source(argv[1:], p)
         if name == "eval":
-            return self.nested(" ".join(argv[1:]), p, f"eval at line {cmd.line}", prefix)
+            return self.nested(" ".join(argv[1:]), p, f"eval at line {line}", prefix)
         if name in p.funcs:
-            return self.call(name, argv[1:], p, cmd)
+            return self.call(name, argv[1:], p, line)
         if name in WRAPPERS or "=" in name and re.match(r"[A-Za-z_]\w*=", name):
             rest = argv[1:]
             while rest and (rest[0].startswith("-") or re.match(r"[A-Za-z_]\w*=", rest[0])):
@@ -936,15 +744,14 @@ class Reader:
                 rest = rest[1:]
             if rest and rest != argv:
                 k = len(argv) - len(rest)
-                return self.run_argv(rest, lines[k:], cmd, p, prefix_env, prefix + argv[:k])
+                return self.run_argv(rest, lines[k:], line, redirs, p, prefix_env, prefix + argv[:k])
         # A *.py among the words: the launch (torchrun, python, srun ... python, deepspeed ...).
         entry = None if Path(name).name in NOT_LAUNCHERS else _entry_index(argv)
         shell_c = self._shell_c_index(argv)
         if shell_c is not None and (entry is None or entry > shell_c):
             k = shell_c
             shell_word = next(w for w in argv[:k] if Path(w).name in SHELLS)
-            return self.nested(argv[k], p, f"{Path(shell_word).name} -c at {self.where(cmd.line)}",
-                               prefix + argv[:k - 1])
+            return self.nested(argv[k], p, f"{Path(shell_word).name} -c at {self.where(line)}", prefix + argv[:k - 1])
         if entry is not None:
             env = {k: v for k, v in p.vars.items() if k in p.exported and isinstance(v, str)}
             env.update(prefix_env)
@@ -958,11 +765,10 @@ class Reader:
             is_sbatch = Path(argv[base]).name == "sbatch"
             if is_sbatch:
                 self._sbatch_options(argv[base + 1:], p)
-            for op, target in cmd.redirs:
-                if op == "<<" and target.heredoc is not None:
-                    body = self._heredoc_text(target, p)
-                    return self.nested(body, p, f"the heredoc at {self.where(target.line)}", prefix + argv[:base + 1],
-                                       sbatch=is_sbatch)
+            for r in redirs:
+                if r["Op"] in ("<<", "<<-"):
+                    return self.nested(self._heredoc_text(r, p), p, f"the heredoc at {self.where(r['Pos'])}",
+                                       prefix + argv[:base + 1], sbatch=is_sbatch)
             script = next((w for w in argv[base + 1:] if not w.startswith("-") and (w.endswith((".sh", ".sbatch", ".slurm"))
                                                                                  or w in p.files)), None)
             if script is not None:
@@ -970,7 +776,7 @@ class Reader:
                 if text is not None:
                     return self.nested(text, p, script, prefix + argv[:base + 1], sbatch=is_sbatch)
         if name in ("cat", "tee"):
-            self._write_heredoc(argv, cmd, p)
+            self._write_heredoc(argv, redirs, p)
         return None
 
     def _shell_c_index(self, argv: list[str]) -> int | None:
@@ -997,17 +803,20 @@ class Reader:
                 i += 1
             i += 1
 
-    def _heredoc_text(self, tok: Tok, p: Path_) -> str:
-        body, quoted = tok.heredoc
-        if quoted:
-            return body
-        return self.expand_heredoc(body, p)
+    def _heredoc_text(self, redir: dict, p: Path_) -> str:
+        """A heredoc's body: as written when its delimiter is quoted, else expanded."""
+        quoted = any(part["Type"] != "Lit" or "\\" in part.get("Value", "") for part in _parts(redir.get("Word")))
+        body = self._quoted_text(redir.get("Hdoc"), p, "$`\\", quoted)
+        if redir["Op"] == "<<-":
+            body = re.sub(r"(?m)^\t+", "", body)
+        return body
 
-    def _write_heredoc(self, argv: list[str], cmd: Cmd, p: Path_) -> None:
-        body = next((self._heredoc_text(t, p) for op, t in cmd.redirs if op == "<<" and t.heredoc is not None), None)
+    def _write_heredoc(self, argv: list[str], redirs: list[dict], p: Path_) -> None:
+        body = next((self._heredoc_text(r, p) for r in redirs if r["Op"] in ("<<", "<<-")), None)
         if body is None:
             return
-        targets = [" ".join(self.expand(t.text, p, split=False)[0]) for op, t in cmd.redirs if op in (">", ">|")]
+        targets = [" ".join(self.expand(r.get("Word"), p, split=False)[0]) for r in redirs
+                   if r["Op"] in (">", ">|") and (r.get("N") or {}).get("Value", "1") == "1"]
         targets += [w for w in argv[1:] if not w.startswith("-")] if argv[0] == "tee" else []
         for t in targets:
             p.files[t] = body
@@ -1048,7 +857,7 @@ class Reader:
 
     _prefix: list[str] = []
 
-    def source(self, args: list[str], cmd: Cmd, p: Path_) -> list[Path_] | None:
+    def source(self, args: list[str], p: Path_) -> list[Path_] | None:
         if not args:
             return None
         text = self._file_text(args[0], p)
@@ -1062,15 +871,15 @@ class Reader:
             q.positional = saved if len(args) > 1 else q.positional
         return outs
 
-    def call(self, name: str, args: list[str], p: Path_, cmd: Cmd) -> list[Path_]:
+    def call(self, name: str, args: list[str], p: Path_, line: int) -> list[Path_]:
         if self.depth >= MAX_DEPTH:
-            self.note(f"line {cmd.line}: {name} calls itself deeper than {MAX_DEPTH} levels; not followed")
+            self.note(f"line {line}: {name} calls itself deeper than {MAX_DEPTH} levels; not followed")
             return [p]
         saved = p.positional
         p.positional = tuple(args)
         self.depth += 1
         try:
-            outs = self.eval(p.funcs[name], [p])
+            outs = self.stmt(p.funcs[name], [p])
         except _Return:
             outs = [p]
         finally:
@@ -1080,10 +889,8 @@ class Reader:
         return outs
 
     # -------------------------------------------------------------- variables
-    def assign(self, raw: str, p: Path_, export: bool, line: int) -> None:
-        name, value = self._assignment_value(raw, p)
-        if name is None:
-            return
+    def assign(self, node: dict, p: Path_, export: bool) -> None:
+        name, value = self._assignment_value(node, p)
         if value is UNKNOWN:   # X=$Y with Y left to the caller: X is as unknown as Y
             p.vars.pop(name, None)
         else:
@@ -1091,44 +898,44 @@ class Reader:
         if export:
             p.exported.add(name)
 
-    def _assignment_value(self, raw: str, p: Path_) -> tuple[str | None, Any]:
-        m = ASSIGN_HEAD.match(raw)
-        if not m:
-            return None, None
-        head = m.group(0)
-        name = re.match(r"[A-Za-z_]\w*", head).group(0)
-        append = head.endswith("+=")
-        value = raw[len(head):]
-        index = m.group(1)
-        if value.startswith("(") and value.endswith(")") and index is None:
+    def _assignment_value(self, node: dict, p: Path_) -> tuple[str, Any]:
+        name, append, index = node["Name"]["Value"], node.get("Append"), node.get("Index")
+        old = p.vars.get(name, "")
+        if "Array" in node and index is None:
             items: list[str] = []
-            for tok in lex(value[1:-1]):
-                if tok.kind == "w":
-                    items += self.expand(tok.text, p)[0]
-            old = p.vars.get(name, ())
+            for elem in node["Array"].get("Elems") or []:
+                values = self.expand(elem.get("Value"), p)[0]
+                k = self._index(elem.get("Index"), p)
+                if k is None:
+                    items += values
+                else:   # [k]=v
+                    items += [""] * (k + 1 - len(items))
+                    items[k] = " ".join(values)
             old = (old,) if isinstance(old, str) else old
             return name, tuple(old) + tuple(items) if append else tuple(items)
-        fields, unknown = self.expand(value, p, split=False)
+        fields, unknown = self.expand(node.get("Value"), p, split=False)
         text = " ".join(fields)
-        if unknown and index is None and not append and re.fullmatch(r'"?\$\{?\w+\}?"?', value):
+        if unknown and index is None and not append and _bare_parameter(node.get("Value")):
             return name, UNKNOWN   # X=$Y, Y left to the caller: X as unknown as Y (a longer text keeps it literal)
         if index is not None:  # A[i]=v
-            arr = p.vars.get(name, ())
-            arr = list((arr,) if isinstance(arr, str) else arr)
-            try:
-                k = int(self.arith(index[1:-1], p))
-            except (_Unknown, ValueError):
-                return name, tuple(arr)
-            if 0 <= k < 4096:
+            arr = list((old,) if isinstance(old, str) else old)
+            k = self._index(index, p)
+            if k is not None:
                 arr += [""] * (k + 1 - len(arr))
                 arr[k] = text
             return name, tuple(arr)
-        old = p.vars.get(name, "")
         if append:
             if isinstance(old, tuple):
                 return name, old + (text,)
             return name, old + text
         return name, text
+
+    def _index(self, index: dict | None, p: Path_) -> int | None:
+        try:
+            k = self.arith(index, p) if index is not None else None
+        except _Unknown:
+            return None
+        return k if k is not None and 0 <= k < 4096 else None
 
     def lookup(self, name: str, p: Path_) -> str | tuple | None:
         if name.isdigit() and name != "0":
@@ -1153,176 +960,87 @@ class Reader:
             p.unresolved.append(name)
 
     # -------------------------------------------------------------- expansion
-    def expand(self, raw: str, p: Path_, split: bool = True) -> tuple[list[str], bool]:
+    def expand(self, word: dict | None, p: Path_, split: bool = True) -> tuple[list[str], bool]:
         """The fields a word becomes, and whether any part of it is unknown (kept as written)."""
-        fields: list[str] = []
-        cur: list[str] = []
-        have = False   # the current field exists even if empty ("" or a quoted part)
-        unknown = False
-        i, n = 0, len(raw)
-
-        def add_text(text: str, splittable: bool) -> None:
-            nonlocal cur, have
-            if not splittable or not split:
-                cur.append(text)
-                have = True
-                return
-            parts = re.split(r"[ \t\n]+", text)
-            for k, part in enumerate(parts):
-                if k > 0:
-                    if have or cur:
-                        fields.append("".join(cur))
-                    cur, have = [], False
-                if part:
-                    cur.append(part)
-                    have = True
-
-        def add_items(items: tuple, quoted: bool) -> None:
-            nonlocal cur, have
-            for k, item in enumerate(items):
-                if k > 0 and not split:
-                    cur.append(" ")
-                elif k > 0 and quoted:
-                    fields.append("".join(cur))
-                    cur, have = [], False
-                if quoted or not split:
-                    cur.append(item)
-                    have = True
-                else:
-                    add_text((" " if k > 0 else "") + item, True)
-
-        while i < n:
-            c = raw[i]
-            if c == "\\":
-                if i + 1 < n and raw[i + 1] != "\n":
-                    cur.append(raw[i + 1])
-                    have = True
-                i += 2
-            elif c == "'":
-                j = raw.find("'", i + 1)
-                j = n if j < 0 else j
-                cur.append(raw[i + 1:j])
-                have = True
-                i = j + 1
-            elif c == '"':
-                j = _dquote_end(raw, i + 1, 0) if '"' in raw[i + 1:] else n
-                inner = raw[i + 1:j]
+        out = _Fields(split)
+        for part in _parts(word):
+            kind = part["Type"]
+            if kind == "Lit":
+                out.literal(_unescape(part.get("Value", ""), None))
+            elif kind == "SglQuoted":
+                value = part.get("Value", "")
+                if part.get("Dollar"):
+                    value = re.sub(r"\\(.)", lambda m: _C_ESCAPES.get(m.group(1), m.group(1)), value, flags=re.S)
+                out.literal(value)
+            elif kind == "DblQuoted":
+                inner = part.get("Parts") or []
                 # "${A[@]}" of an empty array (or "$@" with no arguments) is no word at all
-                if not re.fullmatch(r"\$\{[A-Za-z_]\w*\[@\]\}|\$@|\$\{@\}", inner):
-                    have = True
-                for piece, unk in self._double_quoted(inner, p, '$`"\\\n'):
-                    unknown |= unk
+                if not (len(inner) == 1 and _all_items(inner[0])):
+                    out.have = True
+                for piece, unk in self._quoted(inner, p, '$`"\\'):
+                    out.unknown |= unk
                     if isinstance(piece, tuple):
-                        add_items(piece, quoted=True)
+                        out.items(piece, quoted=True)
                     else:
-                        cur.append(piece)
-                i = j + 1
-            elif c == "$" or c == "`":
-                value, i, unk, items = self._dollar(raw, i, p, quoted=False)
-                unknown |= unk
+                        out.cur.append(piece)
+            elif kind in ("ParamExp", "CmdSubst", "ArithmExp"):
+                value, unk, items = self._dollar(part, p, quoted=False)
+                out.unknown |= unk
                 if unk:
-                    cur.append(value)   # kept as written, one piece
-                    have = True
+                    out.literal(value)   # kept as written, one piece
                 elif items is not None:
-                    add_items(items, quoted=False)
+                    out.items(items, quoted=False)
                 else:
-                    add_text(value, True)
-            else:
-                cur.append(c)
-                have = True
-                i += 1
-        if have or cur:
-            fields.append("".join(cur))
-        return fields, unknown
+                    out.text(value)
+            else:   # <(...), extended globs: kept as written
+                out.unknown |= kind == "ProcSubst"
+                out.literal(part.get("Raw", ""))
+        return out.done(), out.unknown
 
-    def expand_heredoc(self, body: str, p: Path_) -> str:
-        return "".join(" ".join(x) if isinstance(x, tuple) else x for x, _ in self._double_quoted(body, p, "$`\\\n"))
+    def _quoted_text(self, word: dict | None, p: Path_, escapable: str, as_written: bool = False) -> str:
+        """A heredoc body: its text, expanded unless its delimiter was quoted."""
+        if as_written:
+            return "".join(part.get("Value", part.get("Raw", "")) for part in _parts(word))
+        return "".join(" ".join(x) if isinstance(x, tuple) else x for x, _ in self._quoted(_parts(word), p, escapable))
 
-    def _double_quoted(self, s: str, p: Path_, escapable: str) -> list[tuple[str | tuple, bool]]:
+    def _quoted(self, parts: list[dict], p: Path_, escapable: str) -> list[tuple[str | tuple, bool]]:
         """The pieces of a double-quoted text or a heredoc body: text, or what a $-expansion gives
         (its text or its array items), each with whether it is unknown."""
-        pieces, k = [], 0
-        while k < len(s):
-            if s[k] == "\\" and k + 1 < len(s) and s[k + 1] in escapable:
-                pieces.append((s[k + 1] if s[k + 1] != "\n" else "", False))
-                k += 2
-            elif s[k] in "$`":
-                value, k, unk, items = self._dollar(s, k, p, quoted=True)
+        pieces: list[tuple[str | tuple, bool]] = []
+        for part in parts:
+            if part["Type"] == "Lit":
+                pieces.append((_unescape(part.get("Value", ""), escapable), False))
+            elif part["Type"] in ("ParamExp", "CmdSubst", "ArithmExp"):
+                value, unk, items = self._dollar(part, p, quoted=True)
                 pieces.append((value if items is None else items, unk))
             else:
-                plain = _PLAIN.match(s, k).group(0)
-                pieces.append((plain, False))
-                k += len(plain)
+                pieces.append((part.get("Raw", part.get("Value", "")), False))
         return pieces
 
-    def _dollar(self, s: str, i: int, p: Path_, quoted: bool) -> tuple[str, int, bool, tuple | None]:
-        """Expand the $-thing at s[i]: (text, next index, unknown, array items or None)."""
-        if s[i] == "`":
-            j = s.find("`", i + 1)
-            j = len(s) if j < 0 else j
-            return self._subst_result(s[i + 1:j], s[i:j + 1], j + 1, p)
-        if i + 1 >= len(s):
-            return "$", i + 1, False, None
-        nxt = s[i + 1]
-        if s.startswith("$((", i):
-            j = _closing(s, i + 1, 0)
-            text = s[i:j + 1]
-            try:
-                return str(self.arith(s[i + 3:j - 1], p)), j + 1, False, None
-            except _Unknown:
-                return text, j + 1, True, None
-        if nxt == "(":
-            j = _closing(s, i + 1, 0)
-            return self._subst_result(s[i + 2:j], s[i:j + 1], j + 1, p)
-        if nxt == "{":
-            j = _closing(s, i + 1, 0)
-            try:
-                return self._brace(s[i + 2:j], s[i:j + 1], j + 1, p, quoted)
-            except _Unknown:
-                return s[i:j + 1], j + 1, True, None
-        m = re.match(r"[A-Za-z_]\w*|[0-9]|[@*#?$!\-]", s[i + 1:])
-        if not m:
-            return "$", i + 1, False, None
-        name = m.group(0)
-        end = i + 1 + len(name)
-        if name in ("?", "$", "!", "-"):
-            return s[i:end], end, True, None
-        value = self.lookup(name, p)
-        if value is None:
-            if name in ("@", "*"):
-                return "", end, False, ()   # the script's own arguments: nothing known, nothing added
-            self.unresolved(name, p)
-            return s[i:end], end, True, None
-        if isinstance(value, tuple):
-            if name in ("@", "*"):
-                return "", end, False, value
-            return (value[0] if value else ""), end, False, None
-        return value, end, False, None
-
-    def _subst_result(self, body: str, text: str, end: int, p: Path_) -> tuple[str, int, bool, None]:
+    def _dollar(self, part: dict, p: Path_, quoted: bool) -> tuple[str, bool, tuple | None]:
+        """Expand a $-part: (text, unknown, array items or None); unknown: the text as written."""
         try:
-            return self.substitute(body, p), end, False, None
+            if part["Type"] == "CmdSubst":
+                return self.substitute(part.get("Stmts") or [], p), False, None
+            if part["Type"] == "ArithmExp":
+                return str(self.arith(part["X"], p)), False, None
+            return self._param(part, p, quoted)
         except _Unknown:
-            return text, end, True, None
+            return part["Raw"], True, None
 
-    def substitute(self, body: str, p: Path_) -> str:
+    def substitute(self, stmts: list[dict], p: Path_) -> str:
         """$(...) of the pure commands (echo, dirname, basename, pwd, cd X && pwd); else unknown."""
-        try:
-            tree = parse(body)
-        except ShellSyntax:
-            raise _Unknown() from None
         cwd = str(self.base) if self.base else "."
         out = []
-        for andor in tree.parts:
-            if andor.kind != "andor":
-                raise _Unknown()
-            for _, pipe in andor.parts:
-                if pipe.kind != "pipe" or len(pipe.parts) != 1 or not isinstance(pipe.parts[0], Cmd):
+        for stmt in stmts:
+            cmd = stmt.get("Cmd") or {}
+            cmds = [s.get("Cmd") or {} for _, s in _andor(cmd)] if cmd.get("Op") in ("&&", "||") else [cmd]
+            for c in cmds:
+                if stmt.get("Negated") or c.get("Type") != "CallExpr":
                     raise _Unknown()
-                cmd = pipe.parts[0]
                 argv = []
-                for t in cmd.words:
-                    fields, unk = self.expand(t.text, p)
+                for w in c.get("Args") or []:
+                    fields, unk = self.expand(w, p)
                     if unk:
                         raise _Unknown()
                     argv += fields
@@ -1346,114 +1064,130 @@ class Reader:
                     out.append(str(Path(cwd) / args[0]) if args else cwd)
         return "\n".join(out).rstrip("\n")
 
-    def _brace(self, inner: str, text: str, end: int, p: Path_, quoted: bool) -> tuple[str, int, bool, tuple | None]:
-        m = re.match(r"(#?)(!?)([A-Za-z_]\w*|[0-9]+|[@*#])(\[([^\]]*)\])?(.*)$", inner, re.S)
-        if not m:
-            return text, end, True, None
-        length, indirect, name, _, index, op = m.groups()
+    def _param(self, part: dict, p: Path_, quoted: bool) -> tuple[str, bool, tuple | None]:
+        """$V and ${...}: raises _Unknown where the value is not known."""
+        name = part["Param"]["Value"]
+        if name in ("?", "$", "!", "-") or part.get("Names") or part.get("Width"):
+            raise _Unknown()
         value = self.lookup(name, p)
-        if indirect and isinstance(value, str):
+        if part.get("Short") and name in ("@", "*") and value is None:
+            return "", False, ()   # the script's own arguments: nothing known, nothing added
+        if part.get("Excl") and isinstance(value, str):
             name, value = value, self.lookup(value, p)
+        index = part.get("Index")
+        at = _literal(index) if index is not None else None
         if isinstance(value, tuple) and index is None and name not in ("@", "*"):
             value = value[0] if value else ""
-        if index is not None:
-            if value is None:
-                items = None
-            else:
-                arr = value if isinstance(value, tuple) else (value,)
-                if index in ("@", "*"):
-                    items = arr
-                else:
-                    try:
-                        k = int(self.arith(index, p))
-                    except (_Unknown, ValueError):
-                        return text, end, True, None
-                    items = None
-                    value = arr[k] if -len(arr) <= k < len(arr) else ""
-            if items is not None:
-                if length:
-                    return str(len(items)), end, False, None
-                if op:
-                    items = tuple(self._apply_op(x, op, p) for x in items)
-                return (" ".join(items), end, False, None) if index == "*" and quoted else ("", end, False, items)
-        if length:
+        exp = part.get("Exp") or {}
+        if index is not None and value is not None:
+            arr = value if isinstance(value, tuple) else (value,)
+            if at in ("@", "*"):
+                if part.get("Length"):
+                    return str(len(arr)), False, None
+                items = tuple(self._apply_op(x, part, p) for x in arr)
+                return (" ".join(items), False, None) if at == "*" and quoted else ("", False, items)
+            k = self.arith(index, p)
+            value = arr[k] if -len(arr) <= k < len(arr) else ""
+        if part.get("Length"):
             if value is None:
                 self.unresolved(name, p)
-                return text, end, True, None
-            return str(len(value) if isinstance(value, str) else len(value)), end, False, None
+                raise _Unknown()
+            return str(len(value)), False, None
         if name in ("@", "*") and isinstance(value, tuple):
-            return "", end, False, value
-        mm = re.match(r"(:?)([-=+?])(.*)$", op, re.S)
-        if mm:
-            colon, kind, word = mm.groups()
-            is_set = value is not None and not (colon and value == "")
-            if kind == "+":
-                return (self._word(word, p) if is_set else ""), end, False, None
+            return "", False, value
+        op = exp.get("Op", "")
+        if op.lstrip(":") in ("-", "=", "+", "?"):
+            is_set = value is not None and not (op.startswith(":") and value == "")
+            if op.endswith("+"):
+                return (self._word(exp.get("Word"), p) if is_set else ""), False, None
             if is_set:
-                return value, end, False, None
-            if kind == "?":
+                return value, False, None
+            if op.endswith("?"):
                 self.unresolved(name, p)
-                return text, end, True, None
-            fill = self._word(word, p)
-            if kind == "=":
+                raise _Unknown()
+            fill = self._word(exp.get("Word"), p)
+            if op.endswith("="):
                 p.vars[name] = fill
-            return fill, end, False, None
+            return fill, False, None
         if value is None:
             self.unresolved(name, p)
-            return text, end, True, None
-        return self._apply_op(value, op, p), end, False, None
+            raise _Unknown()
+        return self._apply_op(value, part, p), False, None
 
-    def _word(self, word: str, p: Path_) -> str:
+    def _word(self, word: dict | None, p: Path_) -> str:
         fields, unknown = self.expand(word, p, split=False)
         if unknown:
             raise _Unknown()
         return " ".join(fields)
 
-    def _apply_op(self, value: str, op: str, p: Path_) -> str:
-        if not op:
-            return value
-        mm = re.fullmatch(r"(##?|%%?)(.*)", op, re.S)
-        if mm:
-            return _strip(value, self._word(mm.group(2), p), longest=len(mm.group(1)) == 2, suffix=mm.group(1)[0] == "%")
-        mm = re.fullmatch(r"(//?)([^/]*)(?:/(.*))?", op, re.S)
-        if mm:
-            pat, rep = fnmatch.translate(self._word(mm.group(2), p)).removesuffix(r"\Z"), self._word(mm.group(3) or "", p)
+    def _apply_op(self, value: str, part: dict, p: Path_) -> str:
+        """${V#p} ${V%p} ${V/p/r} ${V:o:n} ${V^^} ${V,,} on one value."""
+        op = (part.get("Exp") or {}).get("Op", "")
+        if op in ("#", "##", "%", "%%"):
+            return _strip(value, self._word(part["Exp"].get("Word"), p), longest=len(op) == 2, suffix=op[0] == "%")
+        if part.get("Repl"):
+            repl = part["Repl"]
+            pat = fnmatch.translate(self._word(repl.get("Orig"), p)).removesuffix(r"\Z")
             pat = pat.removeprefix("(?s:").removesuffix(")")
+            rep = self._word(repl.get("With"), p)
             try:
-                return re.sub(pat, lambda _: rep, value, count=0 if mm.group(1) == "//" else 1)
+                return re.sub(pat, lambda _: rep, value, count=0 if repl.get("All") else 1)
             except re.error:
                 return value
-        mm = re.fullmatch(r":(-?\s*\d+)(?::(\d+))?", op)
-        if mm:
-            start = int(mm.group(1))
-            return value[start:start + int(mm.group(2))] if mm.group(2) else value[start:]
-        if op == "^^":
-            return value.upper()
-        if op == ",,":
-            return value.lower()
-        return value
+        if part.get("Slice"):
+            start = self.arith(part["Slice"]["Offset"], p) if part["Slice"].get("Offset") else 0
+            start = max(len(value) + start, 0) if start < 0 else start
+            if not part["Slice"].get("Length"):
+                return value[start:]
+            n = self.arith(part["Slice"]["Length"], p)
+            return value[start:start + n] if n >= 0 else value[start:len(value) + n]
+        cases = {"^^": str.upper, ",,": str.lower, "^": lambda v: v[:1].upper() + v[1:],
+                 ",": lambda v: v[:1].lower() + v[1:]}
+        return cases[op](value) if op in cases else value
 
     # -------------------------------------------------------------- arithmetic
-    def arith(self, expr: str, p: Path_) -> int:
-        expr = expr.strip()
-        expr, _ = self.expand(expr, p, split=False) if "$" in expr else ([expr], False)
-        expr = " ".join(expr)
-        m = re.fullmatch(r"\s*([A-Za-z_]\w*)\s*(\+\+|--)\s*|\s*(\+\+|--)\s*([A-Za-z_]\w*)\s*", expr)
-        if m:
-            name = m.group(1) or m.group(4)
+    def arith(self, node: dict, p: Path_) -> int:
+        """Bash integer arithmetic over shfmt's parsed expression, on 64-bit values; anything not
+        known raises _Unknown."""
+        kind, op = node.get("Type"), node.get("Op")
+        if kind == "ParenArithm":
+            return self.arith(node["X"], p)
+        if kind == "UnaryArithm" and op in ("++", "--"):
+            name = _name(node["X"])
             old = self._int_var(name, p)
-            new = old + (1 if "++" in expr else -1)
+            new = old + (1 if op == "++" else -1)
             p.vars[name] = str(new)
-            return old if m.group(1) else new
-        m = re.fullmatch(r"\s*([A-Za-z_]\w*)\s*([-+*/%]?)=(?!=)(.*)", expr, re.S)
-        if m:
-            name, op, rhs = m.groups()
-            value = _safe_eval(rhs, lambda n: self._int_var(n, p))
-            if op:
-                value = _safe_eval(f"{self._int_var(name, p)} {op} ({value})", lambda n: 0)
+            return old if node.get("Post") else new
+        if kind == "UnaryArithm":
+            v = self.arith(node["X"], p)
+            ops = {"-": lambda: -v, "+": lambda: v, "!": lambda: int(not v), "~": lambda: ~v}
+            if op not in ops:
+                raise _Unknown()
+            return ops[op]()
+        if kind == "BinaryArithm" and op == "?":
+            branches = node["Y"]
+            return self.arith(branches["X"] if self.arith(node["X"], p) else branches["Y"], p)
+        if kind == "BinaryArithm" and op.endswith("=") and op not in ("==", "!=", "<=", ">="):
+            name = _name(node["X"])
+            value = self.arith(node["Y"], p)
+            if op != "=":
+                value = _binop(op[:-1], self._int_var(name, p), value)
             p.vars[name] = str(value)
             return value
-        return _safe_eval(expr, lambda n: self._int_var(n, p))
+        if kind == "BinaryArithm" and op in ("&&", "||"):
+            a = self.arith(node["X"], p)
+            if (op == "&&") != bool(a):
+                return int(bool(a))
+            return int(bool(self.arith(node["Y"], p)))
+        if kind == "BinaryArithm":
+            a = self.arith(node["X"], p)
+            return _binop(op, a, self.arith(node["Y"], p))
+        if kind == "Word":
+            parts = _parts(node)
+            if len(parts) == 1 and parts[0]["Type"] == "Lit" and re.fullmatch(r"[A-Za-z_]\w*", parts[0].get("Value", "")):
+                return self._int_var(parts[0].get("Value", ""), p)
+            return self._arith_text(self._word(node, p), p)
+        raise _Unknown()
 
     def _int_var(self, name: str, p: Path_) -> int:
         value = self.lookup(name, p)
@@ -1461,12 +1195,97 @@ class Reader:
             raise _Unknown()
         if isinstance(value, tuple):
             value = value[0] if value else ""
-        value = value.strip() or "0"
-        if re.fullmatch(r"[-+]?\d+", value):
-            return int(value)
-        if re.fullmatch(r"[A-Za-z_]\w*", value) and value != name:
-            return self._int_var(value, p)
-        return _safe_eval(value, lambda n: self._int_var(n, p))
+        return self._arith_text(value, p)
+
+    def _arith_text(self, text: str, p: Path_) -> int:
+        """A number, or a variable's value read as an expression (bash evaluates it too)."""
+        text = text.strip() or "0"
+        if re.fullmatch(r"[-+]?\d+", text):
+            return int(text)
+        if re.fullmatch(r"0[xX][0-9a-fA-F]+", text):
+            return int(text, 16)
+        if self._arith_depth >= MAX_DEPTH or "\n" in text:
+            raise _Unknown()
+        self._arith_depth += 1
+        try:
+            if re.fullmatch(r"[A-Za-z_]\w*", text):
+                return self._int_var(text, p)
+            stmts = self.parse(f"(( {text} ))").get("Stmts") or []
+            if len(stmts) != 1 or (stmts[0].get("Cmd") or {}).get("Type") != "ArithmCmd":
+                raise _Unknown()
+            return self.arith(stmts[0]["Cmd"]["X"], p)
+        except ShellSyntax:
+            raise _Unknown() from None
+        finally:
+            self._arith_depth -= 1
+
+
+def _andor(cmd: dict) -> list[tuple[str | None, dict]]:
+    """a && b || c as shfmt nests it (left first), flat: [(None, a), ("&&", b), ("||", c)]."""
+    x = cmd["X"]
+    inner = x.get("Cmd") or {}
+    if inner.get("Type") == "BinaryCmd" and inner["Op"] in ("&&", "||") and not x.get("Negated") \
+            and not x.get("Redirs"):
+        head = _andor(inner)
+    else:
+        head = [(None, x)]
+    return head + [(cmd["Op"], cmd["Y"])]
+
+
+def _literal(word: dict | None) -> str | None:
+    parts = _parts(word)
+    return parts[0].get("Value", "") if len(parts) == 1 and parts[0]["Type"] == "Lit" else None
+
+
+def _name(node: dict) -> str:
+    """The variable an arithmetic assignment or ++/-- names."""
+    name = _literal(node) if node.get("Type") == "Word" else None
+    if name is None or not re.fullmatch(r"[A-Za-z_]\w*", name):
+        raise _Unknown()
+    return name
+
+
+def _plain_param(part: dict) -> bool:
+    """$Y or ${Y} of a name or a positional parameter, nothing applied ($! and $? stay as written)."""
+    return part["Type"] == "ParamExp" and re.fullmatch(r"\w+", part["Param"]["Value"]) is not None \
+        and not any(part.get(k) for k in ("Exp", "Index", "Slice", "Repl", "Length", "Excl", "Names", "Width"))
+
+
+def _bare_parameter(word: dict | None) -> bool:
+    """$Y, ${Y} or "$Y" alone."""
+    parts = _parts(word)
+    if len(parts) == 1 and parts[0]["Type"] == "DblQuoted":
+        parts = parts[0].get("Parts") or []
+    return len(parts) == 1 and _plain_param(parts[0])
+
+
+def _all_items(part: dict) -> bool:
+    """"${A[@]}", "$@" or "${@}": all the items, each a word, and no word when there are none."""
+    if part["Type"] != "ParamExp" or any(part.get(k) for k in ("Exp", "Slice", "Repl", "Length", "Excl", "Names")):
+        return False
+    return part["Param"]["Value"] == "@" if part.get("Index") is None else _literal(part["Index"]) == "@"
+
+
+_ARITH_OPS: dict[str, Callable[[int, int], Any]] = {
+    "+": operator.add, "-": operator.sub, "*": operator.mul, "**": operator.pow, "<<": operator.lshift,
+    ">>": operator.rshift, "&": operator.and_, "|": operator.or_, "^": operator.xor, ",": lambda a, b: b,
+    "<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge, "==": operator.eq, "!=": operator.ne}
+
+
+def _binop(op: str, a: int, b: int) -> int:
+    """One binary operator of bash arithmetic on 64-bit values; unknown past them or on a division by 0."""
+    if op in ("/", "%"):
+        if b == 0:
+            raise _Unknown()
+        q = abs(a) // abs(b) * (1 if (a < 0) == (b < 0) else -1)   # bash truncates toward zero
+        return q if op == "/" else a - b * q
+    if op == "**" and (b < 0 or b > 64 or abs(a) > LIMIT) or op in ("<<", ">>") and not 0 <= b < 64 \
+            or op not in _ARITH_OPS:
+        raise _Unknown()
+    out = int(_ARITH_OPS[op](a, b))
+    if abs(out) >= LIMIT:
+        raise _Unknown()
+    return out
 
 
 def _strip(value: str, pattern: str, longest: bool, suffix: bool) -> str:
@@ -1476,14 +1295,6 @@ def _strip(value: str, pattern: str, longest: bool, suffix: bool) -> str:
         if fnmatch.fnmatchcase(value[k:] if suffix else value[:k], pattern):
             return value[:k] if suffix else value[k:]
     return value
-
-
-_BIN = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Mod: operator.mod,
-        ast.LShift: operator.lshift, ast.RShift: operator.rshift, ast.BitAnd: operator.and_, ast.BitOr: operator.or_,
-        ast.BitXor: operator.xor, ast.Pow: operator.pow}
-_CMP = {ast.Lt: operator.lt, ast.LtE: operator.le, ast.Gt: operator.gt, ast.GtE: operator.ge, ast.Eq: operator.eq,
-        ast.NotEq: operator.ne}
-LIMIT = 1 << 63
 
 
 LAUNCH_MODULES = {"torch.distributed.run", "torch.distributed.launch"}
@@ -1502,75 +1313,8 @@ def _entry_index(argv: list[str]) -> int | None:
     return None
 
 
-def _safe_eval(expr: str, var: Callable[[str], int]) -> int:
-    """Bash integer arithmetic on 64-bit values: + - * / % ** << >> & | ^, comparisons, && || !,
-    and a ? b : c; names are variables. Anything else is unknown."""
-    text = expr.replace("&&", " and ").replace("||", " or ")
-    text = re.sub(r"!(?!=)", " not ", text)
-    m = re.fullmatch(r"(.+?)\?(.+):(.+)", text, re.S)
-    if m:
-        return _safe_eval(m.group(2), var) if _safe_eval(m.group(1), var) else _safe_eval(m.group(3), var)
-    text = re.sub(r"\b0[xX]([0-9a-fA-F]+)\b", lambda mm: str(int(mm.group(1), 16)), text)
-    try:
-        tree = ast.parse(text.strip() or "0", mode="eval")
-    except SyntaxError:
-        raise _Unknown() from None
-
-    def ev(node: ast.AST) -> int:
-        if isinstance(node, ast.Expression):
-            return ev(node.body)
-        if isinstance(node, ast.Constant) and isinstance(node.value, int):
-            return node.value
-        if isinstance(node, ast.Name):
-            return var(node.id)
-        if isinstance(node, ast.UnaryOp):
-            v = ev(node.operand)
-            if isinstance(node.op, ast.USub):
-                return -v
-            if isinstance(node.op, ast.UAdd):
-                return v
-            if isinstance(node.op, ast.Not):
-                return int(not v)
-            if isinstance(node.op, ast.Invert):
-                return ~v
-        if isinstance(node, ast.BinOp):
-            a, b = ev(node.left), ev(node.right)
-            if isinstance(node.op, (ast.Div, ast.FloorDiv, ast.Mod)):
-                if b == 0:
-                    raise _Unknown()
-                if isinstance(node.op, ast.Mod):
-                    return int(a - b * int(a / b))
-                return int(a / b)
-            if isinstance(node.op, ast.Pow) and (b < 0 or b > 64 or abs(a) > LIMIT):
-                raise _Unknown()
-            if isinstance(node.op, (ast.LShift, ast.RShift)) and not 0 <= b < 64:
-                raise _Unknown()
-            fn = _BIN.get(type(node.op))
-            if fn is None:
-                raise _Unknown()
-            out = fn(a, b)
-            if abs(out) >= LIMIT:
-                raise _Unknown()
-            return out
-        if isinstance(node, ast.BoolOp):
-            vals = [ev(v) for v in node.values]
-            return int(all(vals)) if isinstance(node.op, ast.And) else int(any(vals))
-        if isinstance(node, ast.Compare):
-            left = ev(node.left)
-            for op, right in zip(node.ops, node.comparators):
-                r = ev(right)
-                fn = _CMP.get(type(op))
-                if fn is None or not fn(left, r):
-                    return 0
-                left = r
-            return 1
-        raise _Unknown()
-
-    return ev(tree)
-
-
 def read(text: str, script_path: Path | None = None, env: dict[str, str] | None = None,
          positional: tuple[str, ...] | None = None) -> Reading:
     """Every path through the script, each with its launches. Raises ShellSyntax for a script
-    bash itself could not parse."""
+    bash itself could not parse (ScriptTooLarge for one longer than the reader parses)."""
     return Reader(script_path, env, positional).read(text)
