@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import functools
+import importlib.metadata
 import json
 import operator
 import os
@@ -78,18 +80,27 @@ class ScriptTooLarge(ShellSyntax):
 # ---------------------------------------------------------------- front end: shfmt's syntax tree
 
 def shfmt_binary() -> str:
-    """The shfmt binary: $MEGATRON_SKILL_SHFMT if set, else the one shfmt-py installed beside this
-    interpreter, else the first on PATH."""
+    """The shfmt binary: $MEGATRON_SKILL_SHFMT if set, else the one the shfmt-py package installed (as its
+    install record says, wherever that package is on sys.path), else one beside this interpreter or on PATH."""
     override = os.environ.get(SHFMT_ENV)
     found = [override] if override is not None else [
-        os.path.join(sysconfig.get_path("scripts"), "shfmt"), os.path.join(os.path.dirname(sys.executable), "shfmt"),
-        shutil.which("shfmt")]
+        _recorded_shfmt(), os.path.join(sysconfig.get_path("scripts"), "shfmt"),
+        os.path.join(os.path.dirname(sys.executable), "shfmt"), shutil.which("shfmt")]
     for path in found:
         if path and os.path.isfile(path) and os.access(path, os.X_OK):
             return path
     raise ToolError("environment", "reading a shell script needs the shfmt parser, and none is installed"
                     + (f" ({SHFMT_ENV}={override} is not an executable file)" if override is not None else ""),
                     fix="pip install shfmt-py (tools/setup.sh installs it with the skill)")
+
+
+@functools.lru_cache(maxsize=1)
+def _recorded_shfmt() -> str | None:
+    try:
+        files = importlib.metadata.distribution("shfmt-py").files or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return next((os.path.normpath(f.locate()) for f in files if f.name in ("shfmt", "shfmt.exe")), None)
 
 
 _ERROR = re.compile(r"^(?:<standard input>:)?(\d+):(\d+): (.*)$")
