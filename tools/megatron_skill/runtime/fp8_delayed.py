@@ -24,19 +24,22 @@ from .fp8_linear import MAX, quantize_with_transpose
 
 
 def scale_from(amax: torch.Tensor, dtype) -> torch.Tensor:
-    """The scale a previous maximum gives: amax / the format's largest, or one where that maximum
-    is zero or not finite."""
-    return torch.where((amax > 0) & torch.isfinite(amax), amax / MAX[dtype], torch.ones_like(amax))
+    """The scale a previous maximum gives: amax times 1 / the format's largest (a product, so
+    that the Triton kernel computes the same bits), or one where that maximum is zero or not
+    finite."""
+    return torch.where((amax > 0) & torch.isfinite(amax), amax * (1.0 / MAX[dtype]), torch.ones_like(amax))
 
 
 def cast_transpose_amax(t: torch.Tensor, prev_amax: torch.Tensor, dtype) -> tuple[torch.Tensor, ...]:
-    """For a 2-D t and the maximum of the previous pass: (t / scale saturated to dtype's range,
-    its transpose contiguous, the scale, t's own absolute maximum in fp32); no host
-    synchronisation."""
+    """For a 2-D t and the maximum of the previous pass: (t times 1 / scale, saturated to dtype's
+    range, its transpose contiguous, the scale, t's own absolute maximum in fp32); no host
+    synchronisation.  Multiplying by the reciprocal, as Transformer Engine's casts do, keeps
+    torch's and the Triton kernel's results bit for bit the same (a division by a scalar is
+    a product with its reciprocal in some of torch's kernels and an approximation in Triton's)."""
     if t.is_cuda and t.is_contiguous() and _triton_kernel() is not None:
         return _cast_transpose_amax_triton(t, prev_amax, dtype)
     scale = scale_from(prev_amax, dtype)
-    q = (t.float() / scale).clamp(-MAX[dtype], MAX[dtype]).to(dtype)
+    q = (t.float() * torch.reciprocal(scale)).clamp(-MAX[dtype], MAX[dtype]).to(dtype)
     return q, q.t().contiguous(), scale, t.detach().abs().amax().float()
 
 
@@ -73,11 +76,14 @@ def _triton_kernel():
         return None
 
     @triton.jit
-    def kernel(x_ptr, q_ptr, qt_ptr, prev_ptr, scale_ptr, amax_ptr, M, N, FMAX: tl.constexpr,
+    def kernel(x_ptr, q_ptr, qt_ptr, prev_ptr, scale_ptr, amax_ptr, M, N, FMAX: tl.constexpr, INV_FMAX: tl.constexpr,
                BM: tl.constexpr, BN: tl.constexpr):
         prev = tl.load(prev_ptr)
         usable = (prev > 0) & (prev < float("inf"))
-        scale = tl.where(usable, prev / FMAX, 1.0)
+        scale = tl.where(usable, prev * INV_FMAX, 1.0)
+        # the reciprocal by IEEE division (div_rn), as torch.reciprocal: Triton's "/" on fp32 is
+        # an approximation, and an ulp moves values across FP8 rounding boundaries
+        inv = tl.math.div_rn(tl.full((), 1.0, tl.float32), scale)
         if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
             tl.store(scale_ptr, scale)
         rm = tl.program_id(0) * BM + tl.arange(0, BM)
@@ -85,7 +91,7 @@ def _triton_kernel():
         mask = (rm[:, None] < M) & (rn[None, :] < N)
         x = tl.load(x_ptr + rm[:, None] * N + rn[None, :], mask=mask, other=0.0).to(tl.float32)
         tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
-        y = tl.clamp(x / scale, -FMAX, FMAX).to(q_ptr.dtype.element_ty)
+        y = tl.clamp(x * inv, -FMAX, FMAX).to(q_ptr.dtype.element_ty)
         tl.store(q_ptr + rm[:, None] * N + rn[None, :], y, mask=mask)
         # the transposed tile written along the transpose's rows: coalesced stores
         tl.store(qt_ptr + rn[:, None] * M + rm[None, :], tl.trans(y), mask=(rn[:, None] < N) & (rm[None, :] < M))
@@ -103,5 +109,5 @@ def _cast_transpose_amax_triton(t: torch.Tensor, prev_amax: torch.Tensor, dtype)
     amax = torch.zeros((), dtype=torch.float32, device=t.device)
     bm = bn = 64
     _triton_kernel()[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
-        t, q, q_t, prev_amax, scale, amax, m, n, FMAX=MAX[dtype], BM=bm, BN=bn, num_warps=4)
+        t, q, q_t, prev_amax, scale, amax, m, n, FMAX=MAX[dtype], INV_FMAX=1.0 / MAX[dtype], BM=bm, BN=bn, num_warps=4)
     return q, q_t, scale, amax
