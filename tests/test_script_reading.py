@@ -369,15 +369,19 @@ def test_a_heredoc_with_more_on_its_line_is_read(tmp_path):
     assert reading.paths[0].choices == ["if at line 2: `! python - <<'PY' 2>/dev/null` true"]
 
 
-def test_shell_syntax_errors_name_their_line_and_an_oversized_text_is_refused():
+def test_shell_syntax_errors_name_their_line_and_an_oversized_text_is_refused(tmp_path):
     with pytest.raises(shell.ShellSyntax) as e:
         shell.read("python pretrain_gpt.py \\\n  --save '/x\n")
     assert e.value.line == 2
     with pytest.raises(shell.ScriptTooLarge):
         shell.read("echo " + "a " * shell.MAX_PARSE_BYTES)
-    res = call("validate", {"script_text": "python pretrain_gpt.py --num-layers 2 " + "#" * shell.MAX_PARSE_BYTES})
+    with pytest.raises(shell.ScriptTooLarge, match="syntax tree would take"):   # 400 KB, 300,000 words
+        shell.read("X=1\n" * 100_000)
+    big = tmp_path / "big.sh"
+    big.write_text("X=1\n" * 100_000 + "python pretrain_gpt.py --num-layers 2\n")
+    res = call("validate", {"script": str(big)})
     assert not res["ok"] and res["error"]["code"] == "invalid_script", res
-    assert "kilobytes" in res["error"]["message"]
+    assert "syntax tree would take" in res["error"]["message"] and "kilobytes" in res["error"]["fix"]
 
 
 def test_without_shfmt_validate_answers_one_json_environment_error(tmp_path):
@@ -389,3 +393,14 @@ def test_without_shfmt_validate_answers_one_json_environment_error(tmp_path):
     answer = json.loads(proc.stdout)
     assert proc.returncode == 5 and answer["error"]["code"] == "environment", (proc.returncode, proc.stdout)
     assert "pip install shfmt-py" in answer["error"]["fix"] and "Traceback" not in proc.stderr
+
+
+def test_a_script_nested_deeper_than_the_reader_follows_is_refused_plainly():
+    # shfmt stops at its own depth limit; a tree deeper than Python's JSON reader or the evaluator
+    # recurses is refused the same way (never a RecursionError).
+    for text in ("python pretrain_gpt.py " + "$(" * 3000 + "echo 1" + ")" * 3000,
+                 "if true; then " * 2000 + "python pretrain_gpt.py" + "; fi" * 2000,
+                 "X=$((" + "(" * 3000 + "1" + ")" * 3000 + "))"):
+        with pytest.raises(shell.ScriptTooLarge, match="nested too deeply|nests commands deeper"):
+            shell.read(text + "\n")
+    assert _args("if true; then " * 60 + "python pretrain_gpt.py --bf16" + "; fi" * 60 + "\n") == [["--bf16"]]

@@ -51,8 +51,8 @@ def read(text: str, script_path: Path | None = None, env: dict[str, str] | None 
         reading = shell.read(text, script_path, env, None if positional is None else tuple(positional))
     except shell.ScriptTooLarge as e:
         raise ToolError("invalid_script", f"the script is not read: {e}", where="/script",
-                        fix="give validate the launch script itself (a launch script is kilobytes), or its "
-                            "Megatron arguments as args") from None
+                        fix="give validate the launch script itself (launch scripts are kilobytes, their commands "
+                            "nested a few levels), or its Megatron arguments as args") from None
     except shell.ShellSyntax as e:
         line = text.splitlines()[e.line - 1] if 0 < e.line <= len(text.splitlines()) else ""
         placeholder = re.search(r"=\s*<[^>]*>", line)

@@ -26,9 +26,11 @@ scripts, whose `sh -c` string does not parse) the old reader had left the nested
 on the labels of the lines after it.  The module went from 1,576 lines to about 1,300.  A shfmt
 process costs 9 ms for the median script (1.5 KB) and 24 ms for the largest (19 KB); a text
 is parsed once per read, so the corpus's 203 reads ran 310 processes in 4.5 s (the old reader:
-1.0 s).  shfmt's JSON is about 350 times the text and the parse of a 1 MiB script took 22-50 s
-and 3.4 GB: one text is parsed up to MAX_PARSE_BYTES (128 KiB: 3-4 s, 360 MB), one read up
-to MAX_READ_BYTES and MAX_PARSES texts.
+1.0 s).  shfmt's JSON is indented, about 1 KB per word and quadratic in the nesting: a 1 MiB
+script of short words took 22-50 s and 3.4 GB, 2,000 nested ifs (36 KB) 778 MB of JSON and 3.2 GB.
+So before shfmt runs, a cheap scan estimates the JSON (_json_estimate) and a text whose tree would
+pass MAX_JSON_BYTES is refused; a read parses at most MAX_READ_BYTES and MAX_PARSES texts.  The
+largest accepted, 40,000 array items in 589 KB, reads in about 6 s and 0.5 GB.
 
 Other parsers were measured first.  tree-sitter-bash 0.25.1 turns `if ! cmd <<'X'; then` (a
 heredoc with more on its line, which render writes) into an error node; bashlex reads no arrays
@@ -59,8 +61,8 @@ MAX_STEPS = 50_000      # commands evaluated in all; a script that loops further
 MAX_DEPTH = 8           # nesting of source, functions, bash -c and heredoc scripts
 MAX_LOOP = 256          # iterations of one loop
 MAX_FILE_BYTES = 1 << 20
-MAX_PARSE_BYTES = 128 << 10   # one text given to shfmt (a launch script is kilobytes)
-MAX_READ_BYTES = 512 << 10    # all the texts one read parses (sourced files, heredocs, bash -c)
+MAX_PARSE_BYTES = 1 << 20     # one text given to shfmt (and MAX_JSON_BYTES of its answer)
+MAX_READ_BYTES = 2 << 20      # all the texts one read parses (sourced files, heredocs, bash -c)
 MAX_PARSES = 256              # distinct texts one read parses (a shfmt process each)
 MAX_BRACKET_RETRIES = 64
 SHFMT_TIMEOUT_S = 120
@@ -74,7 +76,7 @@ class ShellSyntax(Exception):
 
 
 class ScriptTooLarge(ShellSyntax):
-    """A text longer than the reader parses."""
+    """A text longer, or nested deeper, than the reader parses."""
 
 
 # ---------------------------------------------------------------- front end: shfmt's syntax tree
@@ -101,6 +103,38 @@ def _recorded_shfmt() -> str | None:
     except importlib.metadata.PackageNotFoundError:
         return None
     return next((os.path.normpath(f.locate()) for f in files if f.name in ("shfmt", "shfmt.exe")), None)
+
+
+_TOO_DEEP = "the script nests commands deeper than the reader follows"
+# shfmt's JSON is indented, about 1 KB for each word or operator of a script, 5% more for each level of
+# nesting it sits in, 8 levels for a $( (measured: a flat 128 KiB script gave 40-54 MB of JSON; 40,000
+# array items in 589 KB, 85 MB (shfmt 3.5 s, 0.5 GB); 2,000 nested ifs in 36 KB, 778 MB and 3.2 GB).
+MAX_JSON_BYTES = 128 << 20
+_NESTING = re.compile(rb"'[^']*'?|#[^\n]*|\\.|\$\(|[(){}]|(?:^|(?<=[\s;&|(!]))(?:if|case|for|while|until|select|fi|esac|done)"
+                      rb"(?=[\s;&|)]|$)", re.M)
+_TOKENS = re.compile(rb"[\w./:@%+,-]+|[^\w\s]")
+_OPENS = {b"(": 1, b"$(": 8, b"{": 1, b"if": 1, b"case": 1, b"for": 1, b"while": 1, b"until": 1, b"select": 1}
+_CLOSES = {b")", b"}", b"fi", b"esac", b"done"}
+
+
+def _json_estimate(data: bytes) -> int:
+    """About how many bytes shfmt's JSON of the text takes (more rather than less): a cheap scan of its
+    words and its nesting (quotes, comments and keywords roughly as bash sees them) before the process runs."""
+    total = at = depth = 0
+    stack: list[int] = []
+
+    def cost(start: int, end: int, words: bool = True) -> int:
+        return ((len(_TOKENS.findall(data, start, end)) * 1100 if words else 0) + end - start) * (20 + depth) // 20
+    for m in _NESTING.finditer(data):
+        token = m.group(0)
+        total += cost(at, m.start()) + cost(m.start(), m.end(), words=token[:1] not in b"'#")
+        at = m.end()
+        if token in _OPENS:
+            stack.append(_OPENS[token])
+            depth += stack[-1]
+        elif token in _CLOSES and stack:
+            depth -= stack.pop()
+    return total + cost(at, len(data))
 
 
 _ERROR = re.compile(r"^(?:<standard input>:)?(\d+):(\d+): (.*)$")
@@ -131,6 +165,9 @@ def parse(text: str) -> dict:
     if len(data) > MAX_PARSE_BYTES:
         raise ScriptTooLarge(f"the text is {len(data):,} bytes; the reader parses at most {MAX_PARSE_BYTES:,} "
                              "(a launch script is kilobytes)", 1)
+    if (estimate := _json_estimate(data)) > MAX_JSON_BYTES:
+        raise ScriptTooLarge(f"the text is too large or nested too deeply to read: its syntax tree would take about "
+                             f"{estimate >> 20:,} MiB, the reader takes {MAX_JSON_BYTES >> 20}", 1)
     for _ in range(MAX_BRACKET_RETRIES + 1):
         try:
             proc = subprocess.run([shfmt_binary(), "--to-json", "-ln", "bash"], input=data, capture_output=True,
@@ -138,9 +175,14 @@ def parse(text: str) -> dict:
         except (OSError, subprocess.TimeoutExpired) as e:
             raise ToolError("environment", f"the shfmt parser did not answer: {e}",
                             fix="pip install --force-reinstall shfmt-py") from None
-        if proc.returncode == 0:
-            return json.loads(proc.stdout, object_hook=_hook(data))
         err = proc.stderr.decode("utf-8", errors="replace").strip()
+        if proc.returncode == 0:
+            try:
+                return json.loads(proc.stdout, object_hook=_hook(data))
+            except RecursionError:
+                raise ScriptTooLarge(_TOO_DEEP, 1) from None
+        if "exceeded max depth" in err:
+            raise ScriptTooLarge(_TOO_DEEP, 1)
         m = _ERROR.match(err.splitlines()[0] if err else "")
         if m is None:
             raise ToolError("environment", f"the shfmt parser failed: {err[:300] or 'no message'}",
@@ -1327,5 +1369,8 @@ def _entry_index(argv: list[str]) -> int | None:
 def read(text: str, script_path: Path | None = None, env: dict[str, str] | None = None,
          positional: tuple[str, ...] | None = None) -> Reading:
     """Every path through the script, each with its launches. Raises ShellSyntax for a script
-    bash itself could not parse (ScriptTooLarge for one longer than the reader parses)."""
-    return Reader(script_path, env, positional).read(text)
+    bash itself could not parse (ScriptTooLarge for one longer or deeper than the reader parses)."""
+    try:
+        return Reader(script_path, env, positional).read(text)
+    except RecursionError:
+        raise ScriptTooLarge(_TOO_DEEP, 1) from None
