@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# FP8 delayed scaling (runtime/fp8_delayed.py) against current scaling, on one GPU:
-#   bash benchmarks/fp8_delayed_lease.sh OUTDIR speed    # kernel check; each lever current, then delayed; BF16 1B
+# FP8 delayed scaling (runtime.fp8_scaling "delayed", runtime/fp8_delayed.py) against current
+# scaling, on one GPU:
+#   bash benchmarks/fp8_delayed_lease.sh OUTDIR speed    # kernel check; each lever, then its -delayed twin; BF16 1B
 #   bash benchmarks/fp8_delayed_lease.sh OUTDIR parity   # FP8 delayed against BF16 on real text; a profile of 1B
 # LEVERS (env, default "1b-fp8-planned 3b-fp8-planned") and BF16_LEVERS (default "1b-planned", the
-# ratio's baseline in the same lease) name levers of benchmarks/requests/levers.json.
-# Results: OUTDIR/<current|delayed>/LEVER.json, OUTDIR/levers.md, OUTDIR/kernel-check.txt, OUTDIR/parity/.
+# ratio's baseline in the same lease) name levers of benchmarks/requests/levers.json; each FP8
+# lever has a twin named LEVER-delayed there.
+# Results: OUTDIR/<current|delayed|bf16>/LEVER.json, OUTDIR/levers.md, OUTDIR/kernel-check.txt, OUTDIR/parity/.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT=${1:?usage: fp8_delayed_lease.sh OUTDIR speed|parity}
@@ -31,8 +33,7 @@ PY
   cat "$OUT/kernel-check.txt" >&2
   for lever in ${LEVERS:-1b-fp8-planned 3b-fp8-planned}; do
     timeout 400 "$PY" benchmarks/run_levers.py "$OUT/current" "$lever" >> "$OUT/levers.md" 2>> "$OUT/levers.err"
-    MEGATRON_SKILL_FP8_SCALING=delayed timeout 400 "$PY" benchmarks/run_levers.py "$OUT/delayed" "$lever" \
-      >> "$OUT/levers.md" 2>> "$OUT/levers.err"
+    timeout 400 "$PY" benchmarks/run_levers.py "$OUT/delayed" "$lever-delayed" >> "$OUT/levers.md" 2>> "$OUT/levers.err"
     tail -2 "$OUT/levers.md" >&2
   done
   for lever in ${BF16_LEVERS-1b-planned}; do
@@ -40,10 +41,10 @@ PY
     tail -1 "$OUT/levers.md" >&2
   done
 else
-  MEGATRON_SKILL_FP8_SCALING=delayed timeout 420 "$PY" benchmarks/run_fp8_parity.py "$OUT/parity" --iters 300 \
+  timeout 420 "$PY" benchmarks/run_fp8_parity.py "$OUT/parity" --iters 300 --fp8-scaling delayed \
     > "$OUT/parity.out" 2> "$OUT/parity.err"
   tail -5 "$OUT/parity.out" >&2
-  MEGATRON_SKILL_FP8_SCALING=delayed timeout 150 "$PY" benchmarks/run_levers.py "$OUT/delayed-profile" \
-    1b-fp8-planned-profile >> "$OUT/levers.md" 2>> "$OUT/levers.err"
+  timeout 150 "$PY" benchmarks/run_levers.py "$OUT/delayed-profile" 1b-fp8-planned-delayed-profile \
+    >> "$OUT/levers.md" 2>> "$OUT/levers.err"
   tail -1 "$OUT/levers.md" >&2
 fi

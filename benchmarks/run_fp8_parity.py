@@ -75,6 +75,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out_dir", type=Path)
     ap.add_argument("--iters", type=int, default=300)
+    ap.add_argument("--fp8-scaling", choices=["current", "delayed"], default="current",
+                    help="the FP8 run's runtime.fp8_scaling (default current)")
     a = ap.parse_args()
     a.out_dir.mkdir(parents=True, exist_ok=True)
     docs = corpus(a.out_dir / "stdlib.jsonl")
@@ -91,9 +93,10 @@ def main() -> int:
         print(f"fp8-parity: {name}", file=sys.stderr, flush=True)
         req = json.loads(json.dumps(base))
         req["training"]["seed"] = seed
-        req["runtime"] = {"fp8_linear": fp8}
+        req["runtime"] = {"fp8_linear": fp8, **({"fp8_scaling": a.fp8_scaling} if fp8 else {})}
         res = launch("train", req, a.out_dir, name)
-        return {"request_id": res.get("run_id"), "seed": seed, "fp8_linear": fp8, "losses": losses(res)}
+        return {"request_id": res.get("run_id"), "seed": seed, "fp8_linear": fp8,
+                "fp8_scaling": a.fp8_scaling if fp8 else None, "losses": losses(res)}
 
     # The three runs share the GPU at once: losses do not depend on speed, and a 250M model
     # leaves most of an H200 idle.

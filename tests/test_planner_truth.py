@@ -115,6 +115,28 @@ def test_the_local_gemm_share_scales_only_the_local_layers_gemms():
         timing.clear_caches_keep_calibration()
 
 
+def test_delayed_fp8_scaling_reads_each_input_once_in_the_skills_layers_only():
+    """The casts of the skill's FP8 layers: current scaling reads each GEMM input twice (amax,
+    then the cast) and writes it twice in FP8 (6 bytes an element), delayed once (4); TE's layers
+    are not the skill's and keep their cost; the flag travels as the entry's own."""
+    from megatron_skill.core.options import RuntimeOptions
+
+    gpu = get_gpu("h100-sxm")
+    model = resolve_model({"model": "llama3-8b"})
+    lay = Layout(tp=1, pp=1, dp=1, mbs=1, gbs=8, seq_length=4096, precision="fp8")
+    cur = timing.step_time(model, lay, gpu, 128256, te=False, fp8_linear=True)
+    dly = timing.step_time(model, lay, gpu, 128256, te=False, fp8_linear=True, fp8_delayed=True)
+    bf16 = timing.step_time(model, lay, gpu, 128256, te=False, fp8_linear=False)
+    assert cur.gemm == dly.gemm and dly.elementwise < cur.elementwise
+    cast_cur, cast_dly = cur.elementwise - bf16.elementwise, dly.elementwise - bf16.elementwise
+    assert cast_dly == pytest.approx(cast_cur * 4 / 6)
+    te = timing.step_time(model, lay, gpu, 128256, te=True, fp8_delayed=True)
+    assert te.total == timing.step_time(model, lay, gpu, 128256, te=True).total
+    flags = RuntimeOptions.from_request({"fp8_linear": True, "fp8_scaling": "delayed"}, te=False).entry_flags()
+    assert flags[flags.index("--skill-fp8-scaling") + 1] == "delayed"
+    assert "--skill-fp8-scaling" not in RuntimeOptions.from_request({"fp8_linear": True}, te=False).entry_flags()
+
+
 def test_the_fused_adam_hook_steps_torchs_fused_kernel_like_the_multi_tensor_one():
     require_modules("torch")
     import torch

@@ -296,6 +296,14 @@ def test_fp8_linear_layers_train_like_bf16(tmp_path):
     for it in full:
         assert fp8[it] == pytest.approx(full[it], rel=0.02)
     assert fp8[5] < fp8[1]
+    # delayed scaling (the request's runtime.fp8_scaling reaches the loop's layers): the first
+    # pass of each input scales as current scaling does, later ones by the previous maximum
+    c = tmp_path / "fp8-delayed"
+    c.mkdir()
+    delayed = _run_loop(_config(c, fp8_linear=True, fp8_scaling="delayed", **kw))
+    assert delayed[1] == fp8[1] and any(delayed[it] != fp8[it] for it in fp8)
+    for it in full:
+        assert delayed[it] == pytest.approx(full[it], rel=0.02)
 
 
 def test_a_failed_run_reports_the_ranks_error_not_torchruns(tmp_path):

@@ -58,7 +58,8 @@ def test_the_layout_the_loop_runs_is_the_answers(tmp_path):
 def test_runtime_options_reach_the_loop_or_are_refused(tmp_path):
     plain = _dry(tmp_path)
     assert plain["ok"] and not any(v for k, v in plain["result"]["runtime"].items()
-                                   if k not in ("sdpa_backend", "fused_wgrad_accumulation")), plain
+                                   if k not in ("sdpa_backend", "fused_wgrad_accumulation", "fp8_scaling")), plain
+    assert plain["result"]["runtime"]["fp8_scaling"] == "current"
     asked = _dry(tmp_path, runtime={"compiled_rope": False, "sdpa_backend": "math"})
     assert asked["ok"], asked
     run = asked["result"]["runtime"]
@@ -74,11 +75,13 @@ def test_the_loops_config_carries_the_runtime_options(tmp_path):
 
     req = validate_request("train", {"model": "tiny-gpt", "num_gpus": 1, "seq_length": 64,
                                      "training": {"train_iters": 2},
-                                     "runtime": {"native_gqa": False, "fp8_linear": True, "sdpa_backend": "flash"}})
+                                     "runtime": {"native_gqa": False, "fp8_linear": True, "sdpa_backend": "flash",
+                                                 "fp8_scaling": "delayed"}})
     plan = plan_cpu_run(req, tmp_path, "x")
     plan["write"]()
     cfg = json.loads((tmp_path / "cpu_run.json").read_text())
     assert cfg["fused_head"] and cfg["fp8_linear"] and cfg["fused_adam"] and not cfg["native_gqa"]
+    assert cfg["fp8_scaling"] == "delayed"
     assert cfg["sdpa_backend"] == "flash"
 
 

@@ -309,6 +309,7 @@ def runtime_options(ns: Any) -> RuntimeOptions:
                           sdpa_backend=str(getattr(ns, "skill_sdpa_backend", None) or "auto"),
                           fused_wgrad_accumulation=fused_wgrad,
                           fp8_linear=own and bool(ns.skill_fp8_linear), fused_adam=own and bool(ns.skill_fused_adam),
+                          fp8_scaling=str(getattr(ns, "skill_fp8_scaling", None) or "current") if own else "current",
                           te=te, moe=MoEOptions.from_args(ns), megatron=MegatronOptions.from_args(ns),
                           attention_kernel=attention_kernel(ns))
 

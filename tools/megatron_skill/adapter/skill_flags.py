@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 SDPA_BACKENDS = ["auto", "cudnn", "flash", "efficient", "math"]
+FP8_SCALINGS = ["current", "delayed"]
 
 
 def add_skill_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -20,6 +21,9 @@ def add_skill_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     g.add_argument("--skill-fp8-linear", action="store_true",
                    help="attention and MLP linear layers in FP8 (per-tensor current scaling, torch._scaled_mm) "
                         "without Transformer Engine; TP 1 layers (runtime/fp8_linear.py)")
+    g.add_argument("--skill-fp8-scaling", choices=FP8_SCALINGS, default="current",
+                   help="how the skill's FP8 layers scale a GEMM input: by its own maximum (current) or by the "
+                        "maximum of its previous pass, measured while casting (delayed; runtime/fp8_delayed.py)")
     g.add_argument("--skill-fused-adam", action="store_true",
                    help="step torch's AdamW with its fused kernel where Megatron falls back to it (no Transformer "
                         "Engine or apex): no 4-byte-per-parameter temporary at the step (runtime/fused_adam.py)")

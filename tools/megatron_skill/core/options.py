@@ -27,6 +27,7 @@ class RuntimeOptions:
     fused_wgrad_accumulation: bool  # weight gradients added into main_grad by their GEMM
     fp8_linear: bool                # the skill's FP8 linear layers (no TE)
     fused_adam: bool = True         # torch's fused AdamW where Megatron falls back to torch's optimizer
+    fp8_scaling: str = "current"    # current | delayed: how the skill's FP8 layers scale (runtime/fp8_delayed.py)
     te: bool = True                 # Transformer Engine's layers run (then none of the above does)
     moe: MoEOptions = MoEOptions()  # how the MoE layers run (Megatron's MoE flags; core/moe.py)
     megatron: MegatronOptions = MegatronOptions()   # Megatron's memory and communication options
@@ -79,6 +80,8 @@ class RuntimeOptions:
             a.append("--skill-linear-cross-entropy")
         if self.fp8_linear:
             a.append("--skill-fp8-linear")
+        if self.fp8_scaling != "current":
+            a += ["--skill-fp8-scaling", self.fp8_scaling]
         if self.fused_adam:
             a.append("--skill-fused-adam")
         if self.compiled_rope:

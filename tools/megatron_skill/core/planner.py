@@ -326,7 +326,8 @@ def predict(model: ModelConfig, gpu: GPUSpec, lay: Layout, padded: int, opts: Ru
     opts = opts or RuntimeOptions.from_request(None)
     mem = mem or memory_report(model, lay, padded, opts.memory(lay))
     t = step_time(model, lay, gpu, padded, opts.te, fused_head=opts.fused_head, fp8_linear=opts.fp8_local(lay),
-                  fused_wgrad=opts.fused_wgrad, moe=opts.moe, megatron=opts.megatron, attention=opts.attention_kernel)
+                  fused_wgrad=opts.fused_wgrad, moe=opts.moe, megatron=opts.megatron, attention=opts.attention_kernel,
+                  fp8_delayed=opts.fp8_scaling == "delayed")
     step = t.total
     tokens = lay.gbs * lay.seq_length
     model_flops = training_flops(model, lay.seq_length, lay.gbs, padded)

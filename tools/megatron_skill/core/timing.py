@@ -195,11 +195,12 @@ def _layer_elementwise_bytes(model: ModelConfig, lay: Layout, moe: bool, routed_
     return 3 * fwd
 
 
-def _layer_fp8_cast_bytes(model: ModelConfig, lay: Layout, moe: bool = False) -> float:
+def _layer_fp8_cast_bytes(model: ModelConfig, lay: Layout, moe: bool = False, reads: int = 2) -> float:
     """Bytes per token that per-tensor FP8 casting moves around one layer's linear layers:
-    every GEMM input (forward activations, backward output gradients) read twice (amax, then
-    the cast) and written as FP8 in both layouts; weights are cast once a step. In an MoE
-    layer the experts' inputs and output gradients are cast for each of the top-k copies."""
+    every GEMM input (forward activations, backward output gradients) read `reads` times (current
+    scaling: twice, amax then the cast; delayed: once) and written as FP8 in both layouts;
+    weights are cast once a step. In an MoE layer the experts' inputs and output gradients are
+    cast for each of the top-k copies."""
     h, t = model.hidden_size, lay.tp
     q = model.num_attention_heads * model.head_dim
     kv = 2 * model.query_groups * model.head_dim
@@ -210,7 +211,7 @@ def _layer_fp8_cast_bytes(model: ModelConfig, lay: Layout, moe: bool = False) ->
     else:
         f = model.ffn_hidden_size
         mlp = (h + f) + (f * (2 if model.gated else 1) + h)
-    return (2 * BF16 + 2) * (attention + mlp) / t
+    return (reads * BF16 + 2) * (attention + mlp) / t
 
 
 def _unfused_grad_params(model: ModelConfig, lay: Layout, rank: int, n_dense: int, n_moe: int, padded_vocab: int,
@@ -321,7 +322,7 @@ ZERO_LAYER = (0.0,) * len(LAYER_FIELDS)
 def _layer_times(model: ModelConfig, gpu: GPUSpec, te: bool, fp8_linear: bool, tp: int, cp: int, ep: int, etp: int,
                  mbs: int, s: int, sp: bool, precision: str,
                  moe_opts: MoEOptions = DEFAULT_MOE, tp_overlap: bool | None = None,
-                 kernel: AttentionKernel = PLANNED) -> dict[bool | str, tuple[float, ...]]:
+                 kernel: AttentionKernel = PLANNED, fp8_reads: int = 2) -> dict[bool | str, tuple[float, ...]]:
     """Seconds of one dense (key False) and one MoE layer (True) for one micro-batch, by
     LAYER_FIELDS, and one forward of the MoE block alone ("moe_forward"): what the layout decides
     of them (not the pipeline split or data parallelism, which the planner varies most), so cached
@@ -339,8 +340,9 @@ def _layer_times(model: ModelConfig, gpu: GPUSpec, te: bool, fp8_linear: bool, t
         elementwise = 0.0
         if (layer_rates is not rates and not moe) or (te and precision == "fp8"):
             # the casts of the FP8 GEMMs' inputs: the skill's layers, or TE's current scaling
+            reads = fp8_reads if layer_rates is not rates else 2   # the skill's layers scale as asked
             elementwise += rates.cal["fp8_cast_factor"] * rates.memory_bound(
-                _layer_fp8_cast_bytes(model, lay, moe) * tokens)
+                _layer_fp8_cast_bytes(model, lay, moe, reads) * tokens)
         core = flops.core_attention_flops_per_token(model, s) * tokens / t
         # Load-balanced causal CP runs attention as 2 x CP smaller blocks per rank: less efficient.
         head_dim = model.head_dim if not model.multi_latent_attention else model.qk_head_dim
@@ -377,7 +379,7 @@ def _layer_times(model: ModelConfig, gpu: GPUSpec, te: bool, fp8_linear: bool, t
 def step_time(model: ModelConfig, lay: Layout, gpu: GPUSpec, padded_vocab: int, te: bool = True,
               fused_head: bool = False, fp8_linear: bool = False, fused_wgrad: bool = True,
               moe: MoEOptions = DEFAULT_MOE, megatron: MegatronOptions = DEFAULT_MEGATRON,
-              attention: AttentionKernel = PLANNED) -> StepTime:
+              attention: AttentionKernel = PLANNED, fp8_delayed: bool = False) -> StepTime:
     # Without TE, FP8 is the skill's own linear layers (fp8_linear; precision fp8 asks for them
     # too): attention and MLP GEMMs at the FP8 rate, plus their casts; the rest stays BF16.
     rates = _Rates(gpu, lay.precision if te else "bf16", te)
@@ -391,7 +393,7 @@ def step_time(model: ModelConfig, lay: Layout, gpu: GPUSpec, padded_vocab: int, 
     # TE's TP overlap runs where render writes --tp-comm-overlap (adapter/arguments.py, te_only_args)
     tp_overlap = te and megatron.tp_overlap_runs(t, lay.sequence_parallel, node)
     per_layer = _layer_times(model, gpu, te, fp8_linear, lay.tp, lay.cp, lay.ep, lay.etp, lay.mbs, s, sp,
-                             lay.precision, moe, tp_overlap, attention)
+                             lay.precision, moe, tp_overlap, attention, 1 if fp8_delayed else 2)
 
     # The busiest rank decides the pace of the pipeline: the one with most work per micro-batch.
     def rank_time(rank: int) -> tuple[StepTime, int]:

@@ -29,11 +29,15 @@ def build_model(cfg: dict):
 
     patches.by_name("CPU stands in").apply()
     opts = RuntimeOptions.from_request({"fp8_linear": bool(cfg.get("fp8_linear")),
+                                        "fp8_scaling": cfg.get("fp8_scaling", "current"),
                                         "native_gqa": bool(cfg.get("native_gqa")),
                                         "compiled_rope": bool(cfg.get("compiled_rope")),
                                         "sdpa_backend": cfg.get("sdpa_backend", "auto")}, te=False)
     if opts.compiled_rope:
         patches.by_name("RoPE").apply()
+    if opts.fp8_linear:
+        from . import fp8_delayed
+        fp8_delayed.use(opts.fp8_scaling)
 
     m = cfg["model"]
     act = {"swiglu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu,

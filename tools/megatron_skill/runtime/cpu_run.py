@@ -135,6 +135,7 @@ class CPURuntime:
     native_gqa: bool = False
     sdpa_backend: str = "auto"
     fp8_linear: bool = False
+    fp8_scaling: str = "current"
     fused_adam: bool = False
     # The loop's weights and gradients are fp32: each weight gradient is added into an fp32
     # gradient by autograd, which is what the fused accumulation buys on a GPU. Nothing to switch.
@@ -144,7 +145,7 @@ class CPURuntime:
         """The loop's own config keys (runtime/cpu_loop.py)."""
         return {"fused_head": self.linear_cross_entropy, "compiled_rope": self.compiled_rope,
                 "native_gqa": self.native_gqa, "sdpa_backend": self.sdpa_backend, "fp8_linear": self.fp8_linear,
-                "fused_adam": self.fused_adam}
+                "fp8_scaling": self.fp8_scaling, "fused_adam": self.fused_adam}
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -161,4 +162,5 @@ def cpu_runtime(runtime: dict | None) -> CPURuntime:
                         fix="give sdpa_backend auto, flash or math for a CPU run, or train on GPUs (backend gpu)")
     return CPURuntime(linear_cross_entropy=opts.linear_cross_entropy, compiled_rope=opts.compiled_rope,
                       native_gqa=opts.native_gqa, sdpa_backend=opts.sdpa_backend, fp8_linear=opts.fp8_linear,
-                      fused_adam=opts.fused_adam, fused_wgrad_accumulation=opts.fused_wgrad_accumulation)
+                      fp8_scaling=opts.fp8_scaling, fused_adam=opts.fused_adam,
+                      fused_wgrad_accumulation=opts.fused_wgrad_accumulation)

@@ -183,6 +183,7 @@ def runtime_options(args) -> RuntimeOptions:
                           native_gqa=args.skill_native_gqa, sdpa_backend=args.skill_sdpa_backend,
                           fused_wgrad_accumulation=args.gradient_accumulation_fusion,
                           fp8_linear=args.skill_fp8_linear, fused_adam=args.skill_fused_adam,
+                          fp8_scaling=args.skill_fp8_scaling,
                           te=args.transformer_impl != "local")
 
 
@@ -204,9 +205,10 @@ def main() -> None:
     if fused:
         fixes.append("output layer + cross-entropy fused chunk by chunk (no full logits)")
     if opts.fp8_linear:
-        from . import fp8_linear
+        from . import fp8_delayed, fp8_linear
         fp8_linear.WEIGHT_CACHE.enable()
-        fixes.append("FP8 linear layers (per-tensor current scaling, torch._scaled_mm; weights cast once a step)")
+        fp8_delayed.use(opts.fp8_scaling)
+        fixes.append(f"FP8 linear layers (per-tensor {opts.fp8_scaling} scaling, torch._scaled_mm; weights cast once a step)")
     rope = patches.by_name("RoPE")
     if opts.compiled_rope and rope.apply():
         fixes.append(rope.name)

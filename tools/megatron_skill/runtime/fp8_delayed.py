@@ -20,7 +20,14 @@ import functools
 
 import torch
 
+from . import fp8_linear
 from .fp8_linear import MAX, quantize_with_transpose
+
+
+def use(scaling: str) -> None:
+    """The FP8 linear layers' scaling from now on: "delayed" (each layer keeps its maxima in a
+    LayerScaling) or "current"."""
+    fp8_linear.LAYER_SCALING = LayerScaling if scaling == "delayed" else None
 
 
 def scale_from(amax: torch.Tensor, dtype) -> torch.Tensor:

@@ -14,8 +14,6 @@ asynchronous gradient all-reduce); elsewhere they are Megatron's own BF16 layers
 """
 from __future__ import annotations
 
-import os
-
 import torch
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
@@ -23,9 +21,10 @@ from . import compiled
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 MAX = {E4M3: 448.0, E5M2: 57344.0}
-# "delayed": each layer's input and output gradient scaled by their maximum of the previous pass
-# (runtime/fp8_delayed.py); an experiment, measured on one GPU model, so not a request option yet
-SCALING = os.environ.get("MEGATRON_SKILL_FP8_SCALING", "tensorwise")
+# What each layer keeps to scale its inputs: None for current scaling (each tensor by its own
+# maximum); under the request's runtime.fp8_scaling "delayed", fp8_delayed.use() sets it to
+# fp8_delayed.LayerScaling before the model runs (the entry, or the CPU loop).
+LAYER_SCALING = None
 
 
 def quantize(t: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,11 +133,10 @@ def _fp8_ok(x: torch.Tensor, w: torch.Tensor, kwargs: dict) -> bool:
 
 
 def _layer_scaling(layer):
-    if SCALING != "delayed":
+    if LAYER_SCALING is None:
         return None
     if getattr(layer, "_fp8_scaling", None) is None:
-        from .fp8_delayed import LayerScaling
-        layer._fp8_scaling = LayerScaling()
+        layer._fp8_scaling = LAYER_SCALING()
     return layer._fp8_scaling
 
 
