@@ -26,6 +26,16 @@ def test_doctor_recognises_the_pypi_apex_impostor(tmp_path):
     assert "github.com/NVIDIA/apex" in apex["howto"]
 
 
+def test_doctor_names_a_missing_shell_parser(tmp_path):
+    """validate reads launch scripts through shfmt: doctor says when its binary is not there."""
+    rc, out, _ = run_cli("doctor")
+    assert out["result"]["packages"]["shfmt-py"] and not any("shfmt" in p["what"] for p in out["result"]["problems"])
+    rc, out, _ = run_cli("doctor", env={"MEGATRON_SKILL_SHFMT": str(tmp_path / "no-shfmt")})
+    assert rc == 0, out
+    missing = [p for p in out["result"]["problems"] if "shfmt" in p["what"]]
+    assert missing and "pip install shfmt-py" in missing[0]["fix"], out["result"]["problems"]
+
+
 def test_bench_without_gpu(cli, tmp_path):
     rc, out, _ = cli("bench", "--calibrate", "--runs-root", str(tmp_path))
     assert rc == 5 and out["error"]["code"] == "environment"

@@ -39,6 +39,7 @@ def diagnose() -> dict[str, Any]:
             "apex": apex,
             "flash_attn": version("flash-attn") or version("flash_attn"),
             "jinja2": version("jinja2"), "jsonschema": version("jsonschema"),
+            "shfmt-py": version("shfmt-py"),
         },
         "fp8": {"hardware": fp8_hw, "transformer_engine": bool(te and fp8_hw),
                 "torch_scaled_mm": bool(scaled_mm and fp8_hw)},
@@ -64,12 +65,26 @@ def diagnose() -> dict[str, Any]:
     if not te:
         problems.append({"what": "Transformer Engine is not installed: local layers, no FP8 through TE, no CP",
                          "fix": TE_HOWTO})
+    if (shfmt := _shfmt_problem()) is not None:
+        problems.append(shfmt)
     if apex.get("impostor"):
         problems.append({"what": apex["note"], "fix": apex["howto"]})
     if not gpus["count"]:
         problems.append({"what": "no CUDA GPU visible", "fix": "train and bench need one; the CPU loop trains tiny models"})
     info["problems"] = problems
     return info
+
+
+def _shfmt_problem() -> dict[str, str] | None:
+    """validate reads launch scripts through shfmt's parser (adapter/shell.py): its binary must be there."""
+    from ..adapter import shell
+    from ..errors import ToolError
+
+    try:
+        shell.shfmt_binary()
+    except ToolError as e:
+        return {"what": f"{e.message}: validate cannot read launch scripts (--args still works)", "fix": e.fix or ""}
+    return None
 
 
 def summary_text(info: dict[str, Any]) -> str:
