@@ -7,12 +7,14 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 from conftest import ROOT
 
 from megatron_skill.adapter import shell
 from megatron_skill.contract import call
+from megatron_skill.errors import ToolError
 
 MODEL = """--num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32
     --group-query-attention --num-query-groups 8 --kv-channels 128 --seq-length 8192
@@ -404,3 +406,46 @@ def test_a_script_nested_deeper_than_the_reader_follows_is_refused_plainly():
         with pytest.raises(shell.ScriptTooLarge, match="nested too deeply|nests commands deeper"):
             shell.read(text + "\n")
     assert _args("if true; then " * 60 + "python pretrain_gpt.py --bf16" + "; fi" * 60 + "\n") == [["--bf16"]]
+
+
+def _fake_shfmt(tmp_path, body: str) -> str:
+    path = tmp_path / "shfmt"
+    path.write_text("#!/bin/sh\ncat >/dev/null\n" + body + "\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_a_parser_that_answers_no_syntax_tree_is_an_environment_error(tmp_path, monkeypatch):
+    # Not JSON, not UTF-8, or JSON that is not shfmt's File node: the binary is not the parser we read
+    # (an internal error, a bug of ours, before).
+    for answer in ("echo 'not json {'", "printf '\\377\\376{'", "echo '[1, 2]'"):
+        monkeypatch.setenv(shell.SHFMT_ENV, _fake_shfmt(tmp_path, answer))
+        with pytest.raises(ToolError, match="something other than a syntax tree") as e:
+            shell.read("python pretrain_gpt.py --bf16\n")
+        assert e.value.code == "environment"
+
+
+def test_a_parser_that_hangs_is_ended_with_its_children(tmp_path, monkeypatch):
+    # A wrapper script whose child keeps the pipe open: killing the script alone left the read waiting
+    # on the child (and the child running).
+    monkeypatch.setenv(shell.SHFMT_ENV, _fake_shfmt(tmp_path, "sleep 60\ntrue"))
+    monkeypatch.setattr(shell, "SHFMT_TIMEOUT_S", 1)
+    start = time.monotonic()
+    with pytest.raises(ToolError, match="did not answer within 1 s"):
+        shell.read("python pretrain_gpt.py --bf16\n")
+    assert time.monotonic() - start < 20
+
+
+def test_the_parsers_answer_and_memory_are_bounded_where_the_estimate_misses(monkeypatch):
+    # A chain `a && a && ...` nests one level per operator in shfmt's tree; the scan's estimate sees a
+    # flat line (2,000 of them: 10 KB, 6.6 MB estimated, 427 MB of JSON and 1.8 GB in shfmt).
+    chain = " && ".join(["a"] * 200) + "\n"
+    assert shell._json_estimate(chain.encode()) < 2 << 20
+    monkeypatch.setattr(shell, "MAX_JSON_BYTES", 2 << 20)     # its JSON is about 4 MB
+    with pytest.raises(shell.ScriptTooLarge, match="more than 2 MiB"):
+        shell.parse(chain)
+    monkeypatch.undo()
+    monkeypatch.setattr(shell, "SHFMT_MEMORY_BYTES", 1 << 30)
+    with pytest.raises(shell.ScriptTooLarge, match="memory in the parser"):
+        shell.parse(" && ".join(["a"] * 2000) + "\n")
+    assert shell.parse(chain)["Type"] == "File"

@@ -47,10 +47,14 @@ import json
 import operator
 import os
 import re
+import resource
 import shutil
+import signal
 import subprocess
 import sys
 import sysconfig
+import tempfile
+import threading
 from pathlib import Path
 from typing import Any, Callable
 
@@ -159,6 +163,64 @@ def _hook(data: bytes) -> Callable[[dict], Any]:
     return hook
 
 
+_TOO_LARGE = ("the text is too large or nested too deeply to read: its syntax tree would take {size}, the reader "
+              f"takes {MAX_JSON_BYTES >> 20} MiB")
+_SHFMT_FIX = "pip install --force-reinstall shfmt-py"
+# The estimate is a guess (a chain `a && b && ...` or `$((1+1+...))` nests one level per operator); these
+# bound the parser itself: the address space of its process and the JSON read from it.
+SHFMT_MEMORY_BYTES = 4 << 30
+
+
+def _run_shfmt(data: bytes) -> tuple[int, bytes, str]:
+    """shfmt's exit status, JSON and message for a text. Bounded: an answer over MAX_JSON_BYTES is refused as
+    ScriptTooLarge (the process killed), the process's memory is limited to SHFMT_MEMORY_BYTES (it ends with
+    Go's 'out of memory'), and one that does not end within SHFMT_TIMEOUT_S is an environment error."""
+    with tempfile.TemporaryFile() as stdin, tempfile.TemporaryFile() as stderr:
+        stdin.write(data)
+        stdin.seek(0)
+        binary = shfmt_binary()
+        try:
+            proc = subprocess.Popen([binary, "--to-json", "-ln", "bash"], stdin=stdin, stdout=subprocess.PIPE,
+                                    stderr=stderr, start_new_session=True)
+        except OSError as e:
+            raise ToolError("environment", f"the shfmt parser ({binary}) did not start: {e}", fix=_SHFMT_FIX) from None
+        late: list[bool] = []
+        timer = threading.Timer(SHFMT_TIMEOUT_S, _kill, (proc, late))
+        try:
+            try:
+                resource.prlimit(proc.pid, resource.RLIMIT_AS, (SHFMT_MEMORY_BYTES, SHFMT_MEMORY_BYTES))
+            except (AttributeError, OSError, ValueError):
+                pass   # no prlimit here (not Linux), or the process has already ended
+            timer.start()
+            answer, size = [], 0
+            while chunk := proc.stdout.read(1 << 20):
+                size += len(chunk)
+                if size > MAX_JSON_BYTES:
+                    raise ScriptTooLarge(_TOO_LARGE.format(size=f"more than {MAX_JSON_BYTES >> 20} MiB"), 1)
+                answer.append(chunk)
+            proc.wait()
+        finally:
+            timer.cancel()
+            _kill(proc)
+            proc.stdout.close()
+        if late:
+            raise ToolError("environment", f"the shfmt parser ({binary}) did not answer within {SHFMT_TIMEOUT_S} s",
+                            fix=_SHFMT_FIX)
+        stderr.seek(0)
+        return proc.returncode, b"".join(answer), stderr.read(1 << 16).decode("utf-8", errors="replace").strip()
+
+
+def _kill(proc: subprocess.Popen, late: list[bool] | None = None) -> None:
+    """End the parser's process group (a wrapper script's children too) if anything of it still runs."""
+    if late is not None and proc.poll() is None:
+        late.append(True)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except OSError:
+        pass
+    proc.wait()
+
+
 def parse(text: str) -> dict:
     """shfmt's File node for a bash text; ShellSyntax where shfmt (and bash) cannot parse it."""
     data = text.replace("\r\n", "\n").encode("utf-8", errors="replace")
@@ -166,27 +228,28 @@ def parse(text: str) -> dict:
         raise ScriptTooLarge(f"the text is {len(data):,} bytes; the reader parses at most {MAX_PARSE_BYTES:,} "
                              "(a launch script is kilobytes)", 1)
     if (estimate := _json_estimate(data)) > MAX_JSON_BYTES:
-        raise ScriptTooLarge(f"the text is too large or nested too deeply to read: its syntax tree would take about "
-                             f"{estimate >> 20:,} MiB, the reader takes {MAX_JSON_BYTES >> 20}", 1)
+        raise ScriptTooLarge(_TOO_LARGE.format(size=f"about {estimate >> 20:,} MiB"), 1)
     for _ in range(MAX_BRACKET_RETRIES + 1):
-        try:
-            proc = subprocess.run([shfmt_binary(), "--to-json", "-ln", "bash"], input=data, capture_output=True,
-                                  timeout=SHFMT_TIMEOUT_S)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            raise ToolError("environment", f"the shfmt parser did not answer: {e}",
-                            fix="pip install --force-reinstall shfmt-py") from None
-        err = proc.stderr.decode("utf-8", errors="replace").strip()
-        if proc.returncode == 0:
+        returncode, answer, err = _run_shfmt(data)
+        if returncode == 0:
             try:
-                return json.loads(proc.stdout, object_hook=_hook(data))
+                tree = json.loads(answer, object_hook=_hook(data))
             except RecursionError:
                 raise ScriptTooLarge(_TOO_DEEP, 1) from None
+            except ValueError:   # not JSON, or not UTF-8: not shfmt's answer
+                tree = None
+            if not isinstance(tree, dict) or tree.get("Type") != "File":
+                raise ToolError("environment", f"the shfmt parser ({shfmt_binary()}) answered something other "
+                                f"than a syntax tree: {answer[:100]!r}", fix=_SHFMT_FIX)
+            return tree
         if "exceeded max depth" in err:
             raise ScriptTooLarge(_TOO_DEEP, 1)
         m = _ERROR.match(err.splitlines()[0] if err else "")
+        if m is None and re.search(r"^fatal error: (runtime: cannot allocate memory|out of memory)", err, re.M):
+            raise ScriptTooLarge(_TOO_LARGE.format(size=f"more than {SHFMT_MEMORY_BYTES >> 30} GiB of memory in "
+                                                        "the parser"), 1)
         if m is None:
-            raise ToolError("environment", f"the shfmt parser failed: {err[:300] or 'no message'}",
-                            fix="pip install --force-reinstall shfmt-py")
+            raise ToolError("environment", f"the shfmt parser failed: {err[:300] or 'no message'}", fix=_SHFMT_FIX)
         line, col, message = int(m.group(1)), int(m.group(2)), m.group(3)
         # shfmt 3.14 reads an unquoted array item that starts with `[` as an index (`[0]*3+[1]*58` in
         # NVIDIA's DeepSeek-V3 example) and refuses it without the `=`; bash takes it as a word. A
