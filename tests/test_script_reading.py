@@ -445,7 +445,54 @@ def test_the_parsers_answer_and_memory_are_bounded_where_the_estimate_misses(mon
     with pytest.raises(shell.ScriptTooLarge, match="more than 2 MiB"):
         shell.parse(chain)
     monkeypatch.undo()
-    monkeypatch.setattr(shell, "SHFMT_MEMORY_BYTES", 1 << 30)
+    assert shell.parse(chain)["Type"] == "File"
+    monkeypatch.setattr(shell, "SHFMT_MEMORY_BYTES", 1 << 30)   # shfmt alone reserves about 650 MB
     with pytest.raises(shell.ScriptTooLarge, match="memory in the parser"):
         shell.parse(" && ".join(["a"] * 2000) + "\n")
-    assert shell.parse(chain)["Type"] == "File"
+
+
+def test_a_slice_of_an_array_or_of_the_arguments_takes_items_not_characters():
+    # "${ARGS[@]:1}" (every flag but the first) cut one character off each item: --num-layers became
+    # -num-layers and 4 an empty word. As bash: items from the offset (from the end when negative),
+    # ${@:0} starting at $0, an empty slice no word, a negative length (which bash refuses) unknown.
+    text = """
+    ARGS=(--x --num-layers 4 --bf16)
+    python pretrain_gpt.py "${ARGS[@]:1}" / "${ARGS[@]:1:2}" / ${ARGS[*]:2} / "${ARGS[*]: -2}" / "${ARGS[@]:9}" /
+    python pretrain_gpt.py "${@:0}" / "${@: -1}" / "${@:1:2}" / "$*" / "${*:2}" / "${ARGS[1]:2}"
+    """
+    assert _args(text, positional=("a", "b", "c")) == [
+        ["--num-layers", "4", "--bf16", "/", "--num-layers", "4", "/", "4", "--bf16", "/", "4 --bf16", "/", "/"],
+        ["script.sh", "a", "b", "c", "/", "c", "/", "a", "b", "/", "a b c", "/", "b c", "/", "num-layers"]]
+
+
+def test_a_case_item_that_falls_through_runs_the_next_body_as_bash_does():
+    # ;& runs the next item's body without testing it; ;;& goes on testing the items after it. Both
+    # stopped at the first match before. An unknown subject's way through an item falls through too.
+    text = """
+    L= N= P= Q=
+    case "$MODE" in
+      big) L=--num-layers ;&
+      small) N=4 ;;
+      fp8) P=--fp8-format ;;&
+      *) Q=--bf16 ;;
+    esac
+    python pretrain_gpt.py $L $N $P $Q
+    """
+    assert _args(text, env={"MODE": "big"}) == [["--num-layers", "4"]]
+    assert _args(text, env={"MODE": "fp8"}) == [["--fp8-format", "--bf16"]]
+    assert _args(text, env={"MODE": "small"}) == [["4"]]
+    assert _args(text)[0] == ["--num-layers", "4"]
+
+
+def test_appending_to_an_unset_array_and_an_array_with_gaps_add_no_empty_words():
+    # ARGS+=(--bf16) with ARGS never set gave ("", "--bf16"): an empty word before the flag (the old
+    # reader had it right). [5]=z after three items left two empty words for the unset 3 and 4.
+    text = """
+    ARGS+=(--bf16)
+    ARGS+=(--num-layers 4)
+    GAPS=(--a [0]*3 --b [5]=--c --d)
+    python pretrain_gpt.py "${ARGS[@]}" / "${GAPS[@]}"
+    """
+    assert _args(text) == [["--bf16", "--num-layers", "4", "/", "--a", "[0]*3", "--b", "--c", "--d"]]
+    # [1]=--bf16 [0]=--fp16 --x: --x goes to index 1, over --bf16 (as bash does)
+    assert _args("A=([1]=--bf16 [0]=--fp16 --x)\npython pretrain_gpt.py \"${A[@]}\"\n") == [["--fp16", "--x"]]

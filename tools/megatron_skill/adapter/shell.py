@@ -245,7 +245,7 @@ def parse(text: str) -> dict:
         if "exceeded max depth" in err:
             raise ScriptTooLarge(_TOO_DEEP, 1)
         m = _ERROR.match(err.splitlines()[0] if err else "")
-        if m is None and re.search(r"^fatal error: (runtime: cannot allocate memory|out of memory)", err, re.M):
+        if m is None and re.search(r"^fatal error: (runtime: )?(out of memory|cannot allocate memory)", err, re.M):
             raise ScriptTooLarge(_TOO_LARGE.format(size=f"more than {SHFMT_MEMORY_BYTES >> 30} GiB of memory in "
                                                         "the parser"), 1)
         if m is None:
@@ -726,15 +726,26 @@ class Reader:
     def case(self, node: dict, p: Path_) -> list[Path_]:
         fields, unknown = self.expand(node["Word"], p, split=False)
         subject = " ".join(fields)
-        ways = []
-        for item in node.get("Items") or []:
+        ways: list = []
+        items = node.get("Items") or []
+        hit, falls = None, False   # a known subject: the bodies bash runs (;& falls into the next body,
+        for k, item in enumerate(items):   # ;;& goes on testing the patterns after it)
             patterns = item.get("Patterns") or []
-            body = item.get("Stmts") or []
+            body = list(item.get("Stmts") or [])
             if unknown:
+                j = k
+                while items[j].get("Op") == ";&" and j + 1 < len(items):
+                    j += 1
+                    body += items[j].get("Stmts") or []
                 ways.append((f"'{'|'.join(w['Raw'] for w in patterns)})'", body))
-            elif any(fnmatch.fnmatchcase(subject, " ".join(self.expand(w, p, split=False)[0])) for w in patterns):
-                ways = [("match", body)]
-                break
+            elif falls or any(fnmatch.fnmatchcase(subject, " ".join(self.expand(w, p, split=False)[0]))
+                              for w in patterns):
+                hit = (hit or []) + body
+                falls = item.get("Op") == ";&"
+                if item.get("Op") not in (";&", ";;&"):
+                    break
+        if hit is not None:
+            ways = [("match", hit)]
         if unknown:
             ways.append(("no pattern matched", None))
         return self.branch(p, f"case {node['Word']['Raw']} at {self.where(node['Pos'])}", ways) if ways else [p]
@@ -1018,17 +1029,21 @@ class Reader:
         name, append, index = node["Name"]["Value"], node.get("Append"), node.get("Index")
         old = p.vars.get(name, "")
         if "Array" in node and index is None:
-            items: list[str] = []
+            # [k]=v places an item, the items after it follow from k+1; "${A[@]}" gives them in index
+            # order without the unset ones between (no empty words for a gap)
+            placed: dict[int, str] = {}
+            at = 0
             for elem in node["Array"].get("Elems") or []:
                 values = self.expand(elem.get("Value"), p)[0]
                 k = self._index(elem.get("Index"), p)
-                if k is None:
-                    items += values
-                else:   # [k]=v
-                    items += [""] * (k + 1 - len(items))
-                    items[k] = " ".join(values)
-            old = (old,) if isinstance(old, str) else old
-            return name, tuple(old) + tuple(items) if append else tuple(items)
+                if k is not None:
+                    values, at = [" ".join(values)], k
+                for v in values:
+                    placed[at] = v
+                    at += 1
+            items = tuple(placed[k] for k in sorted(placed))
+            old = () if name not in p.vars else (old,) if isinstance(old, str) else old   # A+=(x), A unset: (x)
+            return name, tuple(old) + items if append else items
         fields, unknown = self.expand(node.get("Value"), p, split=False)
         text = " ".join(fields)
         if unknown and index is None and not append and _bare_parameter(node.get("Value")):
@@ -1200,7 +1215,7 @@ class Reader:
             if at in ("@", "*"):
                 if part.get("Length"):
                     return str(len(arr)), False, None
-                items = tuple(self._apply_op(x, part, p) for x in arr)
+                items = self._slice(arr, part, p) if part.get("Slice") else tuple(self._apply_op(x, part, p) for x in arr)
                 return (" ".join(items), False, None) if at == "*" and quoted else ("", False, items)
             k = self.arith(index, p)
             value = arr[k] if -len(arr) <= k < len(arr) else ""
@@ -1210,7 +1225,8 @@ class Reader:
                 raise _Unknown()
             return str(len(value)), False, None
         if name in ("@", "*") and isinstance(value, tuple):
-            return "", False, value
+            items = self._slice((self.lookup("0", p) or "",) + value, part, p) if part.get("Slice") else value
+            return (" ".join(items), False, None) if name == "*" and quoted else ("", False, items)
         op = exp.get("Op", "")
         if op.lstrip(":") in ("-", "=", "+", "?"):
             is_set = value is not None and not (op.startswith(":") and value == "")
@@ -1229,6 +1245,19 @@ class Reader:
             self.unresolved(name, p)
             raise _Unknown()
         return self._apply_op(value, part, p), False, None
+
+    def _slice(self, items: tuple, part: dict, p: Path_) -> tuple:
+        """${A[@]:o:n} and ${@:o:n} take n items from the o-th (counted from the end when negative): a slice
+        of the array, not of each item's text. ${@:0} starts at $0, so the caller passes it first."""
+        start = self.arith(part["Slice"]["Offset"], p) if part["Slice"].get("Offset") else 0
+        if start < 0 and (start := start + len(items)) < 0:
+            return ()
+        if not part["Slice"].get("Length"):
+            return items[start:]
+        n = self.arith(part["Slice"]["Length"], p)
+        if n < 0:
+            raise _Unknown()   # bash refuses it: "substring expression < 0"
+        return items[start:start + n]
 
     def _word(self, word: dict | None, p: Path_) -> str:
         fields, unknown = self.expand(word, p, split=False)
@@ -1376,8 +1405,9 @@ def _bare_parameter(word: dict | None) -> bool:
 
 
 def _all_items(part: dict) -> bool:
-    """"${A[@]}", "$@" or "${@}": all the items, each a word, and no word when there are none."""
-    if part["Type"] != "ParamExp" or any(part.get(k) for k in ("Exp", "Slice", "Repl", "Length", "Excl", "Names")):
+    """"${A[@]}", "$@", "${@}" or a slice of them ("${A[@]:1}"): the items, each a word, and no word when
+    there are none."""
+    if part["Type"] != "ParamExp" or any(part.get(k) for k in ("Exp", "Repl", "Length", "Excl", "Names")):
         return False
     return part["Param"]["Value"] == "@" if part.get("Index") is None else _literal(part["Index"]) == "@"
 
