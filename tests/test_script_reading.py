@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 
@@ -496,3 +497,10 @@ def test_appending_to_an_unset_array_and_an_array_with_gaps_add_no_empty_words()
     assert _args(text) == [["--bf16", "--num-layers", "4", "/", "--a", "[0]*3", "--b", "--c", "--d"]]
     # [1]=--bf16 [0]=--fp16 --x: --x goes to index 1, over --bf16 (as bash does)
     assert _args("A=([1]=--bf16 [0]=--fp16 --x)\npython pretrain_gpt.py \"${A[@]}\"\n") == [["--fp16", "--x"]]
+
+
+def test_no_temporary_folder_is_an_environment_error(monkeypatch, tmp_path):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "no-such-folder"))
+    with pytest.raises(ToolError, match="temporary file") as e:
+        shell.read("python pretrain_gpt.py --bf16\n")
+    assert e.value.code == "environment"

@@ -175,10 +175,15 @@ def _run_shfmt(data: bytes) -> tuple[int, bytes, str]:
     """shfmt's exit status, JSON and message for a text. Bounded: an answer over MAX_JSON_BYTES is refused as
     ScriptTooLarge (the process killed), the process's memory is limited to SHFMT_MEMORY_BYTES (it ends with
     Go's 'out of memory'), and one that does not end within SHFMT_TIMEOUT_S is an environment error."""
-    with tempfile.TemporaryFile() as stdin, tempfile.TemporaryFile() as stderr:
+    binary = shfmt_binary()
+    try:   # files, not pipes, for the text and the messages: only the answer is read while it runs
+        stdin, stderr = tempfile.TemporaryFile(), tempfile.TemporaryFile()
         stdin.write(data)
         stdin.seek(0)
-        binary = shfmt_binary()
+    except OSError as e:
+        raise ToolError("environment", f"the text for the shfmt parser needs a temporary file: {e}",
+                        fix="set TMPDIR to a writable folder with room") from None
+    with stdin, stderr:
         try:
             proc = subprocess.Popen([binary, "--to-json", "-ln", "bash"], stdin=stdin, stdout=subprocess.PIPE,
                                     stderr=stderr, start_new_session=True)
