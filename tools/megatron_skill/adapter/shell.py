@@ -30,7 +30,11 @@ is parsed once per read, so the corpus's 203 reads ran 310 processes in 4.5 s (t
 script of short words took 22-50 s and 3.4 GB, 2,000 nested ifs (36 KB) 778 MB of JSON and 3.2 GB.
 So before shfmt runs, a cheap scan estimates the JSON (_json_estimate) and a text whose tree would
 pass MAX_JSON_BYTES is refused; a read parses at most MAX_READ_BYTES and MAX_PARSES texts.  The
-largest accepted, 40,000 array items in 589 KB, reads in about 6 s and 0.5 GB.
+largest accepted, 40,000 array items in 589 KB, reads in about 6 s and 0.5 GB.  The estimate misses
+trees that nest one level per operator (`a && a && ...` of 4,000: 20 KB, estimated 13 MB, 1.7 GB of
+JSON and 7.9 GB in shfmt; `$((1+1+...))` likewise), so the process itself is bounded too: its answer
+is read up to MAX_JSON_BYTES, its address space limited to SHFMT_MEMORY_BYTES (that chain: refused
+in about 5 s), its process group killed after SHFMT_TIMEOUT_S.
 
 Other parsers were measured first.  tree-sitter-bash 0.25.1 turns `if ! cmd <<'X'; then` (a
 heredoc with more on its line, which render writes) into an error node; bashlex reads no arrays
