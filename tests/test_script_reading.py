@@ -504,3 +504,10 @@ def test_no_temporary_folder_is_an_environment_error(monkeypatch, tmp_path):
     with pytest.raises(ToolError, match="temporary file") as e:
         shell.read("python pretrain_gpt.py --bf16\n")
     assert e.value.code == "environment"
+
+
+def test_a_value_left_as_written_shows_no_backslash_of_the_bracket_retry():
+    # The '[' retry parses a text with a backslash inserted; a value the reader cannot know is shown
+    # as the script wrote it, not as the retry rewrote it.
+    assert _args('A=( [0]*3 )\npython pretrain_gpt.py "${A[@]}" --x "$(B=( [1] [2] ); foo)"\n') == [
+        ["[0]*3", "--x", "$(B=( [1] [2] ); foo)"]]

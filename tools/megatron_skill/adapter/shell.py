@@ -43,6 +43,7 @@ and is GPL.  shfmt 3.14 refuses an unquoted array item that starts with `[` (NVI
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import fnmatch
 import functools
@@ -149,9 +150,18 @@ _ERROR = re.compile(r"^(?:<standard input>:)?(\d+):(\d+): (.*)$")
 _RAW_TYPES = {None, "Word", "ParamExp", "CmdSubst", "ArithmExp", "ProcSubst", "ExtGlob"}
 
 
-def _hook(data: bytes) -> Callable[[dict], Any]:
+def _hook(data: bytes, inserted: list[int] = ()) -> Callable[[dict], Any]:
     """json object_hook: positions become the node's line ("Pos"); words and expansions keep the
-    text they were written as ("Raw"), for labels and for values left as written."""
+    text they were written as ("Raw"), for labels and for values left as written: without the
+    backslashes parse() inserted (at the offsets `inserted`, ascending)."""
+    def written(start: int, end: int) -> bytes:
+        k = bisect.bisect_left(inserted, start)
+        out, at = [], start
+        while k < len(inserted) and inserted[k] < end:
+            out.append(data[at:inserted[k]])
+            at, k = inserted[k] + 1, k + 1
+        return b"".join(out) + data[at:end]
+
     def hook(d: dict) -> Any:
         if "Offset" in d and "Line" in d and "Col" in d:
             return (d["Line"], d["Offset"])
@@ -160,7 +170,7 @@ def _hook(data: bytes) -> Callable[[dict], Any]:
         if isinstance(pos, tuple):
             out["Pos"] = pos[0]
             if isinstance(end, tuple) and kind in _RAW_TYPES and (kind is not None or "Parts" in d):
-                out["Raw"] = data[pos[1]:end[1]].decode("utf-8", errors="replace")
+                out["Raw"] = written(pos[1], end[1]).decode("utf-8", errors="replace")
         if isinstance(d.get("InPos"), tuple) and d["InPos"][0]:
             out["InPos"] = True
         return out
@@ -238,11 +248,12 @@ def parse(text: str) -> dict:
                              "(a launch script is kilobytes)", 1)
     if (estimate := _json_estimate(data)) > MAX_JSON_BYTES:
         raise ScriptTooLarge(_TOO_LARGE.format(size=f"about {estimate >> 20:,} MiB"), 1)
+    inserted: list[int] = []
     for _ in range(MAX_BRACKET_RETRIES + 1):
         returncode, answer, err = _run_shfmt(data)
         if returncode == 0:
             try:
-                tree = json.loads(answer, object_hook=_hook(data))
+                tree = json.loads(answer, object_hook=_hook(data, inserted))
             except RecursionError:
                 raise ScriptTooLarge(_TOO_DEEP, 1) from None
             except ValueError:   # not JSON, or not UTF-8: not shfmt's answer
@@ -269,6 +280,7 @@ def parse(text: str) -> dict:
             at = start + col - 1
             if data[at:at + 1] == b"[":
                 data = data[:at] + b"\\" + data[at:]
+                inserted = sorted([i + (i >= at) for i in inserted] + [at])
                 continue
         raise ShellSyntax(message, line)
     raise ShellSyntax("too many array items that start with '['", 1)
