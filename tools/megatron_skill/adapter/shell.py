@@ -23,7 +23,7 @@ core_v0.19.0, 82 that the reader's tests hand it, 8 that render writes, the test
 read the same (launches, words, lines, environment, path labels, notes); 17 are scripts bash
 cannot parse either, refused at the same line in shfmt's words; in 2 (NVIDIA's nemotron-nano-vl
 scripts, whose `sh -c` string does not parse) the old reader had left the nested string's name
-on the labels of the lines after it.  The module went from 1,576 lines to about 1,380.  A shfmt
+on the labels of the lines after it.  The module went from 1,576 lines to about 1,490.  A shfmt
 process costs 9 ms for the median script (1.5 KB) and 24 ms for the largest (19 KB); a text
 is parsed once per read, so the corpus's 203 reads ran 310 processes in 4.5 s (the old reader:
 1.0 s).  shfmt's JSON is indented, about 1 KB per word and quadratic in the nesting: a 1 MiB
@@ -74,7 +74,7 @@ MAX_PARSE_BYTES = 1 << 20     # one text given to shfmt (and MAX_JSON_BYTES of i
 MAX_READ_BYTES = 2 << 20      # all the texts one read parses (sourced files, heredocs, bash -c)
 MAX_PARSES = 256              # distinct texts one read parses (a shfmt process each)
 MAX_BRACKET_RETRIES = 64
-SHFMT_TIMEOUT_S = 120
+SHFMT_TIMEOUT_S = 60      # the largest script accepted parses in about 3.5 s on an idle machine
 SHFMT_ENV = "MEGATRON_SKILL_SHFMT"   # the shfmt binary to use instead of the one found
 
 
