@@ -100,7 +100,8 @@ def _as_run(ns: Any, run: _Variant, gpu: GPUSpec, step: float, summary: dict) ->
                        "attention_why": path_why + (" with the dataloader's explicit mask (the whole square)"
                                                     if attention == "sdpa_masked" else ""),
                        "attention_extra_ms": None,
-                       "skill_paths": {k: v for k, v in run.opts.to_json().items() if k != "sdpa_backend"}}}
+                       # the fused paths on or off (the settings of a path, sdpa_backend and fp8_scaling, are not paths)
+                       "skill_paths": {k: v for k, v in run.opts.to_json().items() if isinstance(v, bool)}}}
 
 
 def _attribute(out: dict, base: float, extra: float, measured: float, attention: str) -> tuple[float, float]:
