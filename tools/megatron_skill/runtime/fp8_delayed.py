@@ -40,9 +40,11 @@ def scale_from(amax: torch.Tensor, dtype) -> torch.Tensor:
 def cast_transpose_amax(t: torch.Tensor, prev_amax: torch.Tensor, dtype) -> tuple[torch.Tensor, ...]:
     """For a 2-D t and the maximum of the previous pass: (t times 1 / scale, saturated to dtype's
     range, its transpose contiguous, the scale, t's own absolute maximum in fp32); no host
-    synchronisation.  Multiplying by the reciprocal, as Transformer Engine's casts do, keeps
-    torch's and the Triton kernel's results bit for bit the same (a division by a scalar is
-    a product with its reciprocal in some of torch's kernels and an approximation in Triton's)."""
+    synchronisation.  Both paths multiply by an IEEE reciprocal, as Transformer Engine's casts do,
+    so that torch's and the Triton kernel's results can agree bit for bit (a division by a scalar
+    is a product with its reciprocal in some of torch's kernels and an approximation in Triton's:
+    the first kernel, which divided, differed; this one's GPU check is benchmarks/fp8_delayed_lease.sh
+    and test_delayed_scaling_kernel_matches_torch_on_cuda)."""
     if t.is_cuda and t.is_contiguous() and _triton_kernel() is not None:
         return _cast_transpose_amax_triton(t, prev_amax, dtype)
     scale = scale_from(prev_amax, dtype)
