@@ -175,3 +175,56 @@ def test_a_prediction_adds_up():
     assert c.peak_gib == pytest.approx(peak(memory_report(LLAMA8B, GOOD, 128256, opts.memory(GOOD))) / 2**30)
     assert c.tokens_per_s == pytest.approx(GOOD.gbs * GOOD.seq_length / c.time.total)
     assert 0 < c.mfu < 1
+
+
+# ---- the search's branch and bound (core/planner.py, timing.step_floor) ----------------------
+def _exhaustive(monkeypatch):
+    """The planner with its bound off: every layout the rules accept is costed."""
+    from megatron_skill.core import planner
+
+    planner.forget()
+    monkeypatch.setattr(planner, "KEPT", 10**9)
+
+
+@pytest.mark.parametrize("model,n_gpus,precisions", [(MIXTRAL, 64, ["bf16", "fp8"]), (LLAMA8B, 16, ["bf16"])])
+def test_the_speed_floor_is_never_above_the_step_it_bounds(monkeypatch, model, n_gpus, precisions):
+    """Every layout the exhaustive search costs: its step is at least step_floor, whatever
+    recompute the search gave it (the bound's soundness; a floor above a step would prune a
+    layout that belongs in the ranking)."""
+    from megatron_skill.core import planner
+    from megatron_skill.core.timing import step_floor
+
+    _exhaustive(monkeypatch)
+    opts = RuntimeOptions.from_request(None)
+    found = planner.search(model, H100, n_gpus, 4096, 512, precisions, opts=opts)
+    assert len(found.candidates) > 200
+    tight = 0
+    for c in found.candidates:
+        floor = step_floor(model, c.layout, H100, opts.te, opts.fp8_local(c.layout), opts.moe, opts.megatron,
+                           opts.attention_kernel)
+        assert 0 < floor <= c.time.total * (1 + 1e-12), c.layout.label()
+        tight += floor > 0.6 * c.time.total
+    assert tight > len(found.candidates) / 2    # a floor far below every step would prune nothing
+
+
+@pytest.mark.parametrize("request_", [
+    {"model": "mixtral-8x7b", "num_gpus": 64, "gpu": "h100-sxm", "top": 100, "precision": "any"},
+    {"model": "qwen3-30b-a3b", "num_gpus": 8, "gpu": "h100-sxm", "top": 100},
+    {"model": "llama3-8b", "num_gpus": 16, "gpu": "h100-sxm", "top": 100}])
+def test_the_bounded_search_shows_the_plans_of_the_exhaustive_one(monkeypatch, request_):
+    """The plans a request can ask for (up to 100) are the same, in the same order, with the
+    bound on and with every layout costed; the bounded search costs fewer and says how many it
+    skipped."""
+    from megatron_skill.contract import call
+    from megatron_skill.core import planner
+
+    planner.forget()
+    bounded = call("plan", dict(request_))["result"]
+    _exhaustive(monkeypatch)
+    full = call("plan", dict(request_))["result"]
+    planner.forget()
+    assert [(p["label"], p["tokens_per_s"]) for p in bounded["plans"]] == \
+        [(p["label"], p["tokens_per_s"]) for p in full["plans"]]
+    assert len(bounded["plans"]) == min(100, full["feasible"])
+    if full["feasible"] > 2 * planner.KEPT:
+        assert bounded["feasible"] < full["feasible"] and bounded["rejected"]["bounded"]["count"] > 0

@@ -57,8 +57,20 @@ ENUMS = {
 }
 
 
+def hash_once(obj) -> int:
+    """A frozen dataclass's hash, computed from its fields once and kept: the planner's caches hash
+    the same model and GPU for every layout they cost (field by field, thousands of times a plan)."""
+    kept = obj.__dict__.get("_hash")
+    if kept is None:
+        kept = hash(tuple(getattr(obj, f.name) for f in dataclasses.fields(obj)))
+        object.__setattr__(obj, "_hash", kept)
+    return kept
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
+    __hash__ = hash_once
+
     name: str
     num_layers: int
     hidden_size: int

@@ -1,10 +1,14 @@
 """The search: every layout Megatron accepts for a model on a cluster, costed and ranked.
 
 Order of the loops follows the cost of a wrong choice: TP and CP (inside the NVLink
-domain), PP and its split, virtual stages, EP, then micro-batch and recompute.  Variants
-that can only lose are not costed: with the same communication volume, turning the
-distributed optimizer or sequence parallelism off only adds memory, and more recompute
-than the least that fits only adds time.  They are reported as 'dominated'.
+domain), PP and its split, virtual stages, EP, then micro-batch.  Each layout the rules
+accept gets a speed floor first (timing.step_floor: its layers alone, a few look-ups); the
+layouts are then costed in full (memory with the lightest recompute that fits, then the
+step) fastest floor first, until no layout left can reach the plans shown: branch and bound,
+so the ranking's head is the one an exhaustive search gives, at a fifth of its cost on the
+large MoE searches.  Variants that can only lose are not costed: with the same communication
+volume, turning the distributed optimizer or sequence parallelism off only adds memory, and
+more recompute than the least that fits only adds time ('dominated').
 """
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import collections
 import copy
 import dataclasses
 import functools
+import heapq
 import json
 import math
 from typing import Any, Iterable
@@ -22,12 +27,14 @@ from .layout import RULES, Layout, check_layout, context_parallel_rules, expert_
 from .memory import GIB, memory_report, peak
 from .model import ModelConfig
 from .options import RuntimeOptions
-from .timing import calibration, step_time
+from .timing import calibration, step_floor, step_time
 
 RULES_EXTRA = {
     "dominated": "costed no further: another variant of the same layout is as fast with less memory "
                  "(distributed optimizer or sequence parallel off), or a lighter recompute already fits",
     "constraint": "excluded by the request's constraints",
+    "bounded": "not costed: even its speed floor (the busiest rank's layers alone, no recompute, loss, communication "
+               "or optimizer) is slower than the layouts a plan can show",
 }
 
 
@@ -72,12 +79,16 @@ class _Rejections:
     def __init__(self) -> None:
         self.table: dict[str, dict[str, Any]] = {}
 
-    def add(self, rule: str, example: str, n: int = 1) -> None:
+    def add(self, rule: str, example, n: int = 1) -> None:
+        """Count n layouts refused by rule; example is a label, or a function making one (called
+        only while the rule has fewer than three examples: the search refuses thousands)."""
         entry = self.table.setdefault(rule, {"count": 0, "rule": RULES[rule].message if rule in RULES else RULES_EXTRA[rule],
                                              "examples": []})
         entry["count"] += n
-        if len(entry["examples"]) < 3 and example not in entry["examples"]:
-            entry["examples"].append(example)
+        if len(entry["examples"]) < 3:
+            example = example() if callable(example) else example
+            if example not in entry["examples"]:
+                entry["examples"].append(example)
 
 
 # Predicted throughputs closer than this are a tie: the step-time model is good to a few per
@@ -85,6 +96,8 @@ class _Rejections:
 # benchmarks.md has the measurement that showed a near tie going the other way).
 TIE = 0.01
 RANKED_BY_TIES = 64   # the head of the list, where the order is read; the rest by throughput
+KEPT = 100            # the most plans a request may ask for (schemas/plan.request.json, top): the
+                      # search costs layouts until none left can reach this many
 
 
 def rank(candidates: list, speed=lambda c: c.tokens_per_s, peak=lambda c: c.peak_gib) -> list:
@@ -153,6 +166,8 @@ def _search(model: ModelConfig, gpu: GPUSpec, n_gpus: int, seq_length: int, gbs:
     c = constraints or {}
     rej = _Rejections()
     out: list[Candidate] = []
+    todo: list = []   # (speed floor, order found, layout): every layout the rules accept
+    recomputes = _allowed(c, "recompute", ["none", "selective", "full"])
     capacity = gpu.memory_bytes - headroom_gib * GIB
     max_tp = min(gpu.nvlink_domain, n_gpus, 64)
     tps = _allowed(c, "tp", _pow2_upto(max(n_gpus, 1)))
@@ -190,7 +205,8 @@ def _search(model: ModelConfig, gpu: GPUSpec, n_gpus: int, seq_length: int, gbs:
                         rej.add("pp_layers", f"PP{pp} for {model.num_layers} layers")
                     for split in splits:
                         _search_stage(model, gpu, n_gpus, base.but(cp=cp, pp=pp, dp=dp, **split),
-                                      c, mbss, capacity, rej, out, opts)
+                                      c, mbss, recomputes, capacity, rej, todo, opts)
+    _cost_in_order(model, gpu, todo, recomputes, capacity, rej, out, opts)
     return SearchResult(candidates=out, rejected=rej.table, evaluated=len(out))
 
 
@@ -214,7 +230,9 @@ def pipeline_splits(num_layers: int, pp: int) -> list[dict[str, Any]]:
 
 
 def _search_stage(model: ModelConfig, gpu: GPUSpec, n_gpus: int, lay: Layout, c: dict, mbss: list[int],
-                  capacity: float, rej: _Rejections, out: list[Candidate], opts: RuntimeOptions) -> None:
+                  recomputes: list[str], capacity: float, rej: _Rejections, todo: list, opts: RuntimeOptions) -> None:
+    """The layouts of one pipeline split that Megatron's rules accept, each with its speed floor
+    (step_floor), into todo; _cost_in_order costs them."""
     # Virtual stages the layout's own split allows (Layout.chunk_sizes: whole chunks on every rank).
     vps = [1] if lay.pp == 1 else [v for v in range(1, 17)
                                    if lay.but(vp=v).chunk_sizes(model.num_layers) is not None]
@@ -225,7 +243,6 @@ def _search_stage(model: ModelConfig, gpu: GPUSpec, n_gpus: int, lay: Layout, c:
     else:
         eps, etps = [1], [1]
     eps, etps = _allowed(c, "ep", eps), _allowed(c, "etp", etps)
-    recomputes = _allowed(c, "recompute", ["none", "selective", "full"])
     for vp in vps:
         if vp > 1 and lay.pp == 1:
             continue
@@ -235,29 +252,64 @@ def _search_stage(model: ModelConfig, gpu: GPUSpec, n_gpus: int, lay: Layout, c:
                 if rule:
                     rej.add(rule, f"EP{ep} ETP{etp} with TP{lay.tp} CP{lay.cp} DP{lay.dp}")
                     continue
-                best_before = None   # tokens/s of the smaller micro-batches of this layout
-                for k, mbs in enumerate(mbss):
+                accepted = []
+                for mbs in mbss:
                     cand = lay.but(vp=vp, ep=ep, etp=etp, mbs=mbs,
                                                distributed_optimizer=c.get("distributed_optimizer", True))
                     if lay.tp > 1 and (c.get("sequence_parallel") is False or (model.qk_layernorm and not opts.te)):
                         cand = cand.but(sequence_parallel=False)
                     rule = check_layout(cand, model, gpu, n_gpus, opts.te, opts.moe, opts.megatron)
                     if rule:
-                        rej.add(rule, cand.label())
-                        continue
-                    if not _try_recompute(model, gpu, cand, recomputes, capacity, rej, out, opts):
-                        # memory grows with the micro-batch: the larger ones do not fit either
-                        if len(mbss) - k - 1:
-                            rej.add("out_of_memory", f"{cand.label()} and larger micro-batches", len(mbss) - k - 1)
-                        break
-                    speed = out[-1].tokens_per_s
-                    if best_before is not None and speed < (1 - TIE) * best_before:
-                        # past its best micro-batch (larger ones fill the GEMMs no better and
-                        # leave fewer micro-batches to hide the pipeline's bubble): larger ones lose
-                        if len(mbss) - k - 1:
-                            rej.add("dominated", f"{cand.label()}: larger micro-batches only lose", len(mbss) - k - 1)
-                        break
-                    best_before = max(best_before or 0.0, speed)
+                        rej.add(rule, cand.label)
+                    else:
+                        accepted.append(cand)
+                for cand in accepted:
+                    floor = step_floor(model, cand, gpu, opts.te, opts.fp8_local(cand), opts.moe, opts.megatron,
+                                       opts.attention_kernel, opts.fp8_scaling == "delayed")
+                    todo.append((cand.gbs * cand.seq_length / floor, len(todo), cand))
+
+
+def _cost_in_order(model: ModelConfig, gpu: GPUSpec, todo: list, recomputes: list[str], capacity: float,
+                   rej: _Rejections, out: list[Candidate], opts: RuntimeOptions) -> None:
+    """Cost the layouts fastest floor first (branch and bound): memory with the lightest recompute
+    that fits, then the step. Once KEPT layouts are costed, a layout whose speed floor is more than
+    TIE below the KEPT-th fastest of them can reach no place a plan shows (rank: its first
+    RANKED_BY_TIES places are each within TIE of the fastest left, the rest by speed), and neither
+    can any after it: they are counted as 'bounded', not costed."""
+    todo.sort(key=lambda t: (-t[0], t[1]))
+    kept: list[float] = []       # min-heap of the KEPT fastest costed speeds
+    # a layout without its micro-batch -> the smallest micro-batch known not to fit (memory grows
+    # with the micro-batch); the floor's order meets the larger ones first, so the first of a
+    # family met is checked at one micro-batch under the heaviest recompute: an infeasible
+    # family then costs one memory report, not one per micro-batch
+    smallest_unfit: dict[Layout, float] = {}
+    for i, (bound, _, cand) in enumerate(todo):
+        if len(kept) >= KEPT and bound < (1 - TIE) * kept[0]:
+            rej.add("bounded", cand.label, len(todo) - i)
+            return
+        family = cand.but(mbs=0)
+        if family not in smallest_unfit:
+            smallest_unfit[family] = math.inf
+            if cand.mbs > 1 and not _fits_at_all(model, cand.but(mbs=1), recomputes, capacity, opts):
+                smallest_unfit[family] = 1
+        if cand.mbs >= smallest_unfit[family]:
+            rej.add("out_of_memory", lambda c=cand: f"{c.label()} (a smaller micro-batch of it does not fit)")
+            continue
+        if not _try_recompute(model, gpu, cand, recomputes, capacity, rej, out, opts):
+            smallest_unfit[family] = min(cand.mbs, smallest_unfit[family])
+            continue
+        heapq.heappush(kept, out[-1].tokens_per_s)
+        if len(kept) > KEPT:
+            heapq.heappop(kept)
+
+
+def _fits_at_all(model: ModelConfig, lay: Layout, allowed: list[str], capacity: float, opts: RuntimeOptions) -> bool:
+    """Whether this layout fits under the heaviest recompute allowed (memory falls as recompute grows)."""
+    heaviest = _recompute_options(model, lay, allowed)[-1:]
+    if not heaviest:
+        return False
+    report = memory_report(model, heaviest[0], padded_vocab_size(model.vocab_size, lay.tp), opts.memory(heaviest[0]))
+    return peak(report) <= capacity
 
 
 def _recompute_options(model: ModelConfig, lay: Layout, allowed: list[str]) -> list[Layout]:
@@ -283,7 +335,7 @@ def _try_recompute(model, gpu, lay, allowed, capacity, rej, out, opts: RuntimeOp
         # the MoE options' rules that depend on the recompute (the all-to-all overlap refuses some)
         rule = next(moe_rules(option, model, opts.moe, opts.te), None)
         if rule:
-            rej.add(rule, option.label())
+            rej.add(rule, option.label)
         else:
             options.append(option)
     if not options:
@@ -308,14 +360,14 @@ def _try_recompute(model, gpu, lay, allowed, capacity, rej, out, opts: RuntimeOp
         chosen = len(options) - 1
     for i, report in reports.items():
         if peak(report) > capacity:
-            rej.add("out_of_memory", f"{options[i].label()}: {peak(report) / GIB:.0f} GiB")
+            rej.add("out_of_memory", lambda o=options[i], r=report: f"{o.label()}: {peak(r) / GIB:.0f} GiB")
     if chosen is None:
         if len(options) - 1 in reports:   # the ones between cannot fit either
-            rej.add("out_of_memory", f"{lay.label()} with lighter recompute", max(0, len(options) - len(reports)))
+            rej.add("out_of_memory", lambda: f"{lay.label()} with lighter recompute", max(0, len(options) - len(reports)))
         return False
     out.append(predict(model, gpu, options[chosen], padded, opts, reports[chosen]))
     if len(options) - chosen - 1:
-        rej.add("dominated", f"{options[-1].label()} (heavier recompute than needed)", len(options) - chosen - 1)
+        rej.add("dominated", lambda: f"{options[-1].label()} (heavier recompute than needed)", len(options) - chosen - 1)
     return True
 
 

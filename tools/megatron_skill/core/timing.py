@@ -376,6 +376,35 @@ def _layer_times(model: ModelConfig, gpu: GPUSpec, te: bool, fp8_linear: bool, t
     return out
 
 
+def _per_layer(model: ModelConfig, lay: Layout, gpu: GPUSpec, te: bool, fp8_linear: bool, moe: MoEOptions,
+               megatron: MegatronOptions, attention: AttentionKernel, fp8_delayed: bool) -> dict:
+    """_layer_times for this layout: what step_time and step_floor read."""
+    # TE's TP overlap runs where render writes --tp-comm-overlap (adapter/arguments.py, te_only_args)
+    tp_overlap = te and megatron.tp_overlap_runs(lay.tp, lay.sequence_parallel, gpu.nvlink_domain)
+    return _layer_times(model, gpu, te, fp8_linear, lay.tp, lay.cp, lay.ep, lay.etp, lay.mbs, lay.seq_length,
+                        lay.sequence_parallel or lay.tp == 1, lay.precision, moe, tp_overlap, attention,
+                        1 if fp8_delayed else 2)
+
+
+def step_floor(model: ModelConfig, lay: Layout, gpu: GPUSpec, te: bool = True, fp8_linear: bool = False,
+               moe: MoEOptions = DEFAULT_MOE, megatron: MegatronOptions = DEFAULT_MEGATRON,
+               attention: AttentionKernel = PLANNED, fp8_delayed: bool = False) -> float:
+    """Seconds that step_time(...).total never goes below for this layout, whatever its recompute:
+    the busiest checked rank's layers, forward and backward, over every micro-batch and the
+    pipeline's bubble; the output layer, loss, gradient accumulation, recompute, pipeline and
+    data-parallel traffic, optimizer and host time left out (each adds to a step, none takes
+    away). The planner's search costs a layout in full only while this floor can still reach the
+    head of its ranking; a few table look-ups instead of the whole model."""
+    per_layer = _per_layer(model, lay, gpu, te, fp8_linear, moe, megatron, attention, fp8_delayed)
+    dense, expert = sum(per_layer[False]), sum(per_layer.get(True, ZERO_LAYER))
+    busiest = 0.0
+    for r in ranks_to_check(lay):
+        layers = rank_layers(model, lay, r)
+        n_moe = moe_layers_among(model, tuple(layers)) if expert else 0
+        busiest = max(busiest, (len(layers) - n_moe) * dense + n_moe * expert)
+    return busiest * (lay.num_microbatches + (lay.pp - 1) / lay.vp)
+
+
 def step_time(model: ModelConfig, lay: Layout, gpu: GPUSpec, padded_vocab: int, te: bool = True,
               fused_head: bool = False, fp8_linear: bool = False, fused_wgrad: bool = True,
               moe: MoEOptions = DEFAULT_MOE, megatron: MegatronOptions = DEFAULT_MEGATRON,
@@ -390,10 +419,7 @@ def step_time(model: ModelConfig, lay: Layout, gpu: GPUSpec, padded_vocab: int, 
 
     # the fused head takes the micro-batch only where it keeps less memory (the runtime's rule)
     head_fused = fused_head and not model.mtp_num_layers and fused_head_runs(tokens, h, padded_vocab / t)
-    # TE's TP overlap runs where render writes --tp-comm-overlap (adapter/arguments.py, te_only_args)
-    tp_overlap = te and megatron.tp_overlap_runs(t, lay.sequence_parallel, node)
-    per_layer = _layer_times(model, gpu, te, fp8_linear, lay.tp, lay.cp, lay.ep, lay.etp, lay.mbs, s, sp,
-                             lay.precision, moe, tp_overlap, attention, 1 if fp8_delayed else 2)
+    per_layer = _per_layer(model, lay, gpu, te, fp8_linear, moe, megatron, attention, fp8_delayed)
 
     # The busiest rank decides the pace of the pipeline: the one with most work per micro-batch.
     def rank_time(rank: int) -> tuple[StepTime, int]:

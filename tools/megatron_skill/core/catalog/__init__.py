@@ -9,7 +9,7 @@ from typing import Any
 
 from ...errors import ToolError
 from ...package_data import catalog_dir
-from ..model import ModelConfig, build_spec
+from ..model import ModelConfig, build_spec, hash_once
 
 CATALOG_DIR = catalog_dir()
 
@@ -50,6 +50,8 @@ def get_model(name: str, where: str = "model") -> ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class GPUSpec:
+    __hash__ = hash_once
+
     key: str
     name: str
     arch: str
