@@ -113,3 +113,23 @@ def test_published_flops_of_llama3_8b():
     f = training_flops(m, 8192, 1, 128256)
     six_nt = 6 * m.total_params() * 8192
     assert 1.0 < f / six_nt < 1.3
+
+
+def test_the_parser_help_text_kept_per_class_is_megatrons_own():
+    """adapter/parser.py keeps the help text Megatron reads from its config classes' source (once a
+    class, not on every parse): the same text as Megatron's own reading, a fresh copy each time, and
+    the parser built from it the same on a second parse."""
+    from megatron.training.argument_utils import ArgumentGroupFactory
+
+    from megatron.core.transformer import TransformerConfig
+
+    megatron_parser._module()
+    kept = ArgumentGroupFactory._get_field_docstrings
+    assert getattr(kept, "_kept_per_class", False)
+    factory = ArgumentGroupFactory(TransformerConfig)
+    own = kept.__wrapped__(factory, TransformerConfig)
+    assert factory.field_docstrings == own and len(own) > 50
+    factory.field_docstrings.clear()
+    assert ArgumentGroupFactory(TransformerConfig).field_docstrings == own
+    first, second = megatron_parser.parse(["--num-layers", "2"]), megatron_parser.parse(["--num-layers", "2"])
+    assert vars(first) == vars(second)

@@ -144,7 +144,34 @@ def _module():
                         fix="pip install 'megatron-core==0.19.*' (Python 3.12) or use the parser manifest") from None
     finally:
         torch.compile = real
+    _docstrings_once()
     return arguments
+
+
+def _docstrings_once() -> None:
+    """Megatron 0.19 builds its parser anew on every parse_args, and each time reads the source of
+    its config dataclasses (inspect.getsource, then ast.parse) for their fields' help text: about
+    0.15 s a parse here, which validate pays several times (the script's arguments, the repaired
+    copy, Megatron's defaults). The text depends on the class alone: kept per class after the
+    first, in this process. Where the method is not there (another release), nothing changes."""
+    try:
+        from megatron.training import argument_utils
+    except ImportError:
+        return
+    factory = getattr(argument_utils, "ArgumentGroupFactory", None)
+    read = getattr(factory, "_get_field_docstrings", None)
+    if read is None or getattr(read, "_kept_per_class", False):
+        return
+    kept: dict[type, dict[str, str]] = {}
+
+    def per_class(self, src_cfg_class):
+        if src_cfg_class not in kept:
+            kept[src_cfg_class] = read(self, src_cfg_class)
+        return dict(kept[src_cfg_class])
+
+    per_class._kept_per_class = True
+    per_class.__wrapped__ = read
+    factory._get_field_docstrings = per_class
 
 
 def parse(argv: list[str], world_size: int | None = None, device_major: int = 9,
