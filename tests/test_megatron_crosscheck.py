@@ -119,9 +119,8 @@ def test_the_parser_help_text_kept_per_class_is_megatrons_own():
     """adapter/parser.py keeps the help text Megatron reads from its config classes' source (once a
     class, not on every parse): the same text as Megatron's own reading, a fresh copy each time, and
     the parser built from it the same on a second parse."""
-    from megatron.training.argument_utils import ArgumentGroupFactory
-
     from megatron.core.transformer import TransformerConfig
+    from megatron.training.argument_utils import ArgumentGroupFactory
 
     megatron_parser._module()
     kept = ArgumentGroupFactory._get_field_docstrings
