@@ -89,15 +89,14 @@ def kind(folder: Path) -> str | None:
 
 
 def init_single_process() -> None:
-    """A one-rank gloo group (Megatron's parallel state needs one) for reading a checkpoint."""
-    import tempfile
-
+    """A one-rank gloo group (Megatron's parallel state needs one) for reading a checkpoint. Its
+    rendezvous is an in-memory store: one rank has no one to meet, and a file store would leave
+    its file behind in the temporary folder after every conversion."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     if not dist.is_initialized():
-        store = dist.FileStore(tempfile.mktemp(prefix="megatron-skill-store-"), 1)
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(1, 1)
 
