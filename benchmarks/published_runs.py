@@ -35,12 +35,14 @@ def summary(rows) -> dict:
     out = {}
     incomplete = [r for r in rows if not r.get("layout_complete", True)]
     rows = [r for r in rows if r.get("layout_complete", True)]   # the goal counts runs whose whole layout is known
-    hopper = [r for r in rows if r["gpu"].startswith("h")]
-    blackwell = [r for r in rows if not r["gpu"].startswith("h")]
+    arch = {r["gpu"]: evidence.get_gpu(r["gpu"]).arch for r in rows}
+    hopper = [r for r in rows if arch[r["gpu"]] == "hopper"]
     for name, kind in (("all", rows), ("dense", [r for r in rows if not r["moe"]]),
-                       ("moe", [r for r in rows if r["moe"]]), ("h100", hopper),
-                       ("h100_dense", [r for r in hopper if not r["moe"]]), ("h100_moe", [r for r in hopper if r["moe"]]),
-                       ("blackwell", blackwell)):
+                       ("moe", [r for r in rows if r["moe"]]), ("hopper", hopper),
+                       ("hopper_dense", [r for r in hopper if not r["moe"]]),
+                       ("hopper_moe", [r for r in hopper if r["moe"]]),
+                       ("ampere", [r for r in rows if arch[r["gpu"]] == "ampere"]),
+                       ("blackwell", [r for r in rows if arch[r["gpu"]] == "blackwell"])):
         errors = [abs(r["error_pct"]) for r in kind]
         out[name] = {"runs": len(kind), "median_abs_error_pct": round(statistics.median(errors), 1),
                      "max_abs_error_pct": round(max(errors), 1)}

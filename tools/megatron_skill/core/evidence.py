@@ -8,11 +8,13 @@ it reaches beyond them (another GPU type, a larger cluster, a precision no run u
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import statistics
 from typing import Any
 
+from .attention_kernels import AttentionKernel
 from .catalog import CATALOG_DIR, get_gpu, get_model
 from .flops import padded_vocab_size
 from .layout import Layout, check_layout
@@ -26,15 +28,31 @@ def published_runs() -> list[dict[str, Any]]:
 
 def run_layout(run: dict[str, Any], model: ModelConfig) -> Layout:
     """The run's layout: its own layout string where it gave one, else an even split (counting
-    the embedding and the loss as layers where the layers alone do not divide)."""
+    the embedding and the loss as layers where the layers alone do not divide). Sequence
+    parallel wherever TP > 1 and the distributed optimizer, unless the row says otherwise; a full
+    recompute takes every layer of each chunk unless recompute_layers says how many."""
     dp = run["num_gpus"] // (run["tp"] * run["pp"] * run["cp"])
     if run.get("pipeline_layout"):
         split = {"pipeline_split": "layout", "pipeline_layout": run["pipeline_layout"]}
     else:
         split = {"pipeline_split": "even" if model.num_layers % run["pp"] == 0 else "embedding_loss"}
-    return Layout(tp=run["tp"], pp=run["pp"], cp=run["cp"], vp=run["vp"], ep=run["ep"], dp=dp, mbs=run["mbs"],
-                  gbs=run["gbs"], seq_length=run["seq_length"], precision=run["precision"],
-                  sequence_parallel=run["tp"] > 1, recompute=run.get("recompute", "none"), **split)
+    lay = Layout(tp=run["tp"], pp=run["pp"], cp=run["cp"], vp=run["vp"], ep=run["ep"], dp=dp, mbs=run["mbs"],
+                 gbs=run["gbs"], seq_length=run["seq_length"], precision=run["precision"],
+                 sequence_parallel=run.get("sequence_parallel", run["tp"] > 1), recompute=run.get("recompute", "none"),
+                 distributed_optimizer=run.get("distributed_optimizer", True), **split)
+    if lay.recompute == "full":
+        lay = lay.but(recompute_layers=run.get("recompute_layers") or max(lay.chunk_sizes(model.num_layers) or [1]))
+    return lay
+
+
+def run_options(run: dict[str, Any]) -> RuntimeOptions:
+    """The runtime the run's software was: Transformer Engine's layers unless the row says not,
+    the MoE and Megatron options its recipe set, and the core-attention kernel it names."""
+    opts = RuntimeOptions.from_request(None, te=run.get("transformer_engine", True), moe=run.get("moe"),
+                                       megatron=run.get("megatron_options"))
+    if run.get("attention_kernel"):
+        opts = dataclasses.replace(opts, attention_kernel=AttentionKernel(**run["attention_kernel"]))
+    return opts
 
 
 def compare(run: dict[str, Any]) -> dict[str, Any]:
@@ -44,9 +62,8 @@ def compare(run: dict[str, Any]) -> dict[str, Any]:
 
     model, gpu = get_model(run["model"]), get_gpu(run["gpu"])
     lay = run_layout(run, model)
-    # the MoE and Megatron options the run's recipe set
-    opts = RuntimeOptions.from_request(None, moe=run.get("moe"), megatron=run.get("megatron_options"))
-    rule = check_layout(lay, model, gpu, run["num_gpus"], True, opts.moe, opts.megatron)
+    opts = run_options(run)
+    rule = check_layout(lay, model, gpu, run["num_gpus"], opts.te, opts.moe, opts.megatron)
     if rule:   # a published run is a layout Megatron ran: one the rule book refuses is a catalog error
         raise ValueError(f"published run {run['model']} ({run['source']}): its layout breaks {rule}")
     c = predict(model, gpu, lay, padded_vocab_size(model.vocab_size, lay.tp), opts)
@@ -77,7 +94,7 @@ def band_runs(moe: bool, arch: str, leave_out: dict[str, Any] | None = None) -> 
 def band(errors: list[float]) -> tuple[float, float]:
     """The error band a forecast carries, from the errors of the published runs like it: as wide
     as the largest of them either way (a new run's sign is not known), widened by their spread.
-    Built without one run at a time, it held that run's published figure for 39 of 43 runs
+    Built without one run at a time, it held that run's published figure for 50 of 53 runs
     (benchmarks/published_runs.py, band_holds_leave_one_out; on the first 21, 19, where the runs' own
     [min, max] held 13)."""
     reach = max(map(abs, errors)) + statistics.pstdev(errors)
@@ -95,8 +112,8 @@ def forecast(model: ModelConfig, gpu_key: str, lay: Layout, calibration_status: 
         beyond.append(f"no published {'MoE' if model.is_moe else 'dense'} run on {gpu_key} has been checked")
     if lay.world_size > max(r["num_gpus"] for r in kind):
         beyond.append(f"{lay.world_size:,} GPUs: more than any checked run ({max(r['num_gpus'] for r in kind):,})")
-    if not any(r["precision"] == lay.precision for r in kind):
-        beyond.append(f"no checked run in {lay.precision}")
+    if not any(r["precision"] == lay.precision for r in runs):   # the band's own runs: another GPU's say little
+        beyond.append(f"no checked run in {lay.precision}" + (f" on {arch} GPUs" if same_arch else ""))
     if not calibration_status.startswith("measured"):
         beyond.append(f"{gpu_key}'s kernel rates are assumed, not measured (bench --calibrate measures them)")
     fitted = ("; the share of the GEMM rate TE reaches" + (", the dropless cost and the all-to-all overlap are"
