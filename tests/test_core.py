@@ -186,8 +186,18 @@ def _exhaustive(monkeypatch):
     monkeypatch.setattr(planner, "KEPT", 10**9)
 
 
-@pytest.mark.parametrize("model,n_gpus,precisions", [(MIXTRAL, 64, ["bf16", "fp8"]), (LLAMA8B, 16, ["bf16"])])
-def test_the_speed_floor_is_never_above_the_step_it_bounds(monkeypatch, model, n_gpus, precisions):
+FLOOR_CASES = [  # model, GPUs, GPU, precisions, the runtime: TE's layers, the local ones, MoE and Megatron options
+    (MIXTRAL, 64, "h100-sxm", ["bf16", "fp8"], {}),
+    (LLAMA8B, 16, "h100-sxm", ["bf16"], {}),
+    (LLAMA8B, 8, "h100-sxm", ["bf16", "fp8"], {"te": False}),
+    (MIXTRAL, 72, "gb200", ["fp8"], {"moe": {"recompute": ["moe_act", "moe"], "dispatcher": "alltoall"},
+                                     "megatron": {"fsdp": True, "cuda_graph_impl": "transformer_engine",
+                                                  "cuda_graph_modules": ["attn"]}}),
+]
+
+
+@pytest.mark.parametrize("model,n_gpus,gpu,precisions,runtime", FLOOR_CASES)
+def test_the_speed_floor_is_never_above_the_step_it_bounds(monkeypatch, model, n_gpus, gpu, precisions, runtime):
     """Every layout the exhaustive search costs: its step is at least step_floor, whatever
     recompute the search gave it (the bound's soundness; a floor above a step would prune a
     layout that belongs in the ranking)."""
@@ -195,12 +205,12 @@ def test_the_speed_floor_is_never_above_the_step_it_bounds(monkeypatch, model, n
     from megatron_skill.core.timing import step_floor
 
     _exhaustive(monkeypatch)
-    opts = RuntimeOptions.from_request(None)
-    found = planner.search(model, H100, n_gpus, 4096, 512, precisions, opts=opts)
+    opts = RuntimeOptions.from_request(None, **runtime)
+    found = planner.search(model, get_gpu(gpu), n_gpus, 4096, 576 if n_gpus % 9 == 0 else 512, precisions, opts=opts)
     assert len(found.candidates) > 200
     tight = 0
     for c in found.candidates:
-        floor = step_floor(model, c.layout, H100, opts.te, opts.fp8_local(c.layout), opts.moe, opts.megatron,
+        floor = step_floor(model, c.layout, get_gpu(gpu), opts.te, opts.fp8_local(c.layout), opts.moe, opts.megatron,
                            opts.attention_kernel)
         assert 0 < floor <= c.time.total * (1 + 1e-12), c.layout.label()
         tight += floor > 0.6 * c.time.total
