@@ -41,10 +41,11 @@ def cast_transpose_amax(t: torch.Tensor, prev_amax: torch.Tensor, dtype) -> tupl
     """For a 2-D t and the maximum of the previous pass: (t times 1 / scale, saturated to dtype's
     range, its transpose contiguous, the scale, t's own absolute maximum in fp32); no host
     synchronisation.  Both paths multiply by an IEEE reciprocal, as Transformer Engine's casts do,
-    so that torch's and the Triton kernel's results can agree bit for bit (a division by a scalar
-    is a product with its reciprocal in some of torch's kernels and an approximation in Triton's:
-    the first kernel, which divided, differed; this one's GPU check is benchmarks/fp8_delayed_lease.sh
-    and test_delayed_scaling_kernel_matches_torch_on_cuda)."""
+    so that torch's and the Triton kernel's results agree bit for bit (a division by a scalar is a
+    product with its reciprocal in some of torch's kernels and an approximation in Triton's: the
+    first kernel, which divided, differed on two of three shapes; this one matched on all three,
+    both formats, on an H100 on 2026-12-06: references/results/h100-2026-12-06/session6/
+    kernel-check.txt, by benchmarks/fp8_delayed_lease.sh; test_delayed_scaling_kernel_matches_torch_on_cuda)."""
     if t.is_cuda and t.is_contiguous() and _triton_kernel() is not None:
         return _cast_transpose_amax_triton(t, prev_amax, dtype)
     scale = scale_from(prev_amax, dtype)
