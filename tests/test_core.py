@@ -238,3 +238,50 @@ def test_the_bounded_search_shows_the_plans_of_the_exhaustive_one(monkeypatch, r
     assert len(bounded["plans"]) == min(100, full["feasible"])
     if full["feasible"] > 2 * planner.KEPT:
         assert bounded["feasible"] < full["feasible"] and bounded["rejected"]["bounded"]["count"] > 0
+
+
+def test_layouts_the_moe_rules_refuse_are_not_counted_out_of_memory(monkeypatch):
+    """A layout whose every recompute the MoE rules refuse (the all-to-all overlap with the MoE
+    block recomputed) says nothing of the memory of its larger micro-batches: the search counts
+    out of memory no more layouts than those of families that do not fit at micro-batch 1 under
+    the heaviest recompute (the review's case: 740 were counted, 85 at most are)."""
+    from megatron_skill.core import planner
+
+    model, gpu = get_model("qwen3-30b-a3b"), H100
+    opts = RuntimeOptions.from_request(None, moe={"overlap_ep_comm": True, "recompute": ["moe"]})
+    seen = {}
+    cost = planner._cost_in_order
+
+    def spy(model, gpu, todo, recomputes, capacity, rej, out, opts):
+        seen.update(todo=list(todo), recomputes=recomputes, capacity=capacity)
+        return cost(model, gpu, todo, recomputes, capacity, rej, out, opts)
+
+    monkeypatch.setattr(planner, "_cost_in_order", spy)
+    planner.forget()
+    found = planner.search(model, gpu, 16, 4096, 1024, ["bf16"], {"recompute": ["selective"]}, opts=opts)
+    planner.forget()
+    families: dict = {}
+    for _, _, lay in seen["todo"]:
+        families.setdefault(lay.but(mbs=0), []).append(lay)
+    unfit = sum(len(lays) for family, lays in families.items()
+                if not planner._fits_at_all(model, family.but(mbs=1), seen["recomputes"], seen["capacity"], opts))
+    assert found.rejected["moe_overlap_recompute"]["count"] > 100
+    assert found.rejected.get("out_of_memory", {"count": 0})["count"] <= unfit
+
+
+def test_an_infeasible_plans_nearest_values_do_not_depend_on_the_bound(monkeypatch):
+    """The nearby GPU counts and batches an infeasible plan names are searched within a budget of
+    layouts considered (the rules accepted or refused them), not of layouts costed: the same with
+    the bound on and off (the review's case named 32 or 64 GPUs bounded, 32 exhaustive)."""
+    from megatron_skill.contract import call
+    from megatron_skill.core import planner
+
+    request = {"model": "mixtral-8x7b", "num_gpus": 8, "gpu": "h100-sxm", "headroom_gib": 40}
+    planner.forget()
+    bounded = call("plan", dict(request))
+    _exhaustive(monkeypatch)
+    full = call("plan", dict(request))
+    planner.forget()
+    assert bounded["error"]["code"] == full["error"]["code"] == "infeasible"
+    assert bounded["error"]["details"]["nearest_feasible"] == full["error"]["details"]["nearest_feasible"]
+    assert bounded["error"]["details"]["nearest_feasible"]["num_gpus"]

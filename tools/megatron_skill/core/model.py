@@ -67,9 +67,17 @@ def hash_once(obj) -> int:
     return kept
 
 
+def state_without_hash(obj) -> dict:
+    """What pickle and copy carry of such an object: its fields, not the kept hash (a string's hash
+    differs from process to process: a hash carried into another would break hash == for equal
+    objects)."""
+    return {k: v for k, v in obj.__dict__.items() if k != "_hash"}
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     __hash__ = hash_once
+    __getstate__ = state_without_hash
 
     name: str
     num_layers: int

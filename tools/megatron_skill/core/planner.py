@@ -54,6 +54,9 @@ class SearchResult:
     candidates: list[Candidate]
     rejected: dict[str, dict[str, Any]]
     evaluated: int
+    # layouts the rules accepted or refused: the search's size, whatever the bound left uncosted
+    # (plan's nearby searches spend a budget of it)
+    considered: int = 0
 
 
 @functools.lru_cache(maxsize=1)
@@ -148,7 +151,7 @@ def search(model: ModelConfig, gpu: GPUSpec, n_gpus: int, seq_length: int, gbs: 
     process (plan, then render, then validate of one request) is done once and copied."""
     opts = opts or RuntimeOptions.from_request(None)
     key = json.dumps([dataclasses.asdict(model), dataclasses.asdict(gpu), n_gpus, seq_length, gbs, list(precisions),
-                      constraints, headroom_gib, dataclasses.asdict(opts), calibration(gpu.key)], sort_keys=True,
+                      constraints, headroom_gib, dataclasses.asdict(opts), calibration(gpu.key), KEPT], sort_keys=True,
                      default=str)
     if key not in _SEARCHES:
         _SEARCHES[key] = _search(model, gpu, n_gpus, seq_length, gbs, precisions, constraints, headroom_gib, opts)
@@ -157,7 +160,7 @@ def search(model: ModelConfig, gpu: GPUSpec, n_gpus: int, seq_length: int, gbs: 
     _SEARCHES.move_to_end(key)
     found = _SEARCHES[key]  # candidates are never changed after costing: a new list of the same ones
     return SearchResult(candidates=list(found.candidates), rejected=copy.deepcopy(found.rejected),
-                        evaluated=found.evaluated)
+                        evaluated=found.evaluated, considered=found.considered)
 
 
 def _search(model: ModelConfig, gpu: GPUSpec, n_gpus: int, seq_length: int, gbs: int,
@@ -206,8 +209,9 @@ def _search(model: ModelConfig, gpu: GPUSpec, n_gpus: int, seq_length: int, gbs:
                     for split in splits:
                         _search_stage(model, gpu, n_gpus, base.but(cp=cp, pp=pp, dp=dp, **split),
                                       c, mbss, recomputes, capacity, rej, todo, opts)
+    considered = len(todo) + sum(r["count"] for r in rej.table.values())
     _cost_in_order(model, gpu, todo, recomputes, capacity, rej, out, opts)
-    return SearchResult(candidates=out, rejected=rej.table, evaluated=len(out))
+    return SearchResult(candidates=out, rejected=rej.table, evaluated=len(out), considered=considered)
 
 
 def pipeline_splits(num_layers: int, pp: int) -> list[dict[str, Any]]:
@@ -295,8 +299,10 @@ def _cost_in_order(model: ModelConfig, gpu: GPUSpec, todo: list, recomputes: lis
         if cand.mbs >= smallest_unfit[family]:
             rej.add("out_of_memory", lambda c=cand: f"{c.label()} (a smaller micro-batch of it does not fit)")
             continue
-        if not _try_recompute(model, gpu, cand, recomputes, capacity, rej, out, opts):
-            smallest_unfit[family] = min(cand.mbs, smallest_unfit[family])
+        outcome = _try_recompute(model, gpu, cand, recomputes, capacity, rej, out, opts)
+        if outcome != "costed":
+            if outcome == "unfit":   # a rule's refusal says nothing of the larger micro-batches' memory
+                smallest_unfit[family] = min(cand.mbs, smallest_unfit[family])
             continue
         heapq.heappush(kept, out[-1].tokens_per_s)
         if len(kept) > KEPT:
@@ -325,10 +331,12 @@ def _recompute_options(model: ModelConfig, lay: Layout, allowed: list[str]) -> l
     return opts
 
 
-def _try_recompute(model, gpu, lay, allowed, capacity, rej, out, opts: RuntimeOptions) -> bool:
-    """Cost the lightest recompute that fits (the others only lose time, or do not fit); False
-    when none fits. Memory falls as recompute grows: the lightest is tried first (it fits most
-    often), then the heaviest (when it does not fit, nothing does), then those between."""
+def _try_recompute(model, gpu, lay, allowed, capacity, rej, out, opts: RuntimeOptions) -> str:
+    """Cost the lightest recompute that fits (the others only lose time, or do not fit):
+    'costed'; 'unfit' when none fits in memory; 'refused' when the rules refuse every recompute
+    allowed (an MoE rule), which says nothing of memory. Memory falls as recompute grows: the
+    lightest is tried first (it fits most often), then the heaviest (when it does not fit,
+    nothing does), then those between."""
     padded = padded_vocab_size(model.vocab_size, lay.tp)
     options = []
     for option in _recompute_options(model, lay, allowed):
@@ -339,7 +347,7 @@ def _try_recompute(model, gpu, lay, allowed, capacity, rej, out, opts: RuntimeOp
         else:
             options.append(option)
     if not options:
-        return False
+        return "refused"
     reports: dict[int, dict] = {}
 
     def fits(i: int) -> bool:
@@ -364,11 +372,11 @@ def _try_recompute(model, gpu, lay, allowed, capacity, rej, out, opts: RuntimeOp
     if chosen is None:
         if len(options) - 1 in reports:   # the ones between cannot fit either
             rej.add("out_of_memory", lambda: f"{lay.label()} with lighter recompute", max(0, len(options) - len(reports)))
-        return False
+        return "unfit"
     out.append(predict(model, gpu, options[chosen], padded, opts, reports[chosen]))
     if len(options) - chosen - 1:
         rej.add("dominated", lambda: f"{options[-1].label()} (heavier recompute than needed)", len(options) - chosen - 1)
-    return True
+    return "costed"
 
 
 def predict(model: ModelConfig, gpu: GPUSpec, lay: Layout, padded: int, opts: RuntimeOptions | None = None,

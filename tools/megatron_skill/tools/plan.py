@@ -148,8 +148,9 @@ def batches_near(gbs: int, n_gpus: int) -> list[int]:
 
 
 def _work(res) -> int:
-    """Layouts a search costed or refused: its work, whatever the machine's speed."""
-    return res.evaluated + sum(r["count"] for r in res.rejected.values())
+    """Layouts a search considered (the rules accepted or refused them): its size, whatever the
+    machine's speed and however many of them the bound left uncosted."""
+    return res.considered
 
 
 def nearest_feasible(feasible_search, n_gpus: int, per_node: int, gbs: int, budget: int,

@@ -9,7 +9,7 @@ from typing import Any
 
 from ...errors import ToolError
 from ...package_data import catalog_dir
-from ..model import ModelConfig, build_spec, hash_once
+from ..model import ModelConfig, build_spec, hash_once, state_without_hash
 
 CATALOG_DIR = catalog_dir()
 
@@ -51,6 +51,7 @@ def get_model(name: str, where: str = "model") -> ModelConfig:
 @dataclasses.dataclass(frozen=True)
 class GPUSpec:
     __hash__ = hash_once
+    __getstate__ = state_without_hash
 
     key: str
     name: str
