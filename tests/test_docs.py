@@ -238,8 +238,10 @@ def test_errors_of_the_past_do_not_come_back():
 
 
 # Flags in the prose that are not Megatron's or a launcher's: pip's, skillsaw's and the lab scripts'
-# (benchmarks/run_levers.py --set, --iters; benchmarks/published_runs.py --fit).
-OTHER_PROGRAMS = {"--no-build-isolation", "--set", "--iters", "--strict", "--fit", "--store"}
+# (benchmarks/run_levers.py --set, --iters; benchmarks/published_runs.py --fit; benchmarks/peers.py
+# --mbs, --out; dev/plan_snapshot.py --compare).
+OTHER_PROGRAMS = {"--no-build-isolation", "--set", "--iters", "--strict", "--fit", "--store", "--mbs", "--out",
+                  "--compare"}
 
 
 def test_every_flag_in_inline_code_is_real_or_named_obsolete():
