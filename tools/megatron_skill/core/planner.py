@@ -56,7 +56,7 @@ class SearchResult:
     evaluated: int
     # layouts the rules accepted or refused: the search's size, whatever the bound left uncosted
     # (plan's nearby searches spend a budget of it)
-    considered: int = 0
+    considered: int
 
 
 @functools.lru_cache(maxsize=1)
@@ -208,7 +208,7 @@ def _search(model: ModelConfig, gpu: GPUSpec, n_gpus: int, seq_length: int, gbs:
                         rej.add("pp_layers", f"PP{pp} for {model.num_layers} layers")
                     for split in splits:
                         _search_stage(model, gpu, n_gpus, base.but(cp=cp, pp=pp, dp=dp, **split),
-                                      c, mbss, recomputes, capacity, rej, todo, opts)
+                                      c, mbss, rej, todo, opts)
     considered = len(todo) + sum(r["count"] for r in rej.table.values())
     _cost_in_order(model, gpu, todo, recomputes, capacity, rej, out, opts)
     return SearchResult(candidates=out, rejected=rej.table, evaluated=len(out), considered=considered)
@@ -234,7 +234,7 @@ def pipeline_splits(num_layers: int, pp: int) -> list[dict[str, Any]]:
 
 
 def _search_stage(model: ModelConfig, gpu: GPUSpec, n_gpus: int, lay: Layout, c: dict, mbss: list[int],
-                  recomputes: list[str], capacity: float, rej: _Rejections, todo: list, opts: RuntimeOptions) -> None:
+                  rej: _Rejections, todo: list, opts: RuntimeOptions) -> None:
     """The layouts of one pipeline split that Megatron's rules accept, each with its speed floor
     (step_floor), into todo; _cost_in_order costs them."""
     # Virtual stages the layout's own split allows (Layout.chunk_sizes: whole chunks on every rank).
@@ -256,7 +256,6 @@ def _search_stage(model: ModelConfig, gpu: GPUSpec, n_gpus: int, lay: Layout, c:
                 if rule:
                     rej.add(rule, f"EP{ep} ETP{etp} with TP{lay.tp} CP{lay.cp} DP{lay.dp}")
                     continue
-                accepted = []
                 for mbs in mbss:
                     cand = lay.but(vp=vp, ep=ep, etp=etp, mbs=mbs,
                                                distributed_optimizer=c.get("distributed_optimizer", True))
@@ -265,9 +264,7 @@ def _search_stage(model: ModelConfig, gpu: GPUSpec, n_gpus: int, lay: Layout, c:
                     rule = check_layout(cand, model, gpu, n_gpus, opts.te, opts.moe, opts.megatron)
                     if rule:
                         rej.add(rule, cand.label)
-                    else:
-                        accepted.append(cand)
-                for cand in accepted:
+                        continue
                     floor = step_floor(model, cand, gpu, opts.te, opts.fp8_local(cand), opts.moe, opts.megatron,
                                        opts.attention_kernel, opts.fp8_scaling == "delayed")
                     todo.append((cand.gbs * cand.seq_length / floor, len(todo), cand))

@@ -238,7 +238,7 @@ def summary(envelope: dict[str, Any]) -> str:
     result = envelope["result"]
     cluster = result["cluster"]
     lines = [f"plan: {result['model'].get('name')} on {cluster['num_gpus']} x {cluster['gpu']}, sequence "
-             f"{result['seq_length']}, global batch {result['global_batch_size']}: {result['feasible']} layouts costed fit",
+             f"{result['seq_length']}, global batch {result['global_batch_size']}: {result['feasible']} costed layouts fit",
              f"   #  {'layout':<34} {'peak/GPU GiB':>13} {'tokens/s':>12}  {'MFU':>5}  bottleneck"]
     lines += [_row(p) for p in result["plans"][:5]]
     warnings = _warnings(result)
