@@ -13,7 +13,7 @@ from megatron_skill.core import timing
 from megatron_skill.core.catalog import get_gpu
 from megatron_skill.core.flops import padded_vocab_size
 from megatron_skill.core.layout import Layout
-from megatron_skill.core.memory import GIB, fused_head_runs, memory_report, peak
+from megatron_skill.core.memory import GIB, fused_head_bytes, fused_head_chunk, fused_head_runs, memory_report, peak
 from megatron_skill.core.options import RuntimeOptions
 from megatron_skill.core.planner import predict, search
 from megatron_skill.core.resolve import resolve_model
@@ -61,20 +61,29 @@ def test_the_layout_that_ran_out_of_memory_is_refused_with_the_memory_outside_py
     assert total > H100.memory_bytes
 
 
-@pytest.mark.parametrize("tokens,hidden,vocab,fused", [
-    (8192, 1536, 151936, True),     # Qwen2.5-1.5B at mbs 2: Megatron's path ran, and cost 12 % of the step
-    (16384, 2048, 128256, True),    # the 1B shape at mbs 4
-    (4096, 3072, 128256, False),    # the 3B shape at mbs 1: the fp32 weight gradient outweighs the logits
+@pytest.mark.parametrize("tokens,hidden,vocab,chunk", [
+    (8192, 1536, 151936, 4096),     # Qwen2.5-1.5B at mbs 2: Megatron's path ran, and cost 12 % of the step
+    (16384, 2048, 128256, 4096),    # the 1B shape at mbs 4
+    # the 3B shape at mbs 1: with 4,096- or 2,048-token chunks the fp32 weight gradient makes
+    # the fused path keep more than Megatron's logits (3.15 GB): 4.75 and 3.18 GB; 1,024: 2.39 GB
+    (4096, 3072, 128256, 1024),
+    (4096, 8192, 32000, 0),         # a small vocabulary under a wide model: the weight gradient outweighs the logits
 ])
-def test_the_fused_head_takes_a_micro_batch_where_it_keeps_less_memory(tokens, hidden, vocab, fused):
-    assert fused_head_runs(tokens, hidden, vocab) is fused
+def test_the_fused_head_takes_a_micro_batch_in_the_largest_chunk_that_keeps_less_memory(tokens, hidden, vocab, chunk):
+    assert fused_head_chunk(tokens, hidden, vocab) == chunk
+    assert fused_head_runs(tokens, hidden, vocab) is bool(chunk)
+    if chunk:
+        assert fused_head_bytes(tokens, hidden, vocab, chunk) < tokens * vocab * 6
+        assert chunk == 4096 or fused_head_bytes(tokens, hidden, vocab, 2 * chunk) >= tokens * vocab * 6
 
 
 def test_megatrons_own_loss_is_charged_where_the_fused_head_leaves_the_micro_batch_to_it():
-    lay = Layout(tp=1, pp=1, dp=1, mbs=1, gbs=16, seq_length=4096)
+    # one 2,048-token sequence: the fp32 weight gradient outweighs even a quarter chunk's savings
+    lay = Layout(tp=1, pp=1, dp=1, mbs=1, gbs=16, seq_length=2048)
+    assert not fused_head_runs(2048, 3072, 128256)
     c = predict(MODEL_3B, H100, lay, 128256, _local())
     rate = H100.hbm_gbps * 1e9 * calibration("h100-sxm")["hbm"]
-    assert c.time.loss == pytest.approx(16 * 4096 * 128256 * MEGATRON_LOSS_BYTES_PER_LOGIT / rate)
+    assert c.time.loss == pytest.approx(16 * 2048 * 128256 * MEGATRON_LOSS_BYTES_PER_LOGIT / rate)
     fused = predict(QWEN, H100, Layout(tp=1, pp=1, dp=1, mbs=4, gbs=32, seq_length=4096), 151936, _local())
     assert fused.time.loss < 0.2 * 8 * 16384 * 151936 * MEGATRON_LOSS_BYTES_PER_LOGIT / rate
 
@@ -243,6 +252,41 @@ def test_the_runtime_takes_the_fused_head_by_the_core_rule():
                  labels=torch.randint(0, 11, (2, 4)), loss_mask=torch.ones(2, 4),
                  config=SimpleNamespace(sequence_parallel=False), compute_language_model_loss=None, scale_logits=None)
     assert seen == [layer] and losses.shape == (2, 4)
+
+
+def test_the_runtime_takes_the_core_rules_smaller_chunk_and_its_loss_and_gradients_stay_exact(monkeypatch):
+    """8 tokens offered chunks of 8: a whole-micro-batch chunk keeps more than the logits, half
+    of it less (core.memory.fused_head_chunk), so the fused path runs in chunks of 4; its losses
+    and gradients are those of the plain logits' cross-entropy."""
+    require_modules("torch")
+    from types import SimpleNamespace
+
+    import torch
+
+    from megatron_skill.runtime import fused_head
+
+    assert fused_head_chunk(8, 2, 11, chunk=8) == 4
+    rows = []
+    stats = fused_head.chunk_stats
+    monkeypatch.setattr(fused_head, "chunk_stats", lambda logits, *a: rows.append(logits.shape[0]) or stats(logits, *a))
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(2, 11, bias=False)
+    hidden = torch.randn(4, 2, 2, requires_grad=True)
+    labels = torch.randint(0, 11, (2, 4))
+    losses = fused_head.output_processor(
+        hidden_states=hidden, output_layer=layer, output_weight=None, labels=labels, loss_mask=torch.ones(2, 4),
+        config=SimpleNamespace(sequence_parallel=False), compute_language_model_loss=None, scale_logits=None,
+        chunk_tokens=8)
+    assert rows == [4, 4]
+    losses.sum().backward()
+    got = hidden.grad.clone(), layer.weight.grad.clone()
+    hidden.grad, layer.weight.grad = None, None
+    want = torch.nn.functional.cross_entropy(layer(hidden).transpose(0, 1).reshape(8, 11), labels.reshape(8),
+                                             reduction="none").view(2, 4)
+    torch.testing.assert_close(losses, want)
+    want.sum().backward()
+    torch.testing.assert_close(got[0], hidden.grad)
+    torch.testing.assert_close(got[1], layer.weight.grad)
 
 
 def test_te_fp8_experts_keep_their_inputs_in_fp8_for_the_backward():

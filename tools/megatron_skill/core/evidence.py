@@ -48,8 +48,11 @@ def run_layout(run: dict[str, Any], model: ModelConfig) -> Layout:
 def run_options(run: dict[str, Any]) -> RuntimeOptions:
     """The runtime the run's software was: Transformer Engine's layers unless the row says not,
     the MoE and Megatron options its recipe set, and the core-attention kernel it names."""
-    opts = RuntimeOptions.from_request(None, te=run.get("transformer_engine", True), moe=run.get("moe"),
-                                       megatron=run.get("megatron_options"))
+    # A run without TE ran Megatron's own local layers: its output layer and loss, not the
+    # skill's fused head (the skill's other fused paths stand in for the fused kernels of the
+    # run's own Megatron: apex's wgrad accumulation, compiled element-wise work)
+    opts = RuntimeOptions.from_request({"linear_cross_entropy": False}, te=run.get("transformer_engine", True),
+                                       moe=run.get("moe"), megatron=run.get("megatron_options"))
     if run.get("attention_kernel"):
         opts = dataclasses.replace(opts, attention_kernel=AttentionKernel(**run["attention_kernel"]))
     return opts

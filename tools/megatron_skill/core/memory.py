@@ -280,20 +280,37 @@ def param_split(model: ModelConfig, n_dense: int, n_moe: int) -> tuple[float, fl
     return tp_sharded, replicated, expert
 
 
-# runtime/fused_head.py: tokens per chunk of the fused output layer + cross-entropy (which
-# runs only for micro-batches of more than two chunks; smaller ones take Megatron's path).
+# runtime/fused_head.py: tokens per chunk of the fused output layer + cross-entropy, at most;
+# a micro-batch whose fp32 weight gradient would make this chunk keep more than Megatron's
+# logits takes a half or a quarter of it (see fused_head_chunk).
 FUSED_HEAD_CHUNK = 4096
 
 
-def fused_head_runs(tokens: float, hidden: int, vocab: float, chunk: int = FUSED_HEAD_CHUNK) -> bool:
-    """Whether the skill's fused output layer + loss takes a micro-batch of `tokens` (on a rank
-    holding `vocab` rows of the output weight), or leaves it to Megatron's output layer and loss:
-    it takes it where it keeps less than Megatron's bf16 logits and their fp32 copy (one chunk's
-    logits, the fp32 weight gradient and the saved hidden states). One rule for the runtime
-    (runtime/fused_head.py), the memory model and the step time."""
+def fused_head_bytes(tokens: float, hidden: int, vocab: float, chunk: int) -> float:
+    """What the fused output layer + loss keeps for a micro-batch of `tokens` on a rank holding
+    `vocab` rows of the output weight: one chunk's fp32 logits and bf16 gradient at a time, the
+    fp32 weight gradient the forward accumulates, the hidden-state gradient kept for the backward."""
+    return min(tokens, chunk) * vocab * (FP32 + BF16) + vocab * hidden * FP32 + tokens * hidden * BF16
+
+
+def fused_head_chunk(tokens: float, hidden: int, vocab: float, chunk: int = FUSED_HEAD_CHUNK) -> int:
+    """Tokens per chunk the skill's fused output layer + loss takes a micro-batch in, or 0 where it
+    leaves it to Megatron's output layer and loss: the largest of `chunk`, its half and its
+    quarter with which it keeps less than Megatron's bf16 logits and their fp32 copy.  A smaller
+    chunk costs nothing measurable (each chunk's GEMM still has a thousand rows of a 128k-wide
+    product); it lets a one-sequence micro-batch of a large-vocabulary model take the fused path,
+    whose fp32 weight gradient alone is half its logits (the 3B shape at mbs 1: 1,024-token
+    chunks).  One rule for the runtime (runtime/fused_head.py), the memory model and the step time."""
     megatron = tokens * vocab * (FP32 + BF16)
-    fused = min(tokens, chunk) * vocab * (FP32 + BF16) + vocab * hidden * FP32 + tokens * hidden * BF16
-    return fused < megatron
+    for c in (chunk, chunk // 2, chunk // 4):
+        if c >= 1 and fused_head_bytes(tokens, hidden, vocab, c) < megatron:
+            return c
+    return 0
+
+
+def fused_head_runs(tokens: float, hidden: int, vocab: float, chunk: int = FUSED_HEAD_CHUNK) -> bool:
+    """Whether the fused output layer + loss takes the micro-batch (fused_head_chunk)."""
+    return fused_head_chunk(tokens, hidden, vocab, chunk) > 0
 
 
 def fp8_linear_saved_bytes(model: ModelConfig, lay: Layout) -> float:
@@ -439,11 +456,11 @@ def stage_memory(model: ModelConfig, lay: Layout, rank: int, padded_vocab: int,
         sp = lay.sequence_parallel or lay.tp == 1
         activations += tokens * 2 * BF16 * h / (lay.tp if sp else 1)  # final norm in and out
         v = padded_vocab / lay.tp
-        if opts.fused_head and not model.mtp_num_layers and fused_head_runs(tokens, h, v):
-            # One chunk's fp32 logits and bf16 gradient at a time; the fp32 weight gradient the
-            # forward accumulates (in place: addmm writes the GEMM's fp32 accumulator into it);
-            # the hidden-state gradient kept for the backward.
-            logits = min(tokens, FUSED_HEAD_CHUNK) * v * (FP32 + BF16) + v * h * FP32 + tokens * h * BF16
+        chunk = fused_head_chunk(tokens, h, v) if opts.fused_head and not model.mtp_num_layers else 0
+        if chunk:
+            # (the weight gradient is accumulated in place: addmm writes the GEMM's fp32
+            # accumulator into it)
+            logits = fused_head_bytes(tokens, h, v, chunk)
         elif opts.fused_cross_entropy:
             # Megatron's fused cross-entropy reads the bf16 logits in place: they and their bf16
             # gradient, no fp32 copy

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..core.memory import FUSED_HEAD_CHUNK, fused_head_runs
+from ..core.memory import FUSED_HEAD_CHUNK, fused_head_chunk
 from . import compiled
 from .wgrad_accum import addmm_fp32_
 
@@ -141,8 +141,8 @@ def output_processor(*, hidden_states, output_layer, output_weight, labels, loss
     tokens = hidden_states.shape[0] * hidden_states.shape[1] * (
         getattr(config, "tensor_model_parallel_size", 1) if config.sequence_parallel else 1)
     weight = output_weight if output_weight is not None else getattr(output_layer, "weight", None)
-    if labels is None or loss_mask is None or weight is None \
-            or not fused_head_runs(tokens, weight.shape[1], weight.shape[0], chunk_tokens):
+    chunk = fused_head_chunk(tokens, weight.shape[1], weight.shape[0], chunk_tokens) if weight is not None else 0
+    if labels is None or loss_mask is None or not chunk:
         # Inference, or a micro-batch so small that the fused path's fp32 weight gradient would
         # outweigh the logits it saves: Megatron's own output layer and loss.
         logits, _ = output_layer(hidden_states, weight=output_weight, runtime_gather_output=runtime_gather_output)
@@ -158,5 +158,5 @@ def output_processor(*, hidden_states, output_layer, output_weight, labels, loss
     elif tp > 1:
         x = copy_to_tensor_model_parallel_region(x, group=group)
     loss = LinearCrossEntropy.apply(x, weight, labels.transpose(0, 1).contiguous(),
-                                    loss_mask.transpose(0, 1).contiguous(), group, chunk_tokens)
+                                    loss_mask.transpose(0, 1).contiguous(), group, chunk)
     return loss.transpose(0, 1).contiguous()
