@@ -439,3 +439,53 @@ def test_wgrad_accumulation_into_fp32_on_cuda_is_the_fp32_product():
     wgrad_gemm_accum_fp32(x, g, acc)
     assert acc.dtype == torch.float32
     assert _rel(acc, want) < 1e-5
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_fused_head_adds_its_weight_gradient_into_megatrons_main_grad(tied):
+    """Under Megatron's DDP the output weight carries an fp32 main_grad: the fused head adds its
+    gradient there itself and hands autograd a placeholder, as Megatron's own layers do under
+    gradient-accumulation fusion; Megatron's real backward hook (DistributedDataParallel's, on the
+    weight's grad accumulator) then adds nothing, or, where the weight is the embedding's too
+    (zero_out_wgrad), the lookup's gradient on top of zeros. Over two micro-batches main_grad is
+    the plain path's gradient."""
+    from types import SimpleNamespace
+
+    from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel
+
+    from megatron_skill.runtime.fused_head import output_processor
+
+    s, b, h, v = 8, 2, 16, 37
+    w0 = torch.randn(v, h, generator=torch.Generator().manual_seed(1)) * 0.3
+    batches = [(torch.randint(0, v, (b, s), generator=torch.Generator().manual_seed(10 + i)),
+                torch.randint(0, v, (b, s), generator=torch.Generator().manual_seed(20 + i)),
+                (torch.rand(b, s, generator=torch.Generator().manual_seed(30 + i)) > 0.2).float()) for i in range(2)]
+    proj = torch.randn(h, h, generator=torch.Generator().manual_seed(2)) * 0.3
+
+    def hidden_of(w, tokens):
+        emb = F.embedding(tokens, w) if tied else torch.randn(b, s, h, generator=torch.Generator().manual_seed(3))
+        return torch.tanh(emb @ proj).transpose(0, 1).contiguous()          # [s, b, h] as GPTModel hands it
+
+    def loss_of(losses, mask):                                               # the skill's loss_func, then Megatron's scaling
+        return (losses * mask).sum() / mask.sum() / len(batches)
+
+    ref_w = w0.clone().requires_grad_()
+    for tokens, labels, mask in batches:
+        logits = hidden_of(ref_w, tokens) @ ref_w.t()
+        losses = F.cross_entropy(logits.view(-1, v), labels.t().reshape(-1), reduction="none").view(s, b).t()
+        loss_of(losses, mask).backward()
+
+    w = w0.clone().requires_grad_()
+    w.main_grad, w.grad_added_to_main_grad = torch.zeros(v, h), False
+    if tied:
+        w.zero_out_wgrad = True
+    ddp = SimpleNamespace(param_to_bucket_group={w: None}, ddp_config=SimpleNamespace(overlap_grad_reduce=False))
+    grad_acc = w.expand_as(w).grad_fn.next_functions[0][0]
+    grad_acc.register_hook(DistributedDataParallel._make_backward_post_hook(ddp, w))
+    for tokens, labels, mask in batches:
+        losses = output_processor(hidden_states=hidden_of(w, tokens), output_layer=torch.nn.Identity(), output_weight=w,
+                                  labels=labels, loss_mask=mask, config=SimpleNamespace(sequence_parallel=False),
+                                  compute_language_model_loss=None, scale_logits=None, chunk_tokens=4)
+        loss_of(losses, mask).backward()
+    assert w.grad is None and w.grad_added_to_main_grad
+    torch.testing.assert_close(w.main_grad, ref_w.grad, rtol=1e-5, atol=1e-6)

@@ -85,7 +85,9 @@ def test_megatrons_own_loss_is_charged_where_the_fused_head_leaves_the_micro_bat
     rate = H100.hbm_gbps * 1e9 * calibration("h100-sxm")["hbm"]
     assert c.time.loss == pytest.approx(16 * 2048 * 128256 * MEGATRON_LOSS_BYTES_PER_LOGIT / rate)
     fused = predict(QWEN, H100, Layout(tp=1, pp=1, dp=1, mbs=4, gbs=32, seq_length=4096), 151936, _local())
-    assert fused.time.loss < 0.2 * 8 * 16384 * 151936 * MEGATRON_LOSS_BYTES_PER_LOGIT / rate
+    # the fused head's loss term: its logit passes and its output weight's gradient (zeroed,
+    # accumulated chunk by chunk, added into main_grad) under a quarter of Megatron's loss passes
+    assert fused.time.loss < 0.25 * 8 * 16384 * 151936 * MEGATRON_LOSS_BYTES_PER_LOGIT / rate
 
 
 def test_the_h100_calibration_is_the_fit_of_its_stored_measurements():

@@ -19,7 +19,7 @@ from .attention_kernels import MASKED_SDPA_FACTOR, PLANNED, AttentionKernel, unf
 from .catalog import CATALOG_DIR, GPUSpec
 from .layout import Layout
 from .megatron_options import MegatronOptions
-from .memory import BF16, FP8, FP32, fused_head_runs, moe_layers_among, param_split, rank_layers, ranks_to_check
+from .memory import BF16, FP8, FP32, fused_head_chunk, moe_layers_among, param_split, rank_layers, ranks_to_check
 from .model import ModelConfig
 from .moe import MoEOptions
 
@@ -227,13 +227,25 @@ def _unfused_grad_params(model: ModelConfig, lay: Layout, rank: int, n_dense: in
     if not fused_wgrad:
         return ts / lay.tp + rep + exp / (lay.ep * lay.etp) + vocab * (first + head)
     out = rep + vocab * first                          # norms; the embedding's gradient is no GEMM's
-    if head and fused_head:
-        out += vocab                                   # the fused head returns its gradient in bf16
+    # (the fused head adds its own into main_grad: _fused_head_weight_grad)
     if fp8_linear:
         out += param_split(model, n_dense, 0)[0] / lay.tp   # the FP8 layers' own autograd function
     if not te:
         out += exp / (lay.ep * lay.etp)
     return out
+
+
+def _fused_head_weight_grad(rates: "_Rates", tokens: float, rows: float, h: int, chunk: int) -> float:
+    """Seconds a micro-batch of the fused head (runtime/fused_head.py) spends on its output
+    weight's gradient beyond the three GEMMs rates.gemm counts: the fp32 buffer zeroed, and at the
+    backward read once more and added into main_grad (read and written); and each chunk's
+    accumulating GEMM reading and writing that buffer, where those bytes outlast the chunk's own
+    multiply (a roofline per chunk: with 1,024-token chunks of a 3,072-wide model about even)."""
+    weight = rows * h
+    chunks = math.ceil(tokens / chunk)
+    one_chunk_wgrad = rates.gemm(min(tokens, chunk), rows, h) / 3
+    accumulate = chunks * max(0.0, rates.memory_bound(2 * FP32 * weight) - one_chunk_wgrad)
+    return accumulate + rates.memory_bound(4 * FP32 * weight)
 
 
 def _dispatch_time(model: ModelConfig, lay: Layout, rates: _Rates, tokens: float, node: int,
@@ -418,7 +430,8 @@ def step_time(model: ModelConfig, lay: Layout, gpu: GPUSpec, padded_vocab: int, 
     node = gpu.nvlink_domain
 
     # the fused head takes the micro-batch only where it keeps less memory (the runtime's rule)
-    head_fused = fused_head and not model.mtp_num_layers and fused_head_runs(tokens, h, padded_vocab / t)
+    head_chunk = fused_head_chunk(tokens, h, padded_vocab / t) if fused_head and not model.mtp_num_layers else 0
+    head_fused = head_chunk > 0
     per_layer = _per_layer(model, lay, gpu, te, fp8_linear, moe, megatron, attention, fp8_delayed)
 
     # The busiest rank decides the pace of the pipeline: the one with most work per micro-batch.
@@ -441,6 +454,8 @@ def step_time(model: ModelConfig, lay: Layout, gpu: GPUSpec, padded_vocab: int, 
             per_entry = (FUSED_LOSS_BYTES_PER_LOGIT if head_fused else
                          FUSED_CE_BYTES_PER_LOGIT if megatron.cross_entropy_fusion else MEGATRON_LOSS_BYTES_PER_LOGIT)
             r.loss += rates.memory_bound(tokens * padded_vocab / t * per_entry)
+            if head_fused:
+                r.loss += _fused_head_weight_grad(rates, tokens, padded_vocab / t, h, head_chunk)
         # main_grad += bf16 gradient: fp32 read and write, bf16 read; a mixed-dtype kernel, so
         # slower than the HBM roofline by a calibrated factor.
         unfused = _unfused_grad_params(model, lay, rank, n_dense, n_moe, padded_vocab, te, head_fused,

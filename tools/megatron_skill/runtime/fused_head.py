@@ -71,7 +71,7 @@ class LinearCrossEntropy(torch.autograd.Function):
                 addmm_fp32_(grad_w, g.t(), x[s:e])
         if need_grad:
             ctx.save_for_backward(grad_x, grad_w, mask)
-            ctx.hidden_shape, ctx.weight_dtype = hidden.shape, weight.dtype
+            ctx.hidden_shape, ctx.weight = hidden.shape, weight
         return loss.view(hidden.shape[0], hidden.shape[1])
 
     @staticmethod
@@ -80,8 +80,22 @@ class LinearCrossEntropy(torch.autograd.Function):
         # grad_loss = factor * mask (the skill's loss_func); recover the factor without a sync.
         factor = (grad_loss.reshape(-1).float() * mask).sum() / (mask * mask).sum().clamp(min=1e-12)
         gx = (grad_x * factor.to(grad_x.dtype)).view(ctx.hidden_shape)
-        gw = (grad_w * factor).to(ctx.weight_dtype)
-        return gx, gw, None, None, None, None
+        return gx, weight_grad(ctx.weight, grad_w, factor), None, None, None, None
+
+
+def weight_grad(weight: torch.Tensor, grad_w: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """The output weight's gradient, factor * grad_w.  Under Megatron's DDP (a fp32 main_grad and
+    its grad_added_to_main_grad flag) it is added straight into main_grad, in one pass, and a
+    placeholder goes back to autograd as Megatron's own linear layers do under gradient-
+    accumulation fusion (zeros where the weight is the embedding's too, whose lookup adds its own
+    gradient to it: DDP's hook then adds that sum); otherwise the gradient in the weight's dtype."""
+    main_grad = getattr(weight, "main_grad", None)
+    if main_grad is None or not hasattr(weight, "grad_added_to_main_grad") or main_grad.dtype != torch.float32:
+        return (grad_w * factor).to(weight.dtype)
+    main_grad.addcmul_(grad_w, factor)
+    weight.grad_added_to_main_grad = True
+    make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
+    return make(main_grad.shape, dtype=weight.dtype, device=main_grad.device)
 
 
 def tp_group_size(group) -> int:
