@@ -441,17 +441,35 @@ def test_wgrad_accumulation_into_fp32_on_cuda_is_the_fp32_product():
     assert _rel(acc, want) < 1e-5
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_the_fused_head_adds_its_weight_gradient_into_megatrons_main_grad(tied):
-    """Under Megatron's DDP the output weight carries an fp32 main_grad: the fused head adds its
-    gradient there itself and hands autograd a placeholder, as Megatron's own layers do under
-    gradient-accumulation fusion; Megatron's real backward hook (DistributedDataParallel's, on the
-    weight's grad accumulator) then adds nothing, or, where the weight is the embedding's too
-    (zero_out_wgrad), the lookup's gradient on top of zeros. Over two micro-batches main_grad is
-    the plain path's gradient."""
+def _ddp_weight(w0, tied=False):
+    """A weight as Megatron's DDP leaves it: an fp32 main_grad, the flag, and DDP's own backward
+    hook (DistributedDataParallel._make_backward_post_hook) on its grad accumulator."""
     from types import SimpleNamespace
 
     from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel
+
+    w = w0.clone().requires_grad_()
+    w.main_grad, w.grad_added_to_main_grad = torch.zeros(w0.shape), False
+    if tied:
+        w.zero_out_wgrad = True
+    ddp = SimpleNamespace(param_to_bucket_group={w: None}, ddp_config=SimpleNamespace(overlap_grad_reduce=False))
+    grad_acc = w.expand_as(w).grad_fn.next_functions[0][0]
+    grad_acc.register_hook(DistributedDataParallel._make_backward_post_hook(ddp, w))
+    _GRAD_ACCS.append(grad_acc)              # kept alive, as DDP keeps its own (else autograd makes a new one)
+    return w
+
+
+_GRAD_ACCS: list = []
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_fused_head_adds_its_weight_gradient_into_megatrons_main_grad(tied):
+    """Under gradient-accumulation fusion the output weight carries an fp32 main_grad: the fused
+    head adds its gradient there itself and hands autograd a placeholder, as Megatron's own layers
+    do under that fusion; Megatron's real backward hook then adds nothing, or, where the weight is
+    the embedding's too (zero_out_wgrad), the lookup's gradient on top of zeros. Over two
+    micro-batches main_grad is the plain path's gradient."""
+    from types import SimpleNamespace
 
     from megatron_skill.runtime.fused_head import output_processor
 
@@ -475,17 +493,58 @@ def test_the_fused_head_adds_its_weight_gradient_into_megatrons_main_grad(tied):
         losses = F.cross_entropy(logits.view(-1, v), labels.t().reshape(-1), reduction="none").view(s, b).t()
         loss_of(losses, mask).backward()
 
-    w = w0.clone().requires_grad_()
-    w.main_grad, w.grad_added_to_main_grad = torch.zeros(v, h), False
-    if tied:
-        w.zero_out_wgrad = True
-    ddp = SimpleNamespace(param_to_bucket_group={w: None}, ddp_config=SimpleNamespace(overlap_grad_reduce=False))
-    grad_acc = w.expand_as(w).grad_fn.next_functions[0][0]
-    grad_acc.register_hook(DistributedDataParallel._make_backward_post_hook(ddp, w))
+    w = _ddp_weight(w0, tied)
+    config = SimpleNamespace(sequence_parallel=False, gradient_accumulation_fusion=True)
     for tokens, labels, mask in batches:
         losses = output_processor(hidden_states=hidden_of(w, tokens), output_layer=torch.nn.Identity(), output_weight=w,
-                                  labels=labels, loss_mask=mask, config=SimpleNamespace(sequence_parallel=False),
+                                  labels=labels, loss_mask=mask, config=config,
                                   compute_language_model_loss=None, scale_logits=None, chunk_tokens=4)
         loss_of(losses, mask).backward()
     assert w.grad is None and w.grad_added_to_main_grad
     torch.testing.assert_close(w.main_grad, ref_w.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_without_the_fusion_a_fused_and_a_megatron_micro_batch_both_reach_main_grad():
+    """Without gradient-accumulation fusion the fused head hands its gradient to DDP's hook, as
+    Megatron's output layer does: in one iteration whose second micro-batch is too small for the
+    fused path (Megatron's layer takes it, returning its gradient), both reach main_grad; a head
+    that set DDP's flag itself would have the hook skip the second. A frozen output weight gets
+    nothing."""
+    from types import SimpleNamespace
+
+    from megatron_skill.core.memory import fused_head_chunk
+    from megatron_skill.runtime.fused_head import output_processor
+
+    h, v = 16, 37
+    w0 = torch.randn(v, h, generator=torch.Generator().manual_seed(1)) * 0.3
+    micro = [(torch.randn(n, 1, h, generator=torch.Generator().manual_seed(10 + n)),
+              torch.randint(0, v, (1, n), generator=torch.Generator().manual_seed(20 + n))) for n in (64, 2)]
+    assert [fused_head_chunk(x.shape[0], h, v, 4) for x, _ in micro] == [4, 0]
+
+    def ce(labels, logits):                                                  # Megatron's per-token losses [b, s]
+        return F.cross_entropy(logits.transpose(0, 1).reshape(-1, v), labels.reshape(-1), reduction="none").view(labels.shape)
+
+    class OutputLayer(torch.nn.Module):                                      # Megatron's, without the fusion: a real gradient
+        def forward(self, x, weight=None, runtime_gather_output=None):
+            return x @ weight.t(), None
+
+    ref = w0.clone().requires_grad_()
+    for x, y in micro:
+        ce(y, x @ ref.t()).sum().backward()
+    config = SimpleNamespace(sequence_parallel=False, gradient_accumulation_fusion=False)
+    w = _ddp_weight(w0)
+    for x, y in micro:
+        output_processor(hidden_states=x, output_layer=OutputLayer(), output_weight=w, labels=y,
+                         loss_mask=torch.ones(y.shape), config=config, compute_language_model_loss=ce,
+                         scale_logits=lambda logits: logits, chunk_tokens=4).sum().backward()
+    assert not w.grad_added_to_main_grad
+    torch.testing.assert_close(w.main_grad, ref.grad, rtol=1e-5, atol=1e-6)
+
+    frozen = _ddp_weight(w0)
+    frozen.requires_grad_(False)
+    x = micro[0][0].clone().requires_grad_()
+    fused_config = SimpleNamespace(sequence_parallel=False, gradient_accumulation_fusion=True)
+    output_processor(hidden_states=x, output_layer=OutputLayer(), output_weight=frozen, labels=micro[0][1],
+                     loss_mask=torch.ones(micro[0][1].shape), config=fused_config, compute_language_model_loss=ce,
+                     scale_logits=lambda logits: logits, chunk_tokens=4).sum().backward()
+    assert x.grad is not None and not frozen.grad_added_to_main_grad and not frozen.main_grad.any()

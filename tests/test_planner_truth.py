@@ -233,6 +233,26 @@ def test_the_fp32_copy_of_a_bf16_gradient_shard_lives_through_the_step_only():
     assert set(pp2) == {"first_stage", "last_stage"} and pp2["last_stage"].logits > 0
 
 
+def test_memory_and_step_time_cost_the_chunk_the_runtime_takes():
+    """The 3B shape at mbs 1 runs the fused head in 1,024-token chunks (fused_head_chunk): the
+    memory model keeps what those chunks keep, the step time charges their weight-gradient passes
+    (each chunk's accumulating GEMM, the buffer added into main_grad), not the 4,096-token ones."""
+    lay = Layout(tp=1, pp=1, dp=1, mbs=1, gbs=16, seq_length=4096)
+    vocab = padded_vocab_size(MODEL_3B.vocab_size, 1)
+    assert fused_head_chunk(4096, 3072, vocab) == 1024
+    stage = _stage(MODEL_3B, lay, _local())
+    assert stage.logits == pytest.approx(fused_head_bytes(4096, 3072, vocab, 1024))
+    rates = timing._Rates(H100, "bf16", te=False)
+    st = timing.step_time(MODEL_3B, lay, H100, vocab, te=False, fused_head=True)
+    per_micro_batch = (rates.memory_bound(4096 * vocab * timing.FUSED_LOSS_BYTES_PER_LOGIT)
+                       + timing._fused_head_weight_grad(rates, 4096, vocab, 3072, 1024, True))
+    assert st.loss == pytest.approx(16 * per_micro_batch)
+    # each chunk's GEMM reads and writes the whole fp32 buffer: below about 1,024 tokens a chunk
+    # its bytes outlast its multiply on this GPU, and the chunks' count then shows
+    assert timing._fused_head_weight_grad(rates, 4096, vocab, 3072, 256, True) > \
+        1.5 * timing._fused_head_weight_grad(rates, 4096, vocab, 3072, 4096, True)
+
+
 def test_the_runtime_takes_the_fused_head_by_the_core_rule():
     """runtime/fused_head.py asks core.memory.fused_head_runs: 8 tokens in chunks of 4 with a tiny
     hidden size keep less than the logits, so the fused path runs (the layer's pre-hook fires);

@@ -289,7 +289,9 @@ FUSED_HEAD_CHUNK = 4096
 def fused_head_bytes(tokens: float, hidden: int, vocab: float, chunk: int) -> float:
     """What the fused output layer + loss keeps for a micro-batch of `tokens` on a rank holding
     `vocab` rows of the output weight: one chunk's fp32 logits and bf16 gradient at a time, the
-    fp32 weight gradient the forward accumulates, the hidden-state gradient kept for the backward."""
+    fp32 weight gradient the forward accumulates, the hidden-state gradient kept for the backward.
+    (Its backward hands autograd a bf16 placeholder of the weight's size, vocab x hidden x 2 bytes,
+    once the chunks' logits are gone: less than one chunk's logits whenever chunk >= hidden / 3.)"""
     return min(tokens, chunk) * vocab * (FP32 + BF16) + vocab * hidden * FP32 + tokens * hidden * BF16
 
 

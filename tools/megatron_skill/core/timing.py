@@ -215,7 +215,7 @@ def _layer_fp8_cast_bytes(model: ModelConfig, lay: Layout, moe: bool = False, re
 
 
 def _unfused_grad_params(model: ModelConfig, lay: Layout, rank: int, n_dense: int, n_moe: int, padded_vocab: int,
-                         te: bool, fused_head: bool, fp8_linear: bool, fused_wgrad: bool) -> float:
+                         te: bool, fp8_linear: bool, fused_wgrad: bool) -> float:
     """Parameters of this rank whose weight gradient is written in bf16 and then added into
     the fp32 main_grad by DDP's hook, once per micro-batch.  The rest accumulate inside their
     GEMM (Megatron's gradient-accumulation fusion: TE's, apex's or the skill's stand-in)."""
@@ -227,7 +227,8 @@ def _unfused_grad_params(model: ModelConfig, lay: Layout, rank: int, n_dense: in
     if not fused_wgrad:
         return ts / lay.tp + rep + exp / (lay.ep * lay.etp) + vocab * (first + head)
     out = rep + vocab * first                          # norms; the embedding's gradient is no GEMM's
-    # (the fused head adds its own into main_grad: _fused_head_weight_grad)
+    # (the fused head, like Megatron's output layer, adds its own into main_grad under the fusion:
+    # _fused_head_weight_grad)
     if fp8_linear:
         out += param_split(model, n_dense, 0)[0] / lay.tp   # the FP8 layers' own autograd function
     if not te:
@@ -235,17 +236,21 @@ def _unfused_grad_params(model: ModelConfig, lay: Layout, rank: int, n_dense: in
     return out
 
 
-def _fused_head_weight_grad(rates: "_Rates", tokens: float, rows: float, h: int, chunk: int) -> float:
+def _fused_head_weight_grad(rates: "_Rates", tokens: float, rows: float, h: int, chunk: int,
+                            into_main_grad: bool) -> float:
     """Seconds a micro-batch of the fused head (runtime/fused_head.py) spends on its output
     weight's gradient beyond the three GEMMs rates.gemm counts: the fp32 buffer zeroed, and at the
-    backward read once more and added into main_grad (read and written); and each chunk's
-    accumulating GEMM reading and writing that buffer, where those bytes outlast the chunk's own
-    multiply (a roofline per chunk: with 1,024-token chunks of a 3,072-wide model about even)."""
+    backward read once more and added into main_grad (read and written) under gradient-accumulation
+    fusion, else written in bf16 for DDP's hook (whose add _unfused_grad_params counts); and each
+    chunk's accumulating GEMM reading and writing that buffer, where those bytes outlast the
+    chunk's own multiply (a roofline per chunk: with 1,024-token chunks of a 3,072-wide model
+    about even)."""
     weight = rows * h
     chunks = math.ceil(tokens / chunk)
     one_chunk_wgrad = rates.gemm(min(tokens, chunk), rows, h) / 3
     accumulate = chunks * max(0.0, rates.memory_bound(2 * FP32 * weight) - one_chunk_wgrad)
-    return accumulate + rates.memory_bound(4 * FP32 * weight)
+    hand_over = 3 * FP32 if into_main_grad else FP32 + BF16
+    return accumulate + rates.memory_bound((FP32 + hand_over) * weight)
 
 
 def _dispatch_time(model: ModelConfig, lay: Layout, rates: _Rates, tokens: float, node: int,
@@ -455,11 +460,10 @@ def step_time(model: ModelConfig, lay: Layout, gpu: GPUSpec, padded_vocab: int, 
                          FUSED_CE_BYTES_PER_LOGIT if megatron.cross_entropy_fusion else MEGATRON_LOSS_BYTES_PER_LOGIT)
             r.loss += rates.memory_bound(tokens * padded_vocab / t * per_entry)
             if head_fused:
-                r.loss += _fused_head_weight_grad(rates, tokens, padded_vocab / t, h, head_chunk)
+                r.loss += _fused_head_weight_grad(rates, tokens, padded_vocab / t, h, head_chunk, fused_wgrad)
         # main_grad += bf16 gradient: fp32 read and write, bf16 read; a mixed-dtype kernel, so
         # slower than the HBM roofline by a calibrated factor.
-        unfused = _unfused_grad_params(model, lay, rank, n_dense, n_moe, padded_vocab, te, head_fused,
-                                       fp8_linear, fused_wgrad)
+        unfused = _unfused_grad_params(model, lay, rank, n_dense, n_moe, padded_vocab, te, fp8_linear, fused_wgrad)
         r.grad_accum = rates.cal["grad_accum_factor"] * rates.memory_bound(unfused * (2 * FP32 + BF16))
         return r, len(layers)
 

@@ -35,7 +35,7 @@ class LinearCrossEntropy(torch.autograd.Function):
     """loss[n] = logsumexp(h[n] @ W.T) - (h[n] @ W.T)[target[n]], W split over the TP group."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, target, loss_mask, group, chunk_tokens):
+    def forward(ctx, hidden, weight, target, loss_mask, group, chunk_tokens, into_main_grad=False):
         n_tok, h = hidden.shape[0] * hidden.shape[1], hidden.shape[-1]
         x = hidden.reshape(n_tok, h)
         t = target.reshape(n_tok)
@@ -71,7 +71,7 @@ class LinearCrossEntropy(torch.autograd.Function):
                 addmm_fp32_(grad_w, g.t(), x[s:e])
         if need_grad:
             ctx.save_for_backward(grad_x, grad_w, mask)
-            ctx.hidden_shape, ctx.weight = hidden.shape, weight
+            ctx.hidden_shape, ctx.weight, ctx.into_main_grad = hidden.shape, weight, into_main_grad
         return loss.view(hidden.shape[0], hidden.shape[1])
 
     @staticmethod
@@ -80,17 +80,23 @@ class LinearCrossEntropy(torch.autograd.Function):
         # grad_loss = factor * mask (the skill's loss_func); recover the factor without a sync.
         factor = (grad_loss.reshape(-1).float() * mask).sum() / (mask * mask).sum().clamp(min=1e-12)
         gx = (grad_x * factor.to(grad_x.dtype)).view(ctx.hidden_shape)
-        return gx, weight_grad(ctx.weight, grad_w, factor), None, None, None, None
+        gw = weight_grad(ctx.weight, grad_w, factor, ctx.into_main_grad) if ctx.needs_input_grad[1] else None
+        return gx, gw, None, None, None, None, None
 
 
-def weight_grad(weight: torch.Tensor, grad_w: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
-    """The output weight's gradient, factor * grad_w.  Under Megatron's DDP (a fp32 main_grad and
-    its grad_added_to_main_grad flag) it is added straight into main_grad, in one pass, and a
-    placeholder goes back to autograd as Megatron's own linear layers do under gradient-
-    accumulation fusion (zeros where the weight is the embedding's too, whose lookup adds its own
-    gradient to it: DDP's hook then adds that sum); otherwise the gradient in the weight's dtype."""
+def weight_grad(weight: torch.Tensor, grad_w: torch.Tensor, factor: torch.Tensor, into_main_grad: bool) -> torch.Tensor:
+    """The output weight's gradient, factor * grad_w.  Under Megatron's gradient-accumulation
+    fusion (`into_main_grad`: the model's config says so) with its DDP (a fp32 main_grad and the
+    grad_added_to_main_grad flag) it is added straight into main_grad, in one pass, and a
+    placeholder goes back to autograd as Megatron's own linear layers do under that fusion (zeros
+    where the weight is the embedding's too, whose lookup adds its own gradient to it: DDP's hook
+    then adds that sum).  Only under the fusion: the flag stays set for the whole iteration, and
+    Megatron's output layer, taking a smaller micro-batch of it, then adds into main_grad itself
+    too; without it, that layer's gradient would go through DDP's hook, which the flag would skip.
+    Megatron-FSDP's parameters keep their own main_grad protocol: they get the gradient back."""
     main_grad = getattr(weight, "main_grad", None)
-    if main_grad is None or not hasattr(weight, "grad_added_to_main_grad") or main_grad.dtype != torch.float32:
+    if (not into_main_grad or main_grad is None or not hasattr(weight, "grad_added_to_main_grad")
+            or main_grad.dtype != torch.float32 or hasattr(weight, "__fsdp_param__")):
         return (grad_w * factor).to(weight.dtype)
     main_grad.addcmul_(grad_w, factor)
     weight.grad_added_to_main_grad = True
@@ -172,5 +178,6 @@ def output_processor(*, hidden_states, output_layer, output_weight, labels, loss
     elif tp > 1:
         x = copy_to_tensor_model_parallel_region(x, group=group)
     loss = LinearCrossEntropy.apply(x, weight, labels.transpose(0, 1).contiguous(),
-                                    loss_mask.transpose(0, 1).contiguous(), group, chunk)
+                                    loss_mask.transpose(0, 1).contiguous(), group, chunk,
+                                    bool(getattr(config, "gradient_accumulation_fusion", False)))
     return loss.transpose(0, 1).contiguous()
