@@ -299,8 +299,9 @@ def fused_head_chunk(tokens: float, hidden: int, vocab: float, chunk: int = FUSE
     """Tokens per chunk the skill's fused output layer + loss takes a micro-batch in, or 0 where it
     leaves it to Megatron's output layer and loss: the largest of `chunk`, its half and its
     quarter with which it keeps less than Megatron's bf16 logits and their fp32 copy.  A smaller
-    chunk costs nothing measurable (each chunk's GEMM still has a thousand rows of a 128k-wide
-    product); it lets a one-sequence micro-batch of a large-vocabulary model take the fused path,
+    chunk costs each chunk's pass over the fp32 weight-gradient buffer where that outlasts its
+    GEMM (timing._fused_head_weight_grad: about even at 1,024 tokens of a 3,072-wide model; not
+    yet measured); it lets a one-sequence micro-batch of a large-vocabulary model take the fused path,
     whose fp32 weight gradient alone is half its logits (the 3B shape at mbs 1: 1,024-token
     chunks).  One rule for the runtime (runtime/fused_head.py), the memory model and the step time."""
     megatron = tokens * vocab * (FP32 + BF16)

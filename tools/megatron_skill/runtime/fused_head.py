@@ -86,8 +86,8 @@ class LinearCrossEntropy(torch.autograd.Function):
 
 def weight_grad(weight: torch.Tensor, grad_w: torch.Tensor, factor: torch.Tensor, into_main_grad: bool) -> torch.Tensor:
     """The output weight's gradient, factor * grad_w.  Under Megatron's gradient-accumulation
-    fusion (`into_main_grad`: the model's config says so) with its DDP (a fp32 main_grad and the
-    grad_added_to_main_grad flag) it is added straight into main_grad, in one pass, and a
+    fusion (`into_main_grad`: the model's config says so) with its DDP (a main_grad, fp32 or bf16,
+    and the grad_added_to_main_grad flag) it is added straight into main_grad, in one pass, and a
     placeholder goes back to autograd as Megatron's own linear layers do under that fusion (zeros
     where the weight is the embedding's too, whose lookup adds its own gradient to it: DDP's hook
     then adds that sum).  Only under the fusion: the flag stays set for the whole iteration, and
@@ -96,7 +96,7 @@ def weight_grad(weight: torch.Tensor, grad_w: torch.Tensor, factor: torch.Tensor
     Megatron-FSDP's parameters keep their own main_grad protocol: they get the gradient back."""
     main_grad = getattr(weight, "main_grad", None)
     if (not into_main_grad or main_grad is None or not hasattr(weight, "grad_added_to_main_grad")
-            or main_grad.dtype != torch.float32 or hasattr(weight, "__fsdp_param__")):
+            or hasattr(weight, "__fsdp_param__")):
         return (grad_w * factor).to(weight.dtype)
     main_grad.addcmul_(grad_w, factor)
     weight.grad_added_to_main_grad = True
