@@ -470,7 +470,7 @@ def test_the_fused_head_adds_its_weight_gradient_into_megatrons_main_grad(tied, 
     do under that fusion; Megatron's real backward hook then adds nothing, or, where the weight is
     the embedding's too (zero_out_wgrad), the lookup's gradient on top of zeros. Over two
     micro-batches main_grad is the plain path's gradient, in an fp32 main_grad or a bf16 one
-    (--no-accumulate-allreduce-grads-in-fp32: Megatron's layers then add in bf16 too)."""
+    (--grad-reduce-in-bf16: Megatron's layers then add in bf16 too)."""
     from types import SimpleNamespace
 
     from megatron_skill.runtime.fused_head import output_processor

@@ -38,7 +38,7 @@ def wgrad_gemm_accum_fp32(total_input: torch.Tensor, grad_output: torch.Tensor, 
 
 
 def wgrad_gemm_accum_fp16(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
-    """The same for a bf16 / fp16 main_grad (--no-accumulate-allreduce-grads-in-fp32)."""
+    """The same for a bf16 / fp16 main_grad (--grad-reduce-in-bf16)."""
     main_grad.addmm_(grad_output.t(), total_input)
 
 
