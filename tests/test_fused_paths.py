@@ -464,18 +464,23 @@ _GRAD_ACCS: list = []
 
 @pytest.mark.parametrize("grad_dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("tied", [False, True])
-def test_the_fused_head_adds_its_weight_gradient_into_megatrons_main_grad(tied, grad_dtype, tol):
+@pytest.mark.parametrize("h,deferred", [(8, False), (12, True)])
+def test_the_fused_head_adds_its_weight_gradient_into_megatrons_main_grad(h, deferred, tied, grad_dtype, tol):
     """Under gradient-accumulation fusion the output weight carries an fp32 main_grad: the fused
     head adds its gradient there itself and hands autograd a placeholder, as Megatron's own layers
     do under that fusion; Megatron's real backward hook then adds nothing, or, where the weight is
     the embedding's too (zero_out_wgrad), the lookup's gradient on top of zeros. Over two
     micro-batches main_grad is the plain path's gradient, in an fp32 main_grad or a bf16 one
-    (--grad-reduce-in-bf16: Megatron's layers then add in bf16 too)."""
+    (--grad-reduce-in-bf16: Megatron's layers then add in bf16 too), whether the head accumulates
+    the gradient in the forward or forms it in the backward from the kept logit gradients (fewer
+    tokens than twice the hidden size)."""
     from types import SimpleNamespace
 
+    from megatron_skill.core.memory import fused_head_chunk, fused_head_defers_wgrad
     from megatron_skill.runtime.fused_head import output_processor
 
-    s, b, h, v = 8, 2, 16, 37
+    s, b, v = 8, 2, 101
+    assert fused_head_defers_wgrad(s * b, h) == deferred and fused_head_chunk(s * b, h, v, 4)
     w0 = torch.randn(v, h, generator=torch.Generator().manual_seed(1)) * 0.3
     batches = [(torch.randint(0, v, (b, s), generator=torch.Generator().manual_seed(10 + i)),
                 torch.randint(0, v, (b, s), generator=torch.Generator().manual_seed(20 + i)),

@@ -13,7 +13,15 @@ from megatron_skill.core import timing
 from megatron_skill.core.catalog import get_gpu
 from megatron_skill.core.flops import padded_vocab_size
 from megatron_skill.core.layout import Layout
-from megatron_skill.core.memory import GIB, fused_head_bytes, fused_head_chunk, fused_head_runs, memory_report, peak
+from megatron_skill.core.memory import (
+    GIB,
+    fused_head_bytes,
+    fused_head_chunk,
+    fused_head_defers_wgrad,
+    fused_head_runs,
+    memory_report,
+    peak,
+)
 from megatron_skill.core.options import RuntimeOptions
 from megatron_skill.core.planner import predict, search
 from megatron_skill.core.resolve import resolve_model
@@ -56,34 +64,54 @@ def test_no_3b_fp8_layout_fits_one_h100_under_torchs_multi_tensor_adam():
 
 
 def test_the_layout_that_ran_out_of_memory_is_refused_with_the_memory_outside_pytorch():
-    # at the out-of-memory error: 75.45 GiB allocated, 2.8 GiB outside PyTorch's pool, 1.96 GiB asked
-    total = peak(memory_report(MODEL_3B, OOM_LAYOUT, 128256, _local().memory(OOM_LAYOUT)))
+    # at the out-of-memory error: 75.45 GiB allocated, 2.8 GiB outside PyTorch's pool, 1.96 GiB asked;
+    # its one-sequence micro-batches took Megatron's output layer and loss (the fused head then
+    # declined them)
+    opts = _local(linear_cross_entropy=False)
+    total = peak(memory_report(MODEL_3B, OOM_LAYOUT, 128256, opts.memory(OOM_LAYOUT)))
     assert total > H100.memory_bytes
 
 
-@pytest.mark.parametrize("tokens,hidden,vocab,chunk", [
-    (8192, 1536, 151936, 4096),     # Qwen2.5-1.5B at mbs 2: Megatron's path ran, and cost 12 % of the step
-    (16384, 2048, 128256, 4096),    # the 1B shape at mbs 4
-    # the 3B shape at mbs 1: with 4,096- or 2,048-token chunks the fp32 weight gradient makes
-    # the fused path keep more than Megatron's logits (3.15 GB): 4.75 and 3.18 GB; 1,024: 2.39 GB
-    (4096, 3072, 128256, 1024),
-    (4096, 8192, 32000, 0),         # a small vocabulary under a wide model: the weight gradient outweighs the logits
+@pytest.mark.parametrize("tokens,hidden,vocab,deferred,chunk", [
+    (8192, 1536, 151936, False, 4096),  # Qwen2.5-1.5B at mbs 2: Megatron's path ran, and cost 12 % of the step
+    (16384, 2048, 128256, False, 4096),  # the 1B shape at mbs 4
+    # one 4,096-token sequence of the 1B shape: accumulating, the 4,096-token chunk and the fp32
+    # weight gradient (1.05 GB) keep 4.2 GB against Megatron's 3.15; 2,048: 2.6 GB
+    (4096, 2048, 128256, False, 2048),
+    # the 3B shape at mbs 1: its fp32 weight gradient (1.58 GB) outweighs its bf16 logit
+    # gradients (1.05 GB), which it keeps instead; in quarter chunks 1.89 GB against Megatron's 3.15
+    (4096, 3072, 128256, True, 1024),
+    (4096, 4096, 128256, True, 1024),   # an 8B-wide model at mbs 1, likewise: 2.24 GB
+    # a small vocabulary under a wide model: the bf16 weight gradient (or placeholder) the
+    # backward hands autograd, 0.52 GB, beside the logit gradients outweighs the 0.79 GB of logits
+    (4096, 8192, 32000, True, 0),
+    (1024, 2048, 128256, True, 0),      # a chunk of the whole micro-batch beside its logit gradients
+    (1024, 256, 32000, False, 0),       # a narrow model: the whole micro-batch in one chunk, plus the weight gradient
 ])
-def test_the_fused_head_takes_a_micro_batch_in_the_largest_chunk_that_keeps_less_memory(tokens, hidden, vocab, chunk):
+def test_the_fused_head_takes_a_micro_batch_in_the_chunk_that_keeps_less_memory(tokens, hidden, vocab, deferred, chunk):
+    """Accumulating the weight gradient in the forward, the largest chunk that keeps less than
+    Megatron's logits (each chunk passes over the fp32 buffer); keeping the logit gradients
+    instead (fewer tokens than twice the hidden size), the quarter chunk (chunks cost nothing
+    more there); 0 where neither keeps less than Megatron's logits.  The peak counts the
+    backward's weight-sized bf16 gradient too."""
+    assert fused_head_defers_wgrad(tokens, hidden) is deferred
     assert fused_head_chunk(tokens, hidden, vocab) == chunk
     assert fused_head_runs(tokens, hidden, vocab) is bool(chunk)
+    megatron = tokens * vocab * 6
     if chunk:
-        assert fused_head_bytes(tokens, hidden, vocab, chunk) < tokens * vocab * 6
-        assert chunk == 4096 or fused_head_bytes(tokens, hidden, vocab, 2 * chunk) >= tokens * vocab * 6
+        assert fused_head_bytes(tokens, hidden, vocab, chunk) < megatron
+        assert deferred or chunk == 4096 or fused_head_bytes(tokens, hidden, vocab, 2 * chunk) >= megatron
+    else:
+        assert fused_head_bytes(tokens, hidden, vocab, 1024) >= megatron
 
 
 def test_megatrons_own_loss_is_charged_where_the_fused_head_leaves_the_micro_batch_to_it():
-    # one 2,048-token sequence: the fp32 weight gradient outweighs even a quarter chunk's savings
-    lay = Layout(tp=1, pp=1, dp=1, mbs=1, gbs=16, seq_length=2048)
-    assert not fused_head_runs(2048, 3072, 128256)
+    # one 1,024-token sequence: a chunk of all of it beside its logit gradients keeps more
+    lay = Layout(tp=1, pp=1, dp=1, mbs=1, gbs=16, seq_length=1024)
+    assert not fused_head_runs(1024, 3072, 128256)
     c = predict(MODEL_3B, H100, lay, 128256, _local())
     rate = H100.hbm_gbps * 1e9 * calibration("h100-sxm")["hbm"]
-    assert c.time.loss == pytest.approx(16 * 2048 * 128256 * MEGATRON_LOSS_BYTES_PER_LOGIT / rate)
+    assert c.time.loss == pytest.approx(16 * 1024 * 128256 * MEGATRON_LOSS_BYTES_PER_LOGIT / rate)
     fused = predict(QWEN, H100, Layout(tp=1, pp=1, dp=1, mbs=4, gbs=32, seq_length=4096), 151936, _local())
     # the fused head's loss term: its logit passes and its output weight's gradient (zeroed,
     # accumulated chunk by chunk, added into main_grad) under a quarter of Megatron's loss passes
@@ -234,9 +262,11 @@ def test_the_fp32_copy_of_a_bf16_gradient_shard_lives_through_the_step_only():
 
 
 def test_memory_and_step_time_cost_the_chunk_the_runtime_takes():
-    """The 3B shape at mbs 1 runs the fused head in 1,024-token chunks (fused_head_chunk): the
-    memory model keeps what those chunks keep, the step time charges their weight-gradient passes
-    (each chunk's accumulating GEMM, the buffer added into main_grad), not the 4,096-token ones."""
+    """The 3B shape at mbs 1 runs the fused head in 1,024-token chunks, keeping its logit
+    gradients for one weight-gradient GEMM in the backward (fused_head_chunk,
+    fused_head_defers_wgrad): the memory model keeps what those chunks and gradients keep, the step
+    time charges their copy, less than accumulating chunk by chunk into an fp32 buffer would cost;
+    accumulating (the 3B shape at mbs 4), a smaller chunk costs its passes over that buffer."""
     lay = Layout(tp=1, pp=1, dp=1, mbs=1, gbs=16, seq_length=4096)
     vocab = padded_vocab_size(MODEL_3B.vocab_size, 1)
     assert fused_head_chunk(4096, 3072, vocab) == 1024
@@ -247,10 +277,12 @@ def test_memory_and_step_time_cost_the_chunk_the_runtime_takes():
     per_micro_batch = (rates.memory_bound(4096 * vocab * timing.FUSED_LOSS_BYTES_PER_LOGIT)
                        + timing._fused_head_weight_grad(rates, 4096, vocab, 3072, 1024, True))
     assert st.loss == pytest.approx(16 * per_micro_batch)
-    # each chunk's GEMM reads and writes the whole fp32 buffer: below about 1,024 tokens a chunk
-    # its bytes outlast its multiply on this GPU, and the chunks' count then shows
-    assert timing._fused_head_weight_grad(rates, 4096, vocab, 3072, 256, True) > \
-        1.5 * timing._fused_head_weight_grad(rates, 4096, vocab, 3072, 4096, True)
+    copy = rates.memory_bound(2 * 2 * 4096 * vocab)
+    assert timing._fused_head_weight_grad(rates, 4096, vocab, 3072, 1024, True) == pytest.approx(copy)
+    # each accumulating chunk's GEMM reads and writes the whole fp32 buffer: below about 1,024
+    # tokens a chunk its bytes outlast its multiply on this GPU, and the chunks' count then shows
+    accumulating = [timing._fused_head_weight_grad(rates, 16384, vocab, 3072, c, True) for c in (256, 1024, 4096)]
+    assert accumulating[0] > 1.5 * accumulating[2] and copy < accumulating[1] / 2
 
 
 def test_the_runtime_takes_the_fused_head_by_the_core_rule():

@@ -254,15 +254,23 @@ def test_cpu_train_refuses_large_models(cli, tmp_path):
 
 
 @pytest.mark.slow
-def test_fused_linear_cross_entropy_trains_like_megatrons_output_layer(tmp_path):
+@pytest.mark.parametrize("mbs,seq,vocab,deferred", [(2, 256, 256, False), (1, 96, 1024, True)])
+def test_fused_linear_cross_entropy_trains_like_megatrons_output_layer(tmp_path, mbs, seq, vocab, deferred):
     """Through GPTModel's output_processor hook, with the vocabulary split over two TP ranks:
-    the same losses over optimizer steps as Megatron's own output layer and loss on one rank."""
+    the same losses over optimizer steps as Megatron's own output layer and loss on one rank,
+    whether the head accumulates its weight gradient in the forward (512-token micro-batches) or
+    keeps the logit gradients for the backward (96 tokens, under twice the hidden size of 64)."""
+    from megatron_skill.core.memory import fused_head_chunk, fused_head_defers_wgrad
+
+    tokens, h = mbs * seq, TINY["hidden_size"]
+    assert fused_head_defers_wgrad(tokens, h) is deferred and fused_head_chunk(tokens, h, vocab // 2, 32)
     one, two = tmp_path / "plain", tmp_path / "fused"
     one.mkdir(), two.mkdir()
-    kw = dict(train_iters=3, save_interval=None, global_batch_size=2, micro_batch_size=2, seq_length=256)
+    kw = dict(train_iters=3, save_interval=None, global_batch_size=2, micro_batch_size=mbs, seq_length=seq,
+              vocab_size=vocab, padded_vocab_size=vocab)
     plain = _run_loop(_config(one, **kw))
-    # 512-token micro-batches in 32-token chunks: the fused path keeps less than the logits, so it runs
-    # (core.memory.fused_head_runs).
+    # in chunks of 32 tokens (8 where the head keeps the logit gradients): the fused path keeps
+    # less than the logits, so it runs (core.memory.fused_head_runs).
     fused = _run_loop(_config(two, tp=2, fused_head=True, fused_head_chunk=32, **kw), nproc=2)
     for it in (1, 2, 3):
         assert fused[it] == pytest.approx(plain[it], rel=2e-4)

@@ -286,26 +286,46 @@ def param_split(model: ModelConfig, n_dense: int, n_moe: int) -> tuple[float, fl
 FUSED_HEAD_CHUNK = 4096
 
 
+def fused_head_defers_wgrad(tokens: float, hidden: int) -> bool:
+    """Whether the fused head keeps the micro-batch's bf16 logit gradient for one weight-gradient
+    GEMM in the backward, instead of accumulating that gradient chunk by chunk into an fp32 buffer
+    in the forward: where the logit gradient (tokens x vocab x 2 bytes) is the smaller of the two
+    (vocab x hidden x 4), i.e. under 2 x hidden tokens (the 3B shape at mbs 1).  Independent of
+    the vocabulary and of TP, which scale both alike."""
+    return tokens * BF16 < hidden * FP32
+
+
 def fused_head_bytes(tokens: float, hidden: int, vocab: float, chunk: int) -> float:
     """What the fused output layer + loss keeps for a micro-batch of `tokens` on a rank holding
-    `vocab` rows of the output weight: one chunk's fp32 logits and bf16 gradient at a time, the
-    fp32 weight gradient the forward accumulates, the hidden-state gradient kept for the backward.
-    (Its backward hands autograd a bf16 placeholder of the weight's size, vocab x hidden x 2 bytes,
-    once the chunks' logits are gone: less than one chunk's logits whenever chunk >= hidden / 3.)"""
-    return min(tokens, chunk) * vocab * (FP32 + BF16) + vocab * hidden * FP32 + tokens * hidden * BF16
+    `vocab` rows of the output weight, at its peak: the hidden-state gradient kept for the
+    backward; for the weight gradient either the fp32 buffer the forward accumulates it in or,
+    where that is larger (fused_head_defers_wgrad), the bf16 logit gradients and the hidden states
+    the backward's GEMM takes; and the larger of the forward's transient (one chunk's fp32 logits
+    and bf16 gradient) and the backward's (the bf16 weight gradient or the placeholder it hands
+    autograd, vocab x hidden x 2 bytes, beside the scaled hidden-state gradient and, deferred, the
+    scaled hidden states)."""
+    deferred = fused_head_defers_wgrad(tokens, hidden)
+    if deferred:
+        weight_grad = tokens * vocab * BF16 + tokens * hidden * BF16
+    else:
+        weight_grad = vocab * hidden * FP32
+    forward = min(tokens, chunk) * vocab * (FP32 + BF16)
+    backward = vocab * hidden * BF16 + tokens * hidden * BF16 * (2 if deferred else 1)
+    return max(forward, backward) + weight_grad + tokens * hidden * BF16
 
 
 def fused_head_chunk(tokens: float, hidden: int, vocab: float, chunk: int = FUSED_HEAD_CHUNK) -> int:
     """Tokens per chunk the skill's fused output layer + loss takes a micro-batch in, or 0 where it
-    leaves it to Megatron's output layer and loss: the largest of `chunk`, its half and its
-    quarter with which it keeps less than Megatron's bf16 logits and their fp32 copy.  A smaller
-    chunk costs each chunk's pass over the fp32 weight-gradient buffer where that outlasts its
-    GEMM (timing._fused_head_weight_grad: about even at 1,024 tokens of a 3,072-wide model; not
-    yet measured); it lets a one-sequence micro-batch of a large-vocabulary model take the fused path,
-    whose fp32 weight gradient alone is half its logits (the 3B shape at mbs 1: 1,024-token
-    chunks).  One rule for the runtime (runtime/fused_head.py), the memory model and the step time."""
+    leaves it to Megatron's output layer and loss.  Accumulating the weight gradient in the
+    forward, the largest of `chunk`, its half and its quarter with which it keeps less than
+    Megatron's bf16 logits and their fp32 copy: each chunk's accumulating GEMM reads and writes the
+    fp32 buffer, which outlasts the chunk's own multiply below about 1,024 tokens of a 3,072-wide
+    model (timing._fused_head_weight_grad).  Deferring it (fused_head_defers_wgrad), the quarter:
+    chunks cost nothing but their GEMMs' shape there, and the smallest keeps least.  One rule for
+    the runtime (runtime/fused_head.py), the memory model and the step time."""
     megatron = tokens * vocab * (FP32 + BF16)
-    for c in (chunk, chunk // 2, chunk // 4):
+    sizes = (chunk // 4,) if fused_head_defers_wgrad(tokens, hidden) else (chunk, chunk // 2, chunk // 4)
+    for c in sizes:
         if c >= 1 and fused_head_bytes(tokens, hidden, vocab, c) < megatron:
             return c
     return 0
@@ -461,8 +481,6 @@ def stage_memory(model: ModelConfig, lay: Layout, rank: int, padded_vocab: int,
         v = padded_vocab / lay.tp
         chunk = fused_head_chunk(tokens, h, v) if opts.fused_head and not model.mtp_num_layers else 0
         if chunk:
-            # (the weight gradient is accumulated in place: addmm writes the GEMM's fp32
-            # accumulator into it)
             logits = fused_head_bytes(tokens, h, v, chunk)
         elif opts.fused_cross_entropy:
             # Megatron's fused cross-entropy reads the bf16 logits in place: they and their bf16

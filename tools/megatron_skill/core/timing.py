@@ -19,7 +19,17 @@ from .attention_kernels import MASKED_SDPA_FACTOR, PLANNED, AttentionKernel, unf
 from .catalog import CATALOG_DIR, GPUSpec
 from .layout import Layout
 from .megatron_options import MegatronOptions
-from .memory import BF16, FP8, FP32, fused_head_chunk, moe_layers_among, param_split, rank_layers, ranks_to_check
+from .memory import (
+    BF16,
+    FP8,
+    FP32,
+    fused_head_chunk,
+    fused_head_defers_wgrad,
+    moe_layers_among,
+    param_split,
+    rank_layers,
+    ranks_to_check,
+)
 from .model import ModelConfig
 from .moe import MoEOptions
 
@@ -239,13 +249,18 @@ def _unfused_grad_params(model: ModelConfig, lay: Layout, rank: int, n_dense: in
 def _fused_head_weight_grad(rates: "_Rates", tokens: float, rows: float, h: int, chunk: int,
                             into_main_grad: bool) -> float:
     """Seconds a micro-batch of the fused head (runtime/fused_head.py) spends on its output
-    weight's gradient beyond the three GEMMs rates.gemm counts: the fp32 buffer zeroed, and at the
-    backward read once more and added into main_grad (read and written) under gradient-accumulation
-    fusion, else written in bf16 for DDP's hook (whose add _unfused_grad_params counts); and each
-    chunk's accumulating GEMM reading and writing that buffer, where those bytes outlast the
-    chunk's own multiply (a roofline per chunk: with 1,024-token chunks of a 3,072-wide model
-    about even)."""
+    weight's gradient beyond the three GEMMs rates.gemm counts.  Deferred to the backward
+    (fused_head_defers_wgrad): each chunk's bf16 logit gradient copied into the micro-batch's
+    buffer (written and read), then one GEMM that adds into main_grad as Megatron's own layer does
+    (under the fusion) or writes the bf16 gradient (for DDP's hook, whose add _unfused_grad_params
+    counts).  Accumulated in the forward: the fp32 buffer zeroed, and at the backward read once
+    more and added into main_grad (read and written) under gradient-accumulation fusion, else
+    written in bf16 for DDP's hook; and each chunk's accumulating GEMM reading and writing that
+    buffer, where those bytes outlast the chunk's own multiply (a roofline per chunk: with
+    1,024-token chunks of a 3,072-wide model about even)."""
     weight = rows * h
+    if fused_head_defers_wgrad(tokens, h):
+        return rates.memory_bound(2 * BF16 * tokens * rows)
     chunks = math.ceil(tokens / chunk)
     one_chunk_wgrad = rates.gemm(min(tokens, chunk), rows, h) / 3
     accumulate = chunks * max(0.0, rates.memory_bound(2 * FP32 * weight) - one_chunk_wgrad)

@@ -6,7 +6,12 @@ unfused cross-entropy keeps several such tensors alive at once.  Here the logits
 one chunk of tokens at a time: for each chunk the forward computes the logits, the fp32
 log-sum-exp, the loss, and at once the gradients of the hidden states and of the output
 weight (what the backward would need the logits for).  Peak extra memory is one chunk's
-logits; the GEMM work is the same three products as the unfused path.
+logits; the GEMM work is the same three products as the unfused path.  For a micro-batch of
+fewer tokens than twice the hidden size (one 4,096-token sequence of a 3,072-wide model) the
+fp32 weight gradient would outweigh the logit gradients themselves: there the forward keeps
+the chunks' bf16 logit gradients instead, and the backward forms the weight gradient in one
+GEMM, straight into main_grad under gradient-accumulation fusion, as Megatron's own output
+layer does (core.memory.fused_head_defers_wgrad).
 
 Because the gradients are formed in the forward, they assume the loss is what the skill's
 ``loss_func`` makes of it: the sum of masked token losses times one factor per micro-batch
@@ -21,9 +26,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..core.memory import FUSED_HEAD_CHUNK, fused_head_chunk
+from ..core.memory import FUSED_HEAD_CHUNK, fused_head_chunk, fused_head_defers_wgrad
 from . import compiled
-from .wgrad_accum import addmm_fp32_
+from .wgrad_accum import addmm_fp32_, addmm_into_
 
 
 def _all_reduce(t: torch.Tensor, op, group) -> None:
@@ -35,7 +40,8 @@ class LinearCrossEntropy(torch.autograd.Function):
     """loss[n] = logsumexp(h[n] @ W.T) - (h[n] @ W.T)[target[n]], W split over the TP group."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, target, loss_mask, group, chunk_tokens, into_main_grad=False):
+    def forward(ctx, hidden, weight, target, loss_mask, group, chunk_tokens, into_main_grad=False,
+                defer_wgrad=False):
         n_tok, h = hidden.shape[0] * hidden.shape[1], hidden.shape[-1]
         x = hidden.reshape(n_tok, h)
         t = target.reshape(n_tok)
@@ -44,10 +50,17 @@ class LinearCrossEntropy(torch.autograd.Function):
         rank = dist.get_rank(group) if tp_group_size(group) > 1 else 0
         v_start = rank * v_local
         need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        need_wgrad = ctx.needs_input_grad[1]
 
         loss = torch.empty(n_tok, dtype=torch.float32, device=x.device)
         grad_x = torch.empty_like(x) if need_grad else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if need_grad else None
+        # the weight gradient: accumulated here in fp32, or formed in the backward from the
+        # logit gradients kept here in the logits' dtype
+        grad_w = logit_grad = None
+        if need_wgrad and defer_wgrad:
+            logit_grad = torch.empty((n_tok, v_local), dtype=torch.result_type(x, weight), device=x.device)
+        elif need_wgrad:
+            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=x.device)
         for s in range(0, n_tok, chunk_tokens):
             e = min(s + chunk_tokens, n_tok)
             logits = x[s:e] @ weight.t()                            # [c, V/tp], the GEMM's dtype
@@ -68,24 +81,39 @@ class LinearCrossEntropy(torch.autograd.Function):
                 # the micro-batch factor in backward.
                 g = chunk_grad(logits, row_max, sum_exp, idx, here, mask[s:e])
                 torch.mm(g, weight, out=grad_x[s:e])
-                addmm_fp32_(grad_w, g.t(), x[s:e])
+                if logit_grad is not None:
+                    logit_grad[s:e].copy_(g)
+                elif grad_w is not None:
+                    addmm_fp32_(grad_w, g.t(), x[s:e])
         if need_grad:
-            ctx.save_for_backward(grad_x, grad_w, mask)
+            ctx.save_for_backward(grad_x, grad_w, logit_grad, hidden if logit_grad is not None else None, mask)
             ctx.hidden_shape, ctx.weight, ctx.into_main_grad = hidden.shape, weight, into_main_grad
         return loss.view(hidden.shape[0], hidden.shape[1])
 
     @staticmethod
     def backward(ctx, grad_loss):
-        grad_x, grad_w, mask = ctx.saved_tensors
+        grad_x, grad_w, logit_grad, x, mask = ctx.saved_tensors
         # grad_loss = factor * mask (the skill's loss_func); recover the factor without a sync.
         factor = (grad_loss.reshape(-1).float() * mask).sum() / (mask * mask).sum().clamp(min=1e-12)
         gx = (grad_x * factor.to(grad_x.dtype)).view(ctx.hidden_shape)
-        gw = weight_grad(ctx.weight, grad_w, factor, ctx.into_main_grad) if ctx.needs_input_grad[1] else None
-        return gx, gw, None, None, None, None, None
+        gw = None
+        if logit_grad is not None:
+            # the factor on the hidden states (a few MB) rather than on the logit gradients: one
+            # rounding more than Megatron's layer, whose bf16 output gradient carries the factor
+            # (none where the factor is a power of two, as with full masks and power-of-two
+            # token counts; else within bf16's noise)
+            xs = x.reshape(-1, x.shape[-1]) * factor.to(x.dtype)
+            gw = weight_grad(ctx.weight, ctx.into_main_grad, lambda acc: addmm_into_(acc, logit_grad.t(), xs),
+                             lambda: (logit_grad.t() @ xs).to(ctx.weight.dtype))
+        elif grad_w is not None:
+            gw = weight_grad(ctx.weight, ctx.into_main_grad, lambda acc: acc.addcmul_(grad_w, factor),
+                             lambda: (grad_w * factor).to(ctx.weight.dtype))
+        return gx, gw, None, None, None, None, None, None
 
 
-def weight_grad(weight: torch.Tensor, grad_w: torch.Tensor, factor: torch.Tensor, into_main_grad: bool) -> torch.Tensor:
-    """The output weight's gradient, factor * grad_w.  Under Megatron's gradient-accumulation
+def weight_grad(weight: torch.Tensor, into_main_grad: bool, add_to, plain) -> torch.Tensor:
+    """The output weight's gradient: `add_to(buffer)` adds it into a buffer in place, `plain()`
+    returns it in the weight's dtype.  Under Megatron's gradient-accumulation
     fusion (`into_main_grad`: the model's config says so) with its DDP (a main_grad, fp32 or bf16,
     and the grad_added_to_main_grad flag) it is added straight into main_grad, in one pass, and a
     placeholder goes back to autograd as Megatron's own linear layers do under that fusion (zeros
@@ -97,8 +125,8 @@ def weight_grad(weight: torch.Tensor, grad_w: torch.Tensor, factor: torch.Tensor
     main_grad = getattr(weight, "main_grad", None)
     if (not into_main_grad or main_grad is None or not hasattr(weight, "grad_added_to_main_grad")
             or hasattr(weight, "__fsdp_param__")):
-        return (grad_w * factor).to(weight.dtype)
-    main_grad.addcmul_(grad_w, factor)
+        return plain()
+    add_to(main_grad)
     weight.grad_added_to_main_grad = True
     make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
     return make(main_grad.shape, dtype=weight.dtype, device=main_grad.device)
@@ -179,5 +207,8 @@ def output_processor(*, hidden_states, output_layer, output_weight, labels, loss
         x = copy_to_tensor_model_parallel_region(x, group=group)
     loss = LinearCrossEntropy.apply(x, weight, labels.transpose(0, 1).contiguous(),
                                     loss_mask.transpose(0, 1).contiguous(), group, chunk,
-                                    bool(getattr(config, "gradient_accumulation_fusion", False)))
+                                    bool(getattr(config, "gradient_accumulation_fusion", False)),
+                                    # (fp16 keeps accumulating in fp32: its loss scale times the
+                                    # hidden states would overflow fp16)
+                                    fused_head_defers_wgrad(tokens, weight.shape[1]) and x.dtype != torch.float16)
     return loss.transpose(0, 1).contiguous()

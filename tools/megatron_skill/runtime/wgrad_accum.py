@@ -31,6 +31,16 @@ def addmm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         acc.add_((a.float() @ b.float()))
 
 
+def addmm_into_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b whatever acc's dtype: fp32 from the GEMM's accumulator (addmm_fp32_), a bf16
+    or fp16 acc in its own dtype, as Megatron's layers add into a bf16 main_grad (fp32 factors,
+    as an fp32 model on CPU has, are cast to it)."""
+    if acc.dtype == torch.float32:
+        addmm_fp32_(acc, a, b)
+    else:
+        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+
+
 def wgrad_gemm_accum_fp32(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
     """main_grad [out, in] += grad_output[tokens, out]^T @ total_input[tokens, in] (2-D, as
     Megatron's prepare_input_tensors_for_wgrad_compute leaves them)."""
