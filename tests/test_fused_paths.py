@@ -511,6 +511,30 @@ def test_the_fused_head_adds_its_weight_gradient_into_megatrons_main_grad(h, def
     torch.testing.assert_close(w.main_grad.float(), ref_w.grad, rtol=tol, atol=tol * 0.1)
 
 
+@pytest.mark.parametrize("deferred", [False, True])
+def test_the_forwards_weight_gradient_is_freed_before_the_placeholder_is_allocated(monkeypatch, deferred):
+    """At the head's backward the model's activations are all alive: the peak.  The fp32 sum or
+    the logit gradients the forward kept are dropped once added into main_grad, before the
+    weight-sized placeholder for autograd is allocated (core.memory.fused_head_bytes counts them
+    apart).  A 3B FP8 run ran out of memory allocating that placeholder beside them."""
+    import weakref
+
+    from megatron_skill.runtime import fused_head
+
+    v, h, n = 11, 4, 6
+    kept = torch.randn(n, v) if deferred else torch.randn(v, h)
+    pending = fused_head.PendingWeightGrad(None if deferred else kept, kept if deferred else None)
+    pending.x, pending.factor = torch.randn(n, h), torch.tensor(0.5)
+    alive = weakref.ref(kept)
+    del kept
+    w = _ddp_weight(torch.randn(v, h))
+    seen = []
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: seen.append(alive() is None) or empty(*a, **k))
+    placeholder = fused_head.weight_grad(w, True, pending)
+    assert seen == [True] and placeholder.shape == (v, h) and w.grad_added_to_main_grad
+
+
 def test_without_the_fusion_a_fused_and_a_megatron_micro_batch_both_reach_main_grad():
     """Without gradient-accumulation fusion the fused head hands its gradient to DDP's hook, as
     Megatron's output layer does: in one iteration whose second micro-batch is too small for the

@@ -256,6 +256,23 @@ def test_an_adam_step_oom_with_the_distributed_optimizer_at_dp1_is_not_told_to_s
     assert any("no layout" in h for h in env["result"]["hints"])
 
 
+def test_a_one_gpu_oom_at_the_fused_heads_backward_gets_fixes_that_fit_one_gpu():
+    """The planner's 3B FP8 layout of 2026-12-07 (one H100, the skill's FP8 layers and fused head,
+    micro-batch 1, selective recompute) died allocating the output weight's 752 MiB placeholder in
+    the head's backward.  The head keeps little of one sequence; what fills the GPU then is every
+    layer's saved activations: full recompute, not a smaller micro-batch (it is 1), and TP only
+    with more GPUs than the run's one; the plan beside it is an FP8 plan, as the run was."""
+    env = call("logs", {"log": str(FIXTURES / "oom-fused-head-fp8-3b-h100-mbs1.log"), "gpu": "h100-sxm"})
+    assert env["ok"], env
+    oom = _oom(env["result"])
+    assert oom["site"] == "logits" and "fused_head.py" in oom["frame"], oom
+    fixes = oom["fixes"]
+    assert fixes[0].startswith("--recompute-granularity full") and "micro-batch" not in " ".join(fixes)
+    assert "more GPUs than this run's 1" in fixes[-1]
+    plan = env["result"]["prediction"]["plan"]
+    assert plan["label"].endswith("FP8") and plan["peak_gib"] <= 79.6 - 1.0
+
+
 def _frames(*places):
     out = ["[rank0]: Traceback (most recent call last):"]
     for path, func, code in places:

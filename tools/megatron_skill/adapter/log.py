@@ -327,9 +327,26 @@ def _logits_fixes(run: RunFacts) -> list[str]:
         "--cross-entropy-loss-fusion (no fp32 copy of the logits), or the skill's entry script with its fused output "
         "layer + cross-entropy (--skill-linear-cross-entropy: the logits are never whole)"]
     out += _smaller_micro_batch(run, "the logits are micro-batch x sequence x vocabulary")
+    if run.fused_cross_entropy and run.mbs <= 1:
+        # the head already keeps little of one sequence; it runs first in the backward, when
+        # every layer's saved activations are still alive: those are what fill the GPU there
+        out += [f"{fix} (every layer's saved activations are alive when the output layer's backward runs)"
+                for fix in _recompute_fixes(run)]
     if run.tp < 8:
-        out.append(f"raise --tensor-model-parallel-size from {run.tp} (the vocabulary, and the logits, split over TP)")
+        gpus = run.tp * run.pp * run.cp * run.dp
+        where = (f" (its TP group then takes GPUs from the {run.dp} data-parallel replicas)" if run.dp > 1
+                 else f": more GPUs than this run's {gpus}")
+        out.append(f"raise --tensor-model-parallel-size from {run.tp} (the vocabulary, and the logits, split "
+                   f"over TP){where}")
     return out
+
+
+def _recompute_fixes(run: RunFacts) -> list[str]:
+    if run.recompute is None:
+        return ["--recompute-granularity selective, or full with --recompute-method uniform"]
+    if run.recompute == "selective":
+        return ["--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"]
+    return []
 
 
 def _optimizer_fixes(run: RunFacts, frame: str) -> list[str]:
@@ -352,11 +369,7 @@ def _optimizer_fixes(run: RunFacts, frame: str) -> list[str]:
 
 
 def _activation_fixes(run: RunFacts) -> list[str]:
-    out = _smaller_micro_batch(run, "activations grow with it")
-    if run.recompute is None:
-        out.append("--recompute-granularity selective, or full with --recompute-method uniform")
-    elif run.recompute == "selective":
-        out.append("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1")
+    out = _smaller_micro_batch(run, "activations grow with it") + _recompute_fixes(run)
     if run.tp > 1 and not run.sequence_parallel:
         out.append("--sequence-parallel (splits the activations outside the TP regions over TP)")
     if (run.seq or 0) >= 8192 and run.cp == 1:

@@ -297,21 +297,22 @@ def fused_head_defers_wgrad(tokens: float, hidden: int) -> bool:
 
 def fused_head_bytes(tokens: float, hidden: int, vocab: float, chunk: int) -> float:
     """What the fused output layer + loss keeps for a micro-batch of `tokens` on a rank holding
-    `vocab` rows of the output weight, at its peak: the hidden-state gradient kept for the
-    backward; for the weight gradient either the fp32 buffer the forward accumulates it in or,
-    where that is larger (fused_head_defers_wgrad), the bf16 logit gradients and the hidden states
-    the backward's GEMM takes; and the larger of the forward's transient (one chunk's fp32 logits
-    and bf16 gradient) and the backward's (the bf16 weight gradient or the placeholder it hands
-    autograd, vocab x hidden x 2 bytes, beside the scaled hidden-state gradient and, deferred, the
-    scaled hidden states)."""
-    deferred = fused_head_defers_wgrad(tokens, hidden)
-    if deferred:
-        weight_grad = tokens * vocab * BF16 + tokens * hidden * BF16
-    else:
-        weight_grad = vocab * hidden * FP32
-    forward = min(tokens, chunk) * vocab * (FP32 + BF16)
-    backward = vocab * hidden * BF16 + tokens * hidden * BF16 * (2 if deferred else 1)
-    return max(forward, backward) + weight_grad + tokens * hidden * BF16
+    `vocab` rows of the output weight, at its peak.  Through both passes: the hidden-state
+    gradient formed in the forward (and, deferring the weight gradient, the hidden states saved
+    for it).  Then the largest of its phases: the forward, one chunk's fp32 logits and bf16
+    gradient at a time beside what it keeps for the weight gradient (the fp32 buffer it
+    accumulates, or where that is larger, fused_head_defers_wgrad, the bf16 logit gradients); the
+    backward's forming of that gradient (beside the scaled hidden-state gradient and, deferred,
+    the scaled hidden states); and, once that is dropped, the weight-sized bf16 gradient or
+    placeholder it hands autograd (runtime/fused_head.py PendingWeightGrad)."""
+    act = tokens * hidden * BF16                       # one [tokens, hidden] bf16 tensor
+    chunk_bytes = min(tokens, chunk) * vocab * (FP32 + BF16)
+    placeholder = vocab * hidden * BF16 + act
+    if fused_head_defers_wgrad(tokens, hidden):
+        logit_grad = tokens * vocab * BF16
+        return 2 * act + max(logit_grad + chunk_bytes, logit_grad + 2 * act, placeholder)
+    grad_w = vocab * hidden * FP32
+    return act + max(grad_w + chunk_bytes, grad_w + act, placeholder)
 
 
 def fused_head_chunk(tokens: float, hidden: int, vocab: float, chunk: int = FUSED_HEAD_CHUNK) -> int:

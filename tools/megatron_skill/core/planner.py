@@ -47,6 +47,7 @@ class Candidate:
     tflops_per_gpu: float
     mfu: float
     peak_gib: float
+    gpu_gib: float = math.inf     # the GPU's memory (catalog)
 
 
 @dataclasses.dataclass
@@ -103,10 +104,30 @@ KEPT = 100            # the most plans a request may ask for (schemas/plan.reque
                       # search costs layouts until none left can reach this many
 
 
+@functools.lru_cache(maxsize=1)
+def plan_margin_gib() -> float:
+    """Memory a plan should leave free beyond its predicted peak (catalog/calibration.json,
+    "memory": what ran out of memory and what ran)."""
+    return json.loads((CATALOG_DIR / "calibration.json").read_text())["memory"]["plan_margin_gib"]
+
+
+def tight(c: Candidate, peak=lambda c: c.peak_gib) -> bool:
+    """Whether a plan leaves less than the margin of its GPU's memory free (never for a row
+    that names no GPU)."""
+    return getattr(c, "gpu_gib", math.inf) - peak(c) < plan_margin_gib()
+
+
 def rank(candidates: list, speed=lambda c: c.tokens_per_s, peak=lambda c: c.peak_gib) -> list:
-    """Fastest first; among layouts within TIE of the fastest left, the leanest in memory.
-    speed and peak read a candidate (Candidates by default; the tables of measured results
-    rank their predictions with the same rule)."""
+    """Plans that leave the memory margin free first, then those that do not (they fit the
+    model, with less to spare than a measured run needed); within each, fastest first, and
+    among layouts within TIE of the fastest left, the leanest in memory.  speed and peak read a
+    candidate (Candidates by default; the tables of measured results rank their predictions with
+    the same rule)."""
+    roomy = [c for c in candidates if not tight(c, peak)]
+    return _by_speed(roomy, speed, peak) + _by_speed([c for c in candidates if tight(c, peak)], speed, peak)
+
+
+def _by_speed(candidates: list, speed, peak) -> list:
     left = sorted(candidates, key=lambda c: (-speed(c), peak(c)))
     out: list = []
     while left and len(out) < RANKED_BY_TIES:
@@ -276,7 +297,8 @@ def _cost_in_order(model: ModelConfig, gpu: GPUSpec, todo: list, recomputes: lis
     that fits, then the step. Once KEPT layouts are costed, a layout whose speed floor is more than
     TIE below the KEPT-th fastest of them can reach no place a plan shows (rank: its first
     RANKED_BY_TIES places are each within TIE of the fastest left, the rest by speed), and neither
-    can any after it: they are counted as 'bounded', not costed."""
+    can any after it: they are counted as 'bounded', not costed.  Only plans that leave the memory
+    margin free count among the KEPT: the others rank after all of those."""
     todo.sort(key=lambda t: (-t[0], t[1]))
     kept: list[float] = []       # min-heap of the KEPT fastest costed speeds
     # a layout without its micro-batch -> the smallest micro-batch known not to fit (memory grows
@@ -300,6 +322,8 @@ def _cost_in_order(model: ModelConfig, gpu: GPUSpec, todo: list, recomputes: lis
         if outcome != "costed":
             if outcome == "unfit":   # a rule's refusal says nothing of the larger micro-batches' memory
                 smallest_unfit[family] = min(cand.mbs, smallest_unfit[family])
+            continue
+        if tight(out[-1]):
             continue
         heapq.heappush(kept, out[-1].tokens_per_s)
         if len(kept) > KEPT:
@@ -391,7 +415,7 @@ def predict(model: ModelConfig, gpu: GPUSpec, lay: Layout, padded: int, opts: Ru
     tflops = model_flops / step / lay.world_size / 1e12
     return Candidate(layout=lay, memory=mem, time=t, tokens_per_s=tokens / step,
                      tflops_per_gpu=tflops, mfu=tflops / gpu.bf16_dense_tflops,
-                     peak_gib=peak(mem) / GIB)
+                     peak_gib=peak(mem) / GIB, gpu_gib=gpu.memory_gib)
 
 
 def error_pct(predicted: float, measured: float) -> float:

@@ -86,34 +86,67 @@ class LinearCrossEntropy(torch.autograd.Function):
                 elif grad_w is not None:
                     addmm_fp32_(grad_w, g.t(), x[s:e])
         if need_grad:
-            ctx.save_for_backward(grad_x, grad_w, logit_grad, hidden if logit_grad is not None else None, mask)
+            ctx.save_for_backward(grad_x, hidden if logit_grad is not None else None, mask)
             ctx.hidden_shape, ctx.weight, ctx.into_main_grad = hidden.shape, weight, into_main_grad
+            # not saved tensors: the backward drops them once used, before it allocates the
+            # weight-sized gradient or placeholder it hands autograd
+            ctx.pending = PendingWeightGrad(grad_w, logit_grad) if need_wgrad else None
         return loss.view(hidden.shape[0], hidden.shape[1])
 
     @staticmethod
     def backward(ctx, grad_loss):
-        grad_x, grad_w, logit_grad, x, mask = ctx.saved_tensors
+        grad_x, x, mask = ctx.saved_tensors
         # grad_loss = factor * mask (the skill's loss_func); recover the factor without a sync.
         factor = (grad_loss.reshape(-1).float() * mask).sum() / (mask * mask).sum().clamp(min=1e-12)
         gx = (grad_x * factor.to(grad_x.dtype)).view(ctx.hidden_shape)
+        pending, ctx.pending = ctx.pending, None
         gw = None
-        if logit_grad is not None:
-            # the factor on the hidden states (a few MB) rather than on the logit gradients: one
-            # rounding more than Megatron's layer, whose bf16 output gradient carries the factor
-            # (none where the factor is a power of two, as with full masks and power-of-two
-            # token counts; else within bf16's noise)
-            xs = x.reshape(-1, x.shape[-1]) * factor.to(x.dtype)
-            gw = weight_grad(ctx.weight, ctx.into_main_grad, lambda acc: addmm_into_(acc, logit_grad.t(), xs),
-                             lambda: (logit_grad.t() @ xs).to(ctx.weight.dtype))
-        elif grad_w is not None:
-            gw = weight_grad(ctx.weight, ctx.into_main_grad, lambda acc: acc.addcmul_(grad_w, factor),
-                             lambda: (grad_w * factor).to(ctx.weight.dtype))
+        if pending is not None:
+            pending.x, pending.factor = x, factor
+            gw = weight_grad(ctx.weight, ctx.into_main_grad, pending)
         return gx, gw, None, None, None, None, None, None
 
 
-def weight_grad(weight: torch.Tensor, into_main_grad: bool, add_to, plain) -> torch.Tensor:
-    """The output weight's gradient: `add_to(buffer)` adds it into a buffer in place, `plain()`
-    returns it in the weight's dtype.  Under Megatron's gradient-accumulation
+class PendingWeightGrad:
+    """The output weight's gradient as the forward left it: the fp32 sum over the chunks, or the
+    logit gradients with the hidden states (`x`), still to be multiplied by the micro-batch's
+    `factor`.  Used once: its tensors are dropped as soon as the gradient is formed."""
+
+    def __init__(self, grad_w: torch.Tensor | None, logit_grad: torch.Tensor | None):
+        self.grad_w, self.logit_grad = grad_w, logit_grad
+        self.x: torch.Tensor | None = None
+        self.factor: torch.Tensor | None = None
+
+    def add_to(self, acc: torch.Tensor) -> None:
+        """acc += factor * gradient, in place (fp32 or bf16 acc)."""
+        if self.logit_grad is not None:
+            addmm_into_(acc, self.logit_grad.t(), self._scaled_x())
+        else:
+            acc.addcmul_(self.grad_w, self.factor)
+        self._drop()
+
+    def plain(self, dtype: torch.dtype) -> torch.Tensor:
+        """factor * gradient in `dtype`."""
+        if self.logit_grad is not None:
+            out = (self.logit_grad.t() @ self._scaled_x()).to(dtype)
+        else:
+            out = (self.grad_w * self.factor).to(dtype)
+        self._drop()
+        return out
+
+    def _scaled_x(self) -> torch.Tensor:
+        # the factor on the hidden states (a few MB) rather than on the logit gradients: one
+        # rounding more than Megatron's layer, whose bf16 output gradient carries the factor
+        # (none where the factor is a power of two, as with full masks and power-of-two token
+        # counts; else within bf16's noise)
+        return self.x.reshape(-1, self.x.shape[-1]) * self.factor.to(self.x.dtype)
+
+    def _drop(self) -> None:
+        self.grad_w = self.logit_grad = self.x = None
+
+
+def weight_grad(weight: torch.Tensor, into_main_grad: bool, pending: PendingWeightGrad) -> torch.Tensor:
+    """The output weight's gradient (`pending`).  Under Megatron's gradient-accumulation
     fusion (`into_main_grad`: the model's config says so) with its DDP (a main_grad, fp32 or bf16,
     and the grad_added_to_main_grad flag) it is added straight into main_grad, in one pass, and a
     placeholder goes back to autograd as Megatron's own linear layers do under that fusion (zeros
@@ -125,8 +158,8 @@ def weight_grad(weight: torch.Tensor, into_main_grad: bool, add_to, plain) -> to
     main_grad = getattr(weight, "main_grad", None)
     if (not into_main_grad or main_grad is None or not hasattr(weight, "grad_added_to_main_grad")
             or hasattr(weight, "__fsdp_param__")):
-        return plain()
-    add_to(main_grad)
+        return pending.plain(weight.dtype)
+    pending.add_to(main_grad)
     weight.grad_added_to_main_grad = True
     make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
     return make(main_grad.shape, dtype=weight.dtype, device=main_grad.device)

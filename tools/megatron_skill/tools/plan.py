@@ -12,7 +12,7 @@ from ..core.flops import padded_vocab_size
 from ..core.layout import Layout
 from ..core.memory import CONTEXT_GIB, FRAGMENTATION, NCCL_GIB_PER_GROUP
 from ..core.options import RuntimeOptions
-from ..core.planner import Candidate, rank, search
+from ..core.planner import Candidate, plan_margin_gib, rank, search
 from ..core.resolve import default_global_batch, default_seq_length, resolve_cluster, resolve_model
 from ..core.timing import calibration
 from ..errors import ToolError
@@ -211,6 +211,12 @@ def _warnings(result: dict[str, Any]) -> list[str]:
     """What a reader should know about the first plan, in plain words."""
     best = result["plans"][0]
     out = [f"speed forecast: {w}" for w in best.get("forecast", {}).get("beyond_evidence") or []]
+    margin = plan_margin_gib()
+    free = [p["memory"]["gpu_gib"] - p["memory"]["peak_gib"] for p in result["plans"][:5]]
+    behind = [p["rank"] for p, f in zip(result["plans"][1:5], free[1:]) if f < margin <= free[0]]
+    if behind:
+        out.append(f"plan {', '.join(f'#{r}' for r in behind)} leaves less than {margin:g} GiB free (less than "
+                   "a measured run needed): ranked after the plans that do, whatever their speed")
     left = best["memory"]["gpu_gib"] - best["memory"]["peak_gib"]
     if left < 0.05 * best["memory"]["gpu_gib"]:
         out.append(f"the best layout leaves only {left:.1f} GiB of {best['memory']['gpu_gib']} GiB free: "
