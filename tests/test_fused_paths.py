@@ -535,6 +535,17 @@ def test_the_forwards_weight_gradient_is_freed_before_the_placeholder_is_allocat
     assert seen == [True] and placeholder.shape == (v, h) and w.grad_added_to_main_grad
 
 
+def test_a_second_backward_through_the_fused_head_is_refused_not_silent():
+    """Its weight gradient is dropped once formed: a second backward over a retained graph would
+    hand none; it raises instead."""
+    w = torch.randn(11, 4, requires_grad=True)
+    x = torch.randn(6, 1, 4, requires_grad=True)
+    losses = LinearCrossEntropy.apply(x, w, torch.randint(0, 11, (6, 1)), torch.ones(6, 1), None, 4)
+    losses.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="retain_graph"):
+        losses.sum().backward()
+
+
 def test_without_the_fusion_a_fused_and_a_megatron_micro_batch_both_reach_main_grad():
     """Without gradient-accumulation fusion the fused head hands its gradient to DDP's hook, as
     Megatron's output layer does: in one iteration whose second micro-batch is too small for the

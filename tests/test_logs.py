@@ -273,6 +273,23 @@ def test_a_one_gpu_oom_at_the_fused_heads_backward_gets_fixes_that_fit_one_gpu()
     assert plan["label"].endswith("FP8") and plan["peak_gib"] <= 79.6 - 1.0
 
 
+def test_logits_fixes_tell_megatrons_loss_fusion_from_the_skills_head():
+    """Megatron's --cross-entropy-loss-fusion still holds the whole bf16 logits: such a run is
+    offered the skill's head, not told that its head keeps little; a run with nothing left to
+    offer there still gets a fix."""
+    from megatron_skill.adapter.log import RunFacts, _logits_fixes
+
+    base = dict(mbs=1, gbs=16, dp=1, tp=1, pp=1, cp=1, seq=4096, heads=24, distributed_optimizer=True,
+                recompute="selective", unfused_attention=False, sequence_parallel=False)
+    megatron = _logits_fixes(RunFacts(**base, fused_cross_entropy=True, skill_head=False))
+    assert "--skill-linear-cross-entropy" in megatron[0] and "--cross-entropy-loss-fusion" not in megatron[0]
+    assert not any("saved activations" in f for f in megatron)
+    skill = _logits_fixes(RunFacts(**base, fused_cross_entropy=False, skill_head=True))
+    assert skill[0].startswith("--recompute-granularity full")
+    spent = _logits_fixes(RunFacts(**{**base, "tp": 8, "recompute": "full"}, fused_cross_entropy=False, skill_head=True))
+    assert spent and "PP" in spent[0]
+
+
 def _frames(*places):
     out = ["[rank0]: Traceback (most recent call last):"]
     for path, func, code in places:

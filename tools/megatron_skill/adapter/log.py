@@ -271,7 +271,8 @@ class RunFacts:
     distributed_optimizer: bool
     recompute: str | None
     unfused_attention: bool
-    fused_cross_entropy: bool
+    fused_cross_entropy: bool     # Megatron's --cross-entropy-loss-fusion
+    skill_head: bool              # the skill's fused output layer + loss (never whole logits)
     sequence_parallel: bool
 
     @classmethod
@@ -293,7 +294,8 @@ class RunFacts:
                    distributed_optimizer=args.get("use_distributed_optimizer") is True,
                    recompute=args.get("recompute_granularity") if isinstance(args.get("recompute_granularity"), str)
                    else None, unfused_attention=described.attention_path(ns)[0] == "unfused",
-                   fused_cross_entropy=bool(args.get("cross_entropy_loss_fusion") or args.get("skill_linear_cross_entropy")),
+                   fused_cross_entropy=bool(args.get("cross_entropy_loss_fusion")),
+                   skill_head=bool(args.get("skill_linear_cross_entropy")),
                    sequence_parallel=args.get("sequence_parallel") is True)
 
 
@@ -323,22 +325,25 @@ def _attention_fixes(run: RunFacts) -> list[str]:
 
 
 def _logits_fixes(run: RunFacts) -> list[str]:
-    out = [] if run.fused_cross_entropy else [
-        "--cross-entropy-loss-fusion (no fp32 copy of the logits), or the skill's entry script with its fused output "
-        "layer + cross-entropy (--skill-linear-cross-entropy: the logits are never whole)"]
+    out = []
+    if not run.skill_head:
+        out.append(("" if run.fused_cross_entropy else "--cross-entropy-loss-fusion (no fp32 copy of the logits), or ")
+                   + "the skill's entry script with its fused output layer + cross-entropy "
+                   "(--skill-linear-cross-entropy: the logits are never whole)")
     out += _smaller_micro_batch(run, "the logits are micro-batch x sequence x vocabulary")
-    if run.fused_cross_entropy and run.mbs <= 1:
-        # the head already keeps little of one sequence; it runs first in the backward, when
-        # every layer's saved activations are still alive: those are what fill the GPU there
+    if run.skill_head:
+        # the head keeps a chunk of logits at a time; it runs first in the backward, when every
+        # layer's saved activations are still alive: those are what fill the GPU there
         out += [f"{fix} (every layer's saved activations are alive when the output layer's backward runs)"
                 for fix in _recompute_fixes(run)]
     if run.tp < 8:
         gpus = run.tp * run.pp * run.cp * run.dp
         where = (f" (its TP group then takes GPUs from the {run.dp} data-parallel replicas)" if run.dp > 1
+                 else f": more GPUs than this run's {gpus}, or fewer for PP / CP" if gpus > run.tp
                  else f": more GPUs than this run's {gpus}")
         out.append(f"raise --tensor-model-parallel-size from {run.tp} (the vocabulary, and the logits, split "
                    f"over TP){where}")
-    return out
+    return out or [f"raise PP from {run.pp} (fewer layers, and their activations, on the last rank)"]
 
 
 def _recompute_fixes(run: RunFacts) -> list[str]:

@@ -303,16 +303,18 @@ def fused_head_bytes(tokens: float, hidden: int, vocab: float, chunk: int) -> fl
     gradient at a time beside what it keeps for the weight gradient (the fp32 buffer it
     accumulates, or where that is larger, fused_head_defers_wgrad, the bf16 logit gradients); the
     backward's forming of that gradient (beside the scaled hidden-state gradient and, deferred,
-    the scaled hidden states); and, once that is dropped, the weight-sized bf16 gradient or
-    placeholder it hands autograd (runtime/fused_head.py PendingWeightGrad)."""
+    the scaled hidden states), into main_grad, or without gradient-accumulation fusion as a
+    weight-sized bf16 tensor beside what was kept (counted either way: the fusion is the
+    runtime's default, a run may turn it off); and, once that is dropped, the weight-sized
+    placeholder it hands autograd under the fusion (runtime/fused_head.py PendingWeightGrad)."""
     act = tokens * hidden * BF16                       # one [tokens, hidden] bf16 tensor
     chunk_bytes = min(tokens, chunk) * vocab * (FP32 + BF16)
-    placeholder = vocab * hidden * BF16 + act
+    weight_sized = vocab * hidden * BF16
     if fused_head_defers_wgrad(tokens, hidden):
         logit_grad = tokens * vocab * BF16
-        return 2 * act + max(logit_grad + chunk_bytes, logit_grad + 2 * act, placeholder)
+        return 2 * act + max(logit_grad + chunk_bytes, logit_grad + 2 * act + weight_sized)
     grad_w = vocab * hidden * FP32
-    return act + max(grad_w + chunk_bytes, grad_w + act, placeholder)
+    return act + max(grad_w + chunk_bytes, grad_w + act + weight_sized)
 
 
 def fused_head_chunk(tokens: float, hidden: int, vocab: float, chunk: int = FUSED_HEAD_CHUNK) -> int:

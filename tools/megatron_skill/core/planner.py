@@ -323,7 +323,7 @@ def _cost_in_order(model: ModelConfig, gpu: GPUSpec, todo: list, recomputes: lis
             if outcome == "unfit":   # a rule's refusal says nothing of the larger micro-batches' memory
                 smallest_unfit[family] = min(cand.mbs, smallest_unfit[family])
             continue
-        if tight(out[-1]):
+        if tight(out[-1]):       # (a roomier variant of it, where there is one, came last)
             continue
         heapq.heappush(kept, out[-1].tokens_per_s)
         if len(kept) > KEPT:
@@ -395,8 +395,20 @@ def _try_recompute(model, gpu, lay, allowed, capacity, rej, out, opts: RuntimeOp
             rej.add("out_of_memory", lambda: f"{lay.label()} with lighter recompute", max(0, len(options) - len(reports)))
         return "unfit"
     out.append(predict(model, gpu, options[chosen], padded, opts, reports[chosen]))
-    if len(options) - chosen - 1:
-        rej.add("dominated", lambda: f"{options[-1].label()} (heavier recompute than needed)", len(options) - chosen - 1)
+    last = chosen
+    roomy = gpu.memory_bytes - plan_margin_gib() * GIB
+    if peak(reports[chosen]) > roomy:
+        # it ranks after every plan that leaves the margin (rank): the lightest heavier recompute
+        # that leaves it is costed too, so that this layout has a plan among those
+        for i in range(chosen + 1, len(options)):
+            if i not in reports:
+                reports[i] = memory_report(model, options[i], padded, opts.memory(options[i]))
+            if peak(reports[i]) <= roomy:
+                out.append(predict(model, gpu, options[i], padded, opts, reports[i]))
+                last = i
+                break
+    if len(options) - last - 1:
+        rej.add("dominated", lambda: f"{options[-1].label()} (heavier recompute than needed)", len(options) - last - 1)
     return "costed"
 
 

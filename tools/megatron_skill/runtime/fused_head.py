@@ -100,6 +100,9 @@ class LinearCrossEntropy(torch.autograd.Function):
         factor = (grad_loss.reshape(-1).float() * mask).sum() / (mask * mask).sum().clamp(min=1e-12)
         gx = (grad_x * factor.to(grad_x.dtype)).view(ctx.hidden_shape)
         pending, ctx.pending = ctx.pending, None
+        if pending is None and ctx.needs_input_grad[1]:
+            raise RuntimeError("the fused head's backward runs once per forward (its weight gradient is "
+                               "dropped once formed): retain_graph is not supported")
         gw = None
         if pending is not None:
             pending.x, pending.factor = x, factor
@@ -130,7 +133,7 @@ class PendingWeightGrad:
         if self.logit_grad is not None:
             out = (self.logit_grad.t() @ self._scaled_x()).to(dtype)
         else:
-            out = (self.grad_w * self.factor).to(dtype)
+            out = self.grad_w.mul_(self.factor).to(dtype)   # in place: no second fp32 buffer
         self._drop()
         return out
 

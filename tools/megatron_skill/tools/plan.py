@@ -213,10 +213,14 @@ def _warnings(result: dict[str, Any]) -> list[str]:
     out = [f"speed forecast: {w}" for w in best.get("forecast", {}).get("beyond_evidence") or []]
     margin = plan_margin_gib()
     free = [p["memory"]["gpu_gib"] - p["memory"]["peak_gib"] for p in result["plans"][:5]]
-    behind = [p["rank"] for p, f in zip(result["plans"][1:5], free[1:]) if f < margin <= free[0]]
+    if free[0] < margin:
+        out.append(f"no plan leaves {margin:g} GiB free (a plan with less ran out of memory where one with more "
+                   "ran): the best is the fastest of those that fit the model")
+    behind = [p["rank"] for p, f in zip(result["plans"][1:5], free[1:])
+              if f < margin <= free[0] and p["tokens_per_s"] > best["tokens_per_s"]]
     if behind:
-        out.append(f"plan {', '.join(f'#{r}' for r in behind)} leaves less than {margin:g} GiB free (less than "
-                   "a measured run needed): ranked after the plans that do, whatever their speed")
+        out.append(f"plan {', '.join(f'#{r}' for r in behind)} is faster but leaves less than {margin:g} GiB free "
+                   "(less than a measured run needed): ranked after the plans that do")
     left = best["memory"]["gpu_gib"] - best["memory"]["peak_gib"]
     if left < 0.05 * best["memory"]["gpu_gib"]:
         out.append(f"the best layout leaves only {left:.1f} GiB of {best['memory']['gpu_gib']} GiB free: "
