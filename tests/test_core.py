@@ -167,9 +167,9 @@ def test_rank_is_fastest_first_with_near_ties_to_the_leaner():
     fast, lean, slow = C(tokens_per_s=100, peak_gib=80), C(tokens_per_s=99.5, peak_gib=40), C(tokens_per_s=80, peak_gib=1)
     assert rank([slow, fast, lean]) == [lean, fast, slow]
     # a plan that leaves less than the margin free ranks after those that leave it
-    from megatron_skill.core.planner import plan_margin_gib
-    edge = C(tokens_per_s=200, peak_gib=80 - plan_margin_gib() / 2, gpu_gib=80)
-    roomy = C(tokens_per_s=10, peak_gib=80 - plan_margin_gib(), gpu_gib=80)
+    from megatron_skill.core.memory import PLAN_MARGIN_GIB
+    edge = C(tokens_per_s=200, peak_gib=80 - PLAN_MARGIN_GIB / 2, gpu_gib=80)
+    roomy = C(tokens_per_s=10, peak_gib=80 - PLAN_MARGIN_GIB, gpu_gib=80)
     assert rank([edge, slow, roomy]) == [slow, roomy, edge]
     assert error_pct(110, 100) == 10.0 and error_pct(90, 100) == -10.0
 

@@ -68,12 +68,13 @@ def test_a_plan_without_the_measured_margin_ranks_after_those_with_it():
     predicted at 79.25 of 79.6 GiB, ranked first, and ran out of memory in its second iteration
     (references/results/h100-2026-12-07).  It stays a plan (it fits the model), ranked after every
     plan that leaves the margin (catalog/calibration.json, memory.plan_margin_gib) free."""
-    from megatron_skill.core.planner import plan_margin_gib, rank, tight
+    from megatron_skill.core.memory import PLAN_MARGIN_GIB
+    from megatron_skill.core.planner import rank, tight
 
     ranked = rank(search(MODEL_3B, H100, 1, 4096, 16, ["fp8"], None, 0.0, _local()).candidates)
     by_label = {c.layout.label(): c for c in ranked}
     ran_out = by_label[OOM_LAYOUT.label()]
-    assert tight(ran_out) and H100.memory_gib - ran_out.peak_gib < plan_margin_gib() <= 1.6
+    assert tight(ran_out) and H100.memory_gib - ran_out.peak_gib < PLAN_MARGIN_GIB <= 1.6
     first = ranked[0]
     assert not tight(first) and first.tokens_per_s < ran_out.tokens_per_s
     assert ranked.index(ran_out) == sum(not tight(c) for c in ranked)

@@ -37,6 +37,8 @@ _OUTSIDE = json.loads((CATALOG_DIR / "calibration.json").read_text())["memory"]
 CONTEXT_GIB = _OUTSIDE["context_gib"]
 NCCL_GIB_PER_GROUP = _OUTSIDE["nccl_gib_per_group"]
 FRAGMENTATION = _OUTSIDE["fragmentation"]
+# what a plan should leave free beyond its predicted peak (what ran out of memory and what ran)
+PLAN_MARGIN_GIB = _OUTSIDE["plan_margin_gib"]
 
 
 @dataclasses.dataclass(frozen=True)

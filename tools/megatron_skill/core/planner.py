@@ -24,7 +24,7 @@ from typing import Any, Iterable
 from .catalog import CATALOG_DIR, GPUSpec
 from .flops import padded_vocab_size, training_flops
 from .layout import RULES, Layout, check_layout, context_parallel_rules, expert_rules, moe_rules, precision_rules, tp_rules
-from .memory import GIB, memory_report, peak
+from .memory import GIB, PLAN_MARGIN_GIB, memory_report, peak
 from .model import ModelConfig
 from .options import RuntimeOptions
 from .timing import calibration, step_floor, step_time
@@ -104,17 +104,15 @@ KEPT = 100            # the most plans a request may ask for (schemas/plan.reque
                       # search costs layouts until none left can reach this many
 
 
-@functools.lru_cache(maxsize=1)
-def plan_margin_gib() -> float:
-    """Memory a plan should leave free beyond its predicted peak (catalog/calibration.json,
-    "memory": what ran out of memory and what ran)."""
-    return json.loads((CATALOG_DIR / "calibration.json").read_text())["memory"]["plan_margin_gib"]
+def leaves_margin(peak_gib: float, gpu_gib: float) -> bool:
+    """Whether a predicted peak leaves the GPU the memory margin (memory.PLAN_MARGIN_GIB) free."""
+    return gpu_gib - peak_gib >= PLAN_MARGIN_GIB
 
 
 def tight(c: Candidate, peak=lambda c: c.peak_gib) -> bool:
     """Whether a plan leaves less than the margin of its GPU's memory free (never for a row
     that names no GPU)."""
-    return getattr(c, "gpu_gib", math.inf) - peak(c) < plan_margin_gib()
+    return not leaves_margin(peak(c), getattr(c, "gpu_gib", math.inf))
 
 
 def rank(candidates: list, speed=lambda c: c.tokens_per_s, peak=lambda c: c.peak_gib) -> list:
@@ -396,14 +394,13 @@ def _try_recompute(model, gpu, lay, allowed, capacity, rej, out, opts: RuntimeOp
         return "unfit"
     out.append(predict(model, gpu, options[chosen], padded, opts, reports[chosen]))
     last = chosen
-    roomy = gpu.memory_bytes - plan_margin_gib() * GIB
-    if peak(reports[chosen]) > roomy:
+    if not leaves_margin(peak(reports[chosen]) / GIB, gpu.memory_gib):
         # it ranks after every plan that leaves the margin (rank): the lightest heavier recompute
         # that leaves it is costed too, so that this layout has a plan among those
         for i in range(chosen + 1, len(options)):
             if i not in reports:
                 reports[i] = memory_report(model, options[i], padded, opts.memory(options[i]))
-            if peak(reports[i]) <= roomy:
+            if leaves_margin(peak(reports[i]) / GIB, gpu.memory_gib):
                 out.append(predict(model, gpu, options[i], padded, opts, reports[i]))
                 last = i
                 break

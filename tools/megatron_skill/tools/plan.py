@@ -10,9 +10,9 @@ from ..contract import Context, Tool
 from ..core import evidence
 from ..core.flops import padded_vocab_size
 from ..core.layout import Layout
-from ..core.memory import CONTEXT_GIB, FRAGMENTATION, NCCL_GIB_PER_GROUP
+from ..core.memory import CONTEXT_GIB, FRAGMENTATION, NCCL_GIB_PER_GROUP, PLAN_MARGIN_GIB
 from ..core.options import RuntimeOptions
-from ..core.planner import Candidate, plan_margin_gib, rank, search
+from ..core.planner import Candidate, rank, search
 from ..core.resolve import default_global_batch, default_seq_length, resolve_cluster, resolve_model
 from ..core.timing import calibration
 from ..errors import ToolError
@@ -211,7 +211,7 @@ def _warnings(result: dict[str, Any]) -> list[str]:
     """What a reader should know about the first plan, in plain words."""
     best = result["plans"][0]
     out = [f"speed forecast: {w}" for w in best.get("forecast", {}).get("beyond_evidence") or []]
-    margin = plan_margin_gib()
+    margin = PLAN_MARGIN_GIB
     free = [p["memory"]["gpu_gib"] - p["memory"]["peak_gib"] for p in result["plans"][:5]]
     if free[0] < margin:
         out.append(f"no plan leaves {margin:g} GiB free (a plan with less ran out of memory where one with more "
@@ -222,7 +222,7 @@ def _warnings(result: dict[str, Any]) -> list[str]:
         out.append(f"plan {', '.join(f'#{r}' for r in behind)} is faster but leaves less than {margin:g} GiB free "
                    "(less than a measured run needed): ranked after the plans that do")
     left = best["memory"]["gpu_gib"] - best["memory"]["peak_gib"]
-    if left < 0.05 * best["memory"]["gpu_gib"]:
+    if margin <= left < 0.05 * best["memory"]["gpu_gib"]:
         out.append(f"the best layout leaves only {left:.1f} GiB of {best['memory']['gpu_gib']} GiB free: "
                    "memory the planner does not model can still run it out of memory")
     if ((result.get("request") or {}).get("megatron_options") or {}).get("cuda_graph_impl", "none") != "none":
