@@ -1,9 +1,11 @@
 """The log reader and the logs tool, on a real H200 log and on broken ones."""
+import json
 from pathlib import Path
 
 from megatron_skill.adapter import log as megatron_log
 from megatron_skill.contract import call
 
+ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = Path(__file__).parent / "fixtures" / "logs" / "h200-kill-resume.log"
 LINE = (" [2026-12-02 13:20:32.559828] iteration {it:8d}/      40 | consumed samples:          304 | elapsed time per "
         "iteration (ms): 238.3 | throughput per GPU (TFLOP/s/GPU): 49.1 | learning rate: 1.999406E-04 | global batch "
@@ -271,6 +273,29 @@ def test_a_one_gpu_oom_at_the_fused_heads_backward_gets_fixes_that_fit_one_gpu()
     assert "more GPUs than this run's 1" in fixes[-1]
     plan = env["result"]["prediction"]["plan"]
     assert plan["label"].endswith("FP8") and plan["peak_gib"] <= 79.6 - 1.0
+
+
+def test_a_skill_fp8_runs_memory_is_costed_as_the_plan_that_chose_it():
+    """The same run as above: its argument dump prints --recompute-modules as a Python list and
+    says FP8 only through --skill-fp8-linear.  The log's prediction is the planner's own figure
+    for that FP8 layout (it was once a BF16 layout with a recompute set of single characters)."""
+    env = call("logs", {"log": str(FIXTURES / "oom-fused-head-fp8-3b-h100-mbs1.log")})
+    pred = env["result"]["prediction"]
+    assert pred["layout"] == "TP1 PP1 DP1 mbs1 recompute-sel FP8", pred
+    request = json.loads((ROOT / "benchmarks" / "requests" / "llama-3b-shape-bf16.json").read_text())
+    plan = call("plan", {"model": request["model"], "gpu": "h100-sxm", "num_gpus": 1, "seq_length": 4096,
+                         "global_batch_size": 16, "precision": "fp8", "transformer_engine": False, "top": 1,
+                         "constraints": {"mbs": 1, "recompute": ["selective"]}})
+    assert plan["ok"], plan
+    assert pred["predicted_peak_gib"] == plan["result"]["plans"][0]["memory"]["peak_gib"]
+
+
+def test_megatrons_dump_of_lists_reads_as_lists():
+    from megatron_skill.adapter.log import _arg_value
+    assert _arg_value("['core_attn', 'layernorm']") == ["core_attn", "layernorm"]
+    assert _arg_value("(0.9, 0.95)") == (0.9, 0.95)
+    assert _arg_value("[unclosed") == "[unclosed" and _arg_value("{1, 2}") == "{1, 2}"
+    assert _arg_value("[" * 10000) == "[" * 10000
 
 
 def test_logits_fixes_tell_megatrons_loss_fusion_from_the_skills_head():

@@ -219,7 +219,14 @@ def layout_from_args(ns: Any, model: ModelConfig, world: int | None, assumed: di
                   recompute_layers=ns.recompute_num_layers or (0 if recompute != "full" else 1),
                   distributed_optimizer=bool(ns.use_distributed_optimizer),
                   sequence_parallel=bool(ns.sequence_parallel),
-                  precision="fp8" if ns.fp8 else "bf16", **_pipeline_split(ns, model.num_layers, pp))
+                  precision=precision(ns), **_pipeline_split(ns, model.num_layers, pp))
+
+
+def precision(ns: Any) -> str:
+    """fp8 for Transformer Engine's FP8 (--fp8-format) and for the skill entry's FP8 linear layers
+    (--skill-fp8-linear, which the entry honours only with the local layers); bf16 otherwise."""
+    own_fp8 = skill_entry(ns) and bool(getattr(ns, "skill_fp8_linear", False)) and not transformer_engine(ns)
+    return "fp8" if ns.fp8 or own_fp8 else "bf16"
 
 
 def _pipeline_split(ns: Any, num_layers: int, pp: int) -> dict[str, Any]:

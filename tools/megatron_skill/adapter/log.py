@@ -10,8 +10,10 @@ what it can read from each line and counts the rest.
 """
 from __future__ import annotations
 
+import ast
 import collections
 import dataclasses
+import json
 import math
 import re
 from typing import Any, Iterable
@@ -101,6 +103,15 @@ ARGS_READ = ("seq_length", "micro_batch_size", "global_batch_size", "world_size"
              "attention_backend", "fp8", "recompute_granularity", "sequence_parallel")
 
 def _arg_value(text: str) -> Any:
+    """One value of Megatron's argument dump, which prints each as str() of the Python value:
+    lists, tuples and dicts as their literals (--recompute-modules: "['core_attn', 'layernorm']")."""
+    if text[:1] in ("[", "(", "{"):
+        try:
+            value = ast.literal_eval(text)
+            json.dumps(value)   # what the answer can carry (no sets, no tuple keys)
+            return value
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            return text
     if text in ("True", "False"):
         return text == "True"
     if text == "None":
