@@ -11,14 +11,16 @@ sequence length, global batch and iteration counts). PEER:
                layer but the output layer, torch.compile
   plain        transformers' model, SDPA attention, eager (the baseline of both)
 Each as the Hugging Face Trainer's `bf16=True` trains: fp32 weights, bf16 autocast, torch's
-fused AdamW; mock tokens; no recompute. Each micro-batch size runs in a process of its own (an
-out-of-memory one is reported, not fatal); the answer is one JSON object with tokens/s per
-micro-batch size and the best.
+fused AdamW; mock tokens; no recompute; PyTorch's expandable segments, as the skill's runs have
+them (an allocator setting from the environment is kept). Each micro-batch size runs in a
+process of its own (an out-of-memory one is reported, not fatal); the answer is one JSON object
+with tokens/s per micro-batch size and the best.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -103,12 +105,16 @@ def main() -> None:
     if args.one:
         print(json.dumps(one(request, args.peer, int(args.mbs))))
         return
+    # The allocator setting the skill's own runs get (render, bench): a peer that fragments
+    # its memory would otherwise run out where the skill's run of the same size does not.
+    env = {**os.environ}
+    env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     runs = []
     for mbs in (int(x) for x in args.mbs.split(",")):
         if request["global_batch_size"] % mbs:
             continue
         proc = subprocess.run([sys.executable, __file__, args.request, args.peer, "--mbs", str(mbs), "--one"],
-                              capture_output=True, text=True)
+                              capture_output=True, text=True, env=env)
         last = proc.stdout.strip().splitlines()[-1:] or [""]
         if proc.returncode == 0 and last[0].startswith("{"):
             runs.append(json.loads(last[0]))
@@ -117,7 +123,7 @@ def main() -> None:
             runs.append({"mbs": mbs, "error": "out of memory" if oom else proc.stderr.strip()[-800:]})
         print(json.dumps(runs[-1])[:300], file=sys.stderr)
     ok = [r for r in runs if "tokens_per_s" in r]
-    answer = {"request": args.request, "peer": args.peer, "runs": runs,
+    answer = {"request": args.request, "peer": args.peer, "allocator": env["PYTORCH_CUDA_ALLOC_CONF"], "runs": runs,
               "best": max(ok, key=lambda r: r["tokens_per_s"]) if ok else None}
     text = json.dumps(answer, indent=1)
     if args.out:
