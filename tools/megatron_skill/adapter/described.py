@@ -8,6 +8,7 @@ read from an argument is named in `assumed`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -321,7 +322,7 @@ def runtime_options(ns: Any) -> RuntimeOptions:
                           attention_kernel=attention_kernel(ns))
 
 
-def memory_options(ns: Any, assumed: dict[str, str]) -> MemoryOptions:
+def memory_options(ns: Any, lay: Layout, assumed: dict[str, str]) -> MemoryOptions:
     """The arguments that change memory beyond the layout, as the planner's options; each choice
     not read from an argument is named in `assumed`."""
     attention, why = attention_path(ns)
@@ -334,22 +335,19 @@ def memory_options(ns: Any, assumed: dict[str, str]) -> MemoryOptions:
         assumed["attention"] += (f" ({score_bytes:g} bytes per head and score kept: softmax in "
                                  f"{'fp32' if fp32 else 'bf16'}, attention dropout {'on' if dropout else 'off'})")
     te = transformer_engine(ns)
-    megatron = MegatronOptions.from_args(ns)
-    modules = ns.recompute_modules or ["core_attn"]   # Megatron's default under selective
-    moe = MoEOptions.from_args(ns)
     # Without TE Megatron falls back to torch's AdamW (multi-tensor: a 4-byte temporary per
     # parameter at the step) unless the skill's entry steps it fused; apex is not assumed.
-    fused_adam = te or bool(getattr(ns, "skill_fused_adam", False))
     if not te:
-        assumed["optimizer"] = ("torch's fused AdamW (the skill's --skill-fused-adam)" if fused_adam else
+        assumed["optimizer"] = ("torch's fused AdamW (the skill's --skill-fused-adam)"
+                                if getattr(ns, "skill_fused_adam", False) else
                                 "torch's multi-tensor AdamW (Megatron's fallback without TE or apex): "
                                 "sqrt(exp_avg_sq) of the shard allocated at each step")
-    return MemoryOptions(moe_routed_factor=moe.routed_factor(), router_score_bytes=moe.router_score_bytes(),
-                         fused_head=bool(ns.skill_linear_cross_entropy) and not te,
-                         fp8_linear=bool(ns.skill_fp8_linear) and not te, te_fp8=te,
-                         fp8_params=bool(ns.fp8) and megatron.fp8_param_gather and te, score_bytes=score_bytes,
-                         grad_bytes=2 if megatron.grad_reduce_in_bf16 else 4,
-                         fused_cross_entropy=megatron.cross_entropy_fusion,
-                         fsdp_params=megatron.fsdp, recompute_modules=frozenset(modules),
-                         adam_temp_bytes=0 if fused_adam else 4, local_clip=not te,
-                         te_attention=te, tp_comm_overlap=te and megatron.tp_comm_overlap)
+    modules = ns.recompute_modules
+    if not isinstance(modules, (list, tuple)):
+        modules = ["core_attn"]   # Megatron's default under selective
+    # The planner's own options for the paths these arguments ran, with what only a command line
+    # says: the unfused attention's scores, the selective set; the skill's FP8 layers only under
+    # its entry (Megatron's entry with local layers has no FP8 linear path).
+    opts = runtime_options(ns).memory(lay)
+    return dataclasses.replace(opts, score_bytes=score_bytes, recompute_modules=frozenset(modules),
+                               fp8_linear=opts.fp8_linear and skill_entry(ns))

@@ -65,7 +65,7 @@ def why_slow(dumped: dict, gpu_name: str | None, summary: dict) -> dict[str, Any
         return {"skipped": why}
     if lay.sequence_parallel and lay.tp == 1:
         lay = dataclasses.replace(lay, sequence_parallel=False)
-    as_run = _Variant(lay, described.runtime_options(ns), described.memory_options(ns, assumed))
+    as_run = _Variant(lay, described.runtime_options(ns), described.memory_options(ns, lay, assumed))
     try:
         base, extra, _ = _cost(model, gpu, as_run)
     except (ZeroDivisionError, ValueError) as e:

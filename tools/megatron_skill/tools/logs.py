@@ -130,7 +130,7 @@ def _prediction(dumped: dict, gpu_name: str | None, summary: dict, ctx: Context)
     if model is None:
         return {"skipped": why}
     try:
-        mem = memory_report(model, lay, padded_vocab_size(model.vocab_size, lay.tp), described.memory_options(ns, assumed))
+        mem = memory_report(model, lay, padded_vocab_size(model.vocab_size, lay.tp), described.memory_options(ns, lay, assumed))
     except (ZeroDivisionError, ValueError) as e:
         return {"skipped": f"the log's layout cannot be costed: {e}"}
     size, source, read = described.vocabulary(ns)

@@ -486,7 +486,7 @@ def _pretrained_rows(launch: Launch, ns: argparse.Namespace, tp: int, findings: 
 def _memory(launch: Launch, ns: argparse.Namespace, model: ModelConfig, lay: Layout, gpu: Any,
             findings: list[dict], assumed: dict[str, str]) -> dict[str, Any]:
     """The planner's memory for this layout and attention path, whatever else was found."""
-    opts = described.memory_options(ns, assumed)
+    opts = described.memory_options(ns, lay, assumed)
     try:
         mem = memory_report(model, lay, padded_vocab_size(model.vocab_size, lay.tp), opts)
     except (ZeroDivisionError, ValueError) as e:   # a layout broken past costing (see its error)
