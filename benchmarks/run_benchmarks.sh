@@ -9,7 +9,7 @@ OUT=${1:?usage: run_benchmarks.sh OUTDIR}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 RUNS="$OUT/runs"
-ONLY=${ONLY:-doctor calibrate bench-3b bench-1b levers kill-resume quickstart}  # a subset: ONLY="bench-1b kill-resume"
+ONLY=${ONLY:-doctor calibrate bench-3b bench-1b levers peers kill-resume quickstart}  # a subset: ONLY="bench-1b kill-resume"
 want() { [[ " $ONLY " == *" $1 "* ]]; }
 step() { local name=$1 limit=$2; shift 2; echo "== $name" >&2; timeout "$limit" "$@" > "$OUT/$name.json" 2> "$OUT/$name.err"; echo "   rc=$?" >&2; }
 
@@ -19,6 +19,9 @@ want bench-3b && step bench-3b 400 "$PY" tools/launch.py bench --request benchma
 want bench-1b && step bench-1b 400 "$PY" tools/launch.py bench --request benchmarks/requests/llama-1b-shape-bf16.json --runs-root "$RUNS"
 # Each throughput lever of benchmarks/requests/levers.json, one bench call each.
 want levers && { echo "== levers" >&2; PYTHON="$PY" "$PY" benchmarks/run_levers.py "$OUT/levers" > "$OUT/levers.md" 2> "$OUT/levers.err"; }
+# Issue 38's table: each shape's bench (BF16, FP8) beside the Hugging Face peers (liger-kernel and
+# torchao must import; a peer that cannot is recorded in OUTDIR/peers/SHAPE/peers.err).
+want peers && for shape in 1b 3b qwen1.5b; do echo "== peers $shape" >&2; PYTHON="$PY" bash benchmarks/peer_lease.sh "$OUT/peers" "$shape"; done
 
 # A train run killed with SIGKILL mid-run (the whole process group, as a node failure would),
 # refused when started again without --resume, then resumed from its last checkpoint.
