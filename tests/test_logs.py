@@ -290,12 +290,52 @@ def test_a_skill_fp8_runs_memory_is_costed_as_the_plan_that_chose_it():
     assert pred["predicted_peak_gib"] == plan["result"]["plans"][0]["memory"]["peak_gib"]
 
 
+def test_transformer_engines_lever_for_a_skill_fp8_run_names_tes_fp8_flags():
+    """The lever is costed as TE's FP8 (the run was FP8): its fix must ask TE for FP8, which the
+    skill's --skill-fp8-linear does not do under TE; and a run on Megatron's local layers with
+    --fp8-format alone has no FP8 path (its layout is BF16)."""
+    r = call("logs", {"log": str(FIXTURES / "oom-fused-head-fp8-3b-h100-mbs1.log"), "gpu": "h100-sxm"})["result"]
+    te = [lv for lv in r["why_slow"]["levers"] + r["why_slow"]["not_levers"] if "Transformer Engine" in lv["lever"]]
+    assert [lv for lv in te if "--fp8-format hybrid" in lv.get("fix", "")], te
+    from megatron_skill.adapter import described
+    local = {**ONE_B, "fp8": "hybrid"}
+    assert described.precision(described.Args(local)) == "bf16"
+    assert described.precision(described.Args({**local, "transformer_impl": "transformer_engine"})) == "fp8"
+    skill = {**ONE_B, "skill_entry": True, "skill_fp8_linear": True}
+    assert described.precision(described.Args(skill)) == "fp8"
+    assert described.precision(described.Args({**skill, "tensor_model_parallel_size": 2})) == "bf16"
+
+
 def test_megatrons_dump_of_lists_reads_as_lists():
-    from megatron_skill.adapter.log import _arg_value
+    from megatron_skill.adapter.log import MAX_LITERAL, _arg_value
     assert _arg_value("['core_attn', 'layernorm']") == ["core_attn", "layernorm"]
     assert _arg_value("(0.9, 0.95)") == (0.9, 0.95)
     assert _arg_value("[unclosed") == "[unclosed" and _arg_value("{1, 2}") == "{1, 2}"
     assert _arg_value("[" * 10000) == "[" * 10000
+    # keys that would print alike in the answer, and a literal longer than any flag's value
+    assert _arg_value("{1: 'a', '1': 'b'}") == "{1: 'a', '1': 'b'}"
+    long = "[" + ",".join(["1"] * MAX_LITERAL) + "]"
+    assert _arg_value(long) == long
+
+
+def test_a_damaged_dump_reads_as_unset_where_its_values_are_not_their_flags_type(tmp_path):
+    """Values of the wrong type for their flag (hand-edited or garbled dumps) are set aside and
+    said so; the rest of the answer is as for a clean dump, never an internal error."""
+    bad = {"recompute_granularity": "[1]", "recompute_modules": "[['core_attn']]", "seq_length": "'long'",
+           "moe_router_dtype": "['fp32']", "micro_batch_size": "[8]", "world_size": "'one'", "log_interval": "[1]"}
+    lines = _dump(**{**ONE_B, **bad, "num_experts": 8, "moe_router_topk": 2})
+    lines.append(_line(1))
+    log = tmp_path / "damaged.log"
+    log.write_text("\n".join(lines) + "\n")
+    env = call("logs", {"log": str(log), "gpu": "h100-sxm"})
+    assert env["ok"], env
+    r = env["result"]
+    assert set(r["arguments_ignored"]) == set(bad), r["arguments_ignored"]
+    assert "integer" in r["arguments_ignored"]["seq_length"]
+    assert r["prediction"]["layout"].startswith("TP1 PP1 DP1 mbs1"), r["prediction"]
+    # a real dump of the skill's own run: nothing set aside
+    clean = call("logs", {"log": str(FIXTURES / "oom-fused-head-fp8-3b-h100-mbs1.log")})["result"]
+    assert "arguments_ignored" not in clean
 
 
 def test_logits_fixes_tell_megatrons_loss_fusion_from_the_skills_head():

@@ -31,6 +31,57 @@ class Args(dict):
         return self.get(name)
 
 
+# What a log's dump holds that no flag sets (Megatron's validate_args derives them), by the type
+# the readers here take; skill_entry is the log reader's own mark (adapter/log.py).
+DERIVED = {"world_size": int, "virtual_pipeline_model_parallel_size": int, "skill_entry": bool}
+_KINDS = {"int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+          "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def _kind(flag: dict) -> str:
+    if flag["action"] in ("StoreTrueAction", "StoreFalseAction", "BooleanOptionalAction"):
+        return "True or False"
+    what = {"int": "an integer", "float": "a number"}.get(flag["type"], "a string")
+    if flag.get("nargs") in ("+", "*") or isinstance(flag.get("nargs"), int):
+        what += " or a list of them"
+    return what
+
+
+def _conforms(flag: dict, value: Any) -> bool:
+    """Whether a dumped value is of the type the flag's parser makes (None: left unset). Only the
+    type: Megatron's validate_args rewrites values past their flag's choices (dtype names into
+    torch dtypes, one-element lists into their element), and its own converters' values (type
+    custom) are taken as they are."""
+    if value is None or flag["type"] == "custom":
+        return True
+    if flag["action"] in ("StoreTrueAction", "StoreFalseAction", "BooleanOptionalAction"):
+        return isinstance(value, bool)
+    one = _KINDS.get(flag["type"], lambda v: isinstance(v, str))
+    if flag.get("nargs") in ("+", "*") or isinstance(flag.get("nargs"), int):
+        return one(value) or isinstance(value, (list, tuple)) and all(one(v) for v in value)
+    return one(value)
+
+
+def typed_arguments(dumped: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """A log's argument dump with each value of a known flag checked against what Megatron's
+    parser would have made of it (the manifest's type, arity and choices): (the values kept,
+    why each other one was set aside). A damaged or hand-edited dump then reads as unset there
+    (Megatron's default) instead of breaking what reads it."""
+    by_dest = {f["dest"]: f for f in megatron_flags.load_manifest()["flags"].values()}
+    kept: dict[str, Any] = {}
+    ignored: dict[str, str] = {}
+    for name, value in dumped.items():
+        flag = by_dest.get(name)
+        if flag is not None and not _conforms(flag, value):
+            ignored[name] = f"{str(value)[:80]!r} is not what its flag takes ({_kind(flag)}): read as unset"
+        elif name in DERIVED and value is not None and not (
+                isinstance(value, DERIVED[name]) and (DERIVED[name] is bool or not isinstance(value, bool))):
+            ignored[name] = f"{str(value)[:80]!r} is not {DERIVED[name].__name__}: read as unset"
+        else:
+            kept[name] = value
+    return kept, ignored
+
+
 def parse_values(args: list[str]) -> argparse.Namespace:
     ns, _ = megatron_flags.manifest_parser().parse_known_args(args)
     return ns
@@ -224,10 +275,13 @@ def layout_from_args(ns: Any, model: ModelConfig, world: int | None, assumed: di
 
 
 def precision(ns: Any) -> str:
-    """fp8 for Transformer Engine's FP8 (--fp8-format) and for the skill entry's FP8 linear layers
-    (--skill-fp8-linear, which the entry honours only with the local layers); bf16 otherwise."""
-    own_fp8 = skill_entry(ns) and bool(getattr(ns, "skill_fp8_linear", False)) and not transformer_engine(ns)
-    return "fp8" if ns.fp8 or own_fp8 else "bf16"
+    """fp8 for Transformer Engine's FP8 (--fp8-format on TE's layers) and for the skill entry's FP8
+    linear layers (--skill-fp8-linear on the local layers at TP 1, where the entry puts them, as
+    the planner's fp8_local); bf16 otherwise (Megatron's local layers have no FP8 path)."""
+    if transformer_engine(ns):
+        return "fp8" if ns.fp8 else "bf16"
+    own = skill_entry(ns) and bool(getattr(ns, "skill_fp8_linear", False))
+    return "fp8" if own and (ns.tensor_model_parallel_size or 1) == 1 else "bf16"
 
 
 def _pipeline_split(ns: Any, num_layers: int, pp: int) -> dict[str, Any]:

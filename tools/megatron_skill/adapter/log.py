@@ -13,7 +13,6 @@ from __future__ import annotations
 import ast
 import collections
 import dataclasses
-import json
 import math
 import re
 from typing import Any, Iterable
@@ -102,16 +101,34 @@ ARGS_READ = ("seq_length", "micro_batch_size", "global_batch_size", "world_size"
              "expert_model_parallel_size", "num_layers", "hidden_size", "num_attention_heads", "transformer_impl",
              "attention_backend", "fp8", "recompute_granularity", "sequence_parallel")
 
+MAX_LITERAL = 4096   # characters: Megatron's longest list values (data paths aside) are far shorter
+
+
+def _plain(value: Any, depth: int = 0) -> bool:
+    """Whether a value is what a JSON answer carries as it is (no sets, bytes or complex numbers;
+    dict keys strings, so that no two keys print alike)."""
+    if value is None or isinstance(value, (str, int, float)):   # bool is an int
+        return True
+    if depth > 20:
+        return False
+    if isinstance(value, (list, tuple)):
+        return all(_plain(v, depth + 1) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _plain(v, depth + 1) for k, v in value.items())
+    return False
+
+
 def _arg_value(text: str) -> Any:
     """One value of Megatron's argument dump, which prints each as str() of the Python value:
-    lists, tuples and dicts as their literals (--recompute-modules: "['core_attn', 'layernorm']")."""
-    if text[:1] in ("[", "(", "{"):
+    lists, tuples and dicts as their literals (--recompute-modules: "['core_attn', 'layernorm']").
+    A literal longer than any flag's value, or one holding more than strings, numbers and
+    string-keyed dicts, stays text."""
+    if text[:1] in ("[", "(", "{") and len(text) <= MAX_LITERAL:
         try:
             value = ast.literal_eval(text)
-            json.dumps(value)   # what the answer can carry (no sets, no tuple keys)
-            return value
         except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
             return text
+        return value if _plain(value) else text
     if text in ("True", "False"):
         return text == "True"
     if text == "None":
@@ -169,8 +186,8 @@ def parse(lines: Iterable[str]) -> dict[str, Any]:
             in_args = False
         elif in_args:
             a = ARG_LINE.match(line)
-            if a and (dumps == 1 or a.group(1) not in arguments):
-                arguments.setdefault(a.group(1), _arg_value(a.group(2)))
+            if a and a.group(1) not in arguments:   # the first dump's value (a resume repeats it)
+                arguments[a.group(1)] = _arg_value(a.group(2))
         if "after training is done" in line:   # FINISHED
             finished = True
         if SKILL_NOTE in line and "SDPA core attention" in line:

@@ -177,9 +177,12 @@ def _kernel_levers(run: _Variant) -> Iterator[tuple[str, _Variant, str]]:
                "launch the skill's tools/pretrain_gpt.py with --no-create-attention-mask-in-dataloader "
                + " ".join(skill.entry_flags()) + " (what 'launch.py render' writes without TE)")
     te = dataclasses.replace(planned, te=True)
+    fix = "--transformer-impl transformer_engine where TE is installed (NGC's PyTorch container has it)"
+    if lay.precision == "fp8" and opts.fp8_linear:
+        # costed as TE's FP8: the skill's FP8 layers are local ones, TE asks for FP8 by its own flags
+        fix += ", with --fp8-format hybrid --fp8-recipe tensorwise in place of --skill-fp8-linear"
     yield ("Transformer Engine's layers (fused kernels, flash attention, TP communication overlap)",
-           _Variant(lay, te, te.memory(lay)),
-           "--transformer-impl transformer_engine where TE is installed (NGC's PyTorch container has it)")
+           _Variant(lay, te, te.memory(lay)), fix)
 
 
 def _fits(model: ModelConfig, gpu: GPUSpec, lay: Layout, mem: MemoryOptions) -> bool:

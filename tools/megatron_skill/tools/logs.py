@@ -60,11 +60,13 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
     except OSError as e:
         raise ToolError("not_found", f"cannot read {path}: {e.strerror}", where="/log", fix=fix) from None
     # The log's own argument dump gives the sequence length and layout; flags only override.
-    dumped = parsed.get("arguments", {})
-    seq = req.get("seq_length") or (dumped.get("seq_length") if isinstance(dumped.get("seq_length"), int) else None)
+    dumped, ignored = described.typed_arguments(parsed.get("arguments", {}))
+    seq = req.get("seq_length") or dumped.get("seq_length")
     summary = megatron_log.summarize(parsed, seq, peak)
     if dumped:
         summary["arguments"] = {k: v for k, v in dumped.items() if k in megatron_log.ARGS_READ}
+        if ignored:
+            summary["arguments_ignored"] = ignored
         summary["prediction"] = _prediction(dumped, req.get("gpu"), summary, ctx)
         slow = slow_run.why_slow(dumped, req.get("gpu"), summary)
         if slow is not None:
