@@ -290,17 +290,3 @@ def test_an_infeasible_plans_nearest_values_do_not_depend_on_the_bound(monkeypat
     assert bounded["error"]["code"] == full["error"]["code"] == "infeasible"
     assert bounded["error"]["details"]["nearest_feasible"] == full["error"]["details"]["nearest_feasible"]
     assert bounded["error"]["details"]["nearest_feasible"]["num_gpus"]
-
-
-def test_fp8_without_te_beyond_tp1_is_costed_as_the_bf16_layers_that_run():
-    """Without Transformer Engine FP8 is the skill's linear layers, at TP 1 only; at TP 2 the
-    layers that run are Megatron's BF16 ones: no FP8 weight copies (TE's) are counted there."""
-    opts = RuntimeOptions.from_request(None, te=False)
-    fp8 = dataclasses.replace(GOOD, precision="fp8")
-    assert not opts.fp8_local(fp8)
-    mem = memory_report(LLAMA8B, fp8, 128256, opts.memory(fp8))
-    bf16 = memory_report(LLAMA8B, GOOD, 128256, opts.memory(GOOD))
-    assert {k: m.weights for k, m in mem.items()} == {k: m.weights for k, m in bf16.items()}
-    te = RuntimeOptions.from_request(None, te=True)
-    with_te = memory_report(LLAMA8B, fp8, 128256, te.memory(fp8))
-    assert all(with_te[k].weights > bf16[k].weights for k in bf16)   # TE's FP8 copies are counted

@@ -303,19 +303,32 @@ def test_transformer_engines_lever_for_a_skill_fp8_run_names_tes_fp8_flags():
     assert described.precision(described.Args({**local, "transformer_impl": "transformer_engine"})) == "fp8"
     skill = {**ONE_B, "skill_entry": True, "skill_fp8_linear": True}
     assert described.precision(described.Args(skill)) == "fp8"
-    assert described.precision(described.Args({**skill, "tensor_model_parallel_size": 2})) == "bf16"
+    assert described.precision(described.Args({**skill, "tensor_model_parallel_size": 2})) == "fp8"   # as plan labels it
+
+
+def test_transformer_engines_lever_keeps_the_fp8_the_arguments_ask_for(tmp_path):
+    """Megatron's local layers ignore --fp8-format; TE's honour it: the TE lever of such a run is
+    costed in FP8, faster than the same run's lever without --fp8-format."""
+    def te_lever(**extra):
+        log = tmp_path / f"run{len(extra)}.log"
+        slow = [_line(i).replace("(ms): 238.3", "(ms): 5000.0") for i in range(1, 6)]
+        args = {**ONE_B, "micro_batch_size": 2, "use_distributed_optimizer": True, **extra}
+        log.write_text("\n".join(_dump(**args) + slow) + "\n")
+        r = call("logs", {"log": str(log), "gpu": "h100-sxm"})["result"]
+        return next(lv for lv in r["why_slow"]["levers"] if "Transformer Engine" in lv["lever"])
+    assert te_lever(fp8="hybrid", fp8_recipe="tensorwise")["tokens_per_s"] > te_lever()["tokens_per_s"]
 
 
 def test_megatrons_dump_of_lists_reads_as_lists():
-    from megatron_skill.adapter.log import MAX_LITERAL, _arg_value
-    assert _arg_value("['core_attn', 'layernorm']") == ["core_attn", "layernorm"]
-    assert _arg_value("(0.9, 0.95)") == (0.9, 0.95)
-    assert _arg_value("[unclosed") == "[unclosed" and _arg_value("{1, 2}") == "{1, 2}"
-    assert _arg_value("[" * 10000) == "[" * 10000
+    from megatron_skill.adapter.log import MAX_LITERAL, literal
+    assert literal("['core_attn', 'layernorm']") == ["core_attn", "layernorm"]
+    assert literal("(0.9, 0.95)") == (0.9, 0.95)
+    assert literal("[unclosed") == "[unclosed" and literal("{1, 2}") == "{1, 2}"
+    assert literal("[" * 10000) == "[" * 10000
     # keys that would print alike in the answer, and a literal longer than any flag's value
-    assert _arg_value("{1: 'a', '1': 'b'}") == "{1: 'a', '1': 'b'}"
+    assert literal("{1: 'a', '1': 'b'}") == "{1: 'a', '1': 'b'}"
     long = "[" + ",".join(["1"] * MAX_LITERAL) + "]"
-    assert _arg_value(long) == long
+    assert literal(long) == long
 
 
 def test_a_damaged_dump_reads_as_unset_where_its_values_are_not_their_flags_type(tmp_path):
@@ -333,6 +346,17 @@ def test_a_damaged_dump_reads_as_unset_where_its_values_are_not_their_flags_type
     assert set(r["arguments_ignored"]) == set(bad), r["arguments_ignored"]
     assert "integer" in r["arguments_ignored"]["seq_length"]
     assert r["prediction"]["layout"].startswith("TP1 PP1 DP1 mbs1"), r["prediction"]
+    # nothing kept at all is still said; numbers in string flags and an infinite float are no damage
+    only_bad = tmp_path / "only_bad.log"
+    only_bad.write_text("\n".join(_dump(seq_length="abc", micro_batch_size="[1]") + [_line(1)]) + "\n")
+    assert set(call("logs", {"log": str(only_bad)})["result"]["arguments_ignored"]) == {"seq_length", "micro_batch_size"}
+    fine = tmp_path / "fine.log"
+    fine.write_text("\n".join(_dump(**ONE_B, split=100, clip_grad="inf", wandb_project=2026) + [_line(1)]) + "\n")
+    assert "arguments_ignored" not in call("logs", {"log": str(fine)})["result"]
+    # literals are read for the names a flag knows only (a log may hold any number of others)
+    from megatron_skill.adapter.described import typed_arguments
+    assert typed_arguments({"not_a_flag": "[1]", "recompute_modules": "['mlp']"})[0] == \
+        {"not_a_flag": "[1]", "recompute_modules": ["mlp"]}
     # a real dump of the skill's own run: nothing set aside
     clean = call("logs", {"log": str(FIXTURES / "oom-fused-head-fp8-3b-h100-mbs1.log")})["result"]
     assert "arguments_ignored" not in clean

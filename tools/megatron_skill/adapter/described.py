@@ -22,6 +22,7 @@ from ..core.moe import MoEOptions
 from ..core.options import RuntimeOptions
 from ..errors import ToolError
 from . import flags as megatron_flags
+from . import log as megatron_log
 
 
 class Args(dict):
@@ -56,22 +57,28 @@ def _conforms(flag: dict, value: Any) -> bool:
         return True
     if flag["action"] in ("StoreTrueAction", "StoreFalseAction", "BooleanOptionalAction"):
         return isinstance(value, bool)
-    one = _KINDS.get(flag["type"], lambda v: isinstance(v, str))
+    # a string flag's value that looks like a number ("--split 100") was read as one; a flag of
+    # named choices takes only names
+    one = _KINDS.get(flag["type"], lambda v: isinstance(v, str) or "choices" not in flag and isinstance(v, (int, float)))
     if flag.get("nargs") in ("+", "*") or isinstance(flag.get("nargs"), int):
         return one(value) or isinstance(value, (list, tuple)) and all(one(v) for v in value)
     return one(value)
 
 
 def typed_arguments(dumped: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
-    """A log's argument dump with each value of a known flag checked against what Megatron's
-    parser would have made of it (the manifest's type, arity and choices): (the values kept,
-    why each other one was set aside). A damaged or hand-edited dump then reads as unset there
-    (Megatron's default) instead of breaking what reads it."""
+    """A log's argument dump with each value of a known flag checked against the type Megatron's
+    parser makes of it (the manifest's: a switch, an integer, a number, a string, a list of them
+    for a flag of several values): (the values kept, why each other one was set aside). Literals
+    (lists, tuples, dicts) are read only for the names a flag or DERIVED knows. A damaged or
+    hand-edited dump then reads as unset there (Megatron's default) instead of breaking what
+    reads it."""
     by_dest = {f["dest"]: f for f in megatron_flags.load_manifest()["flags"].values()}
     kept: dict[str, Any] = {}
     ignored: dict[str, str] = {}
     for name, value in dumped.items():
         flag = by_dest.get(name)
+        if isinstance(value, str) and (flag is not None or name in DERIVED):
+            value = megatron_log.literal(value)
         if flag is not None and not _conforms(flag, value):
             ignored[name] = f"{str(value)[:80]!r} is not what its flag takes ({_kind(flag)}): read as unset"
         elif name in DERIVED and value is not None and not (
@@ -276,12 +283,12 @@ def layout_from_args(ns: Any, model: ModelConfig, world: int | None, assumed: di
 
 def precision(ns: Any) -> str:
     """fp8 for Transformer Engine's FP8 (--fp8-format on TE's layers) and for the skill entry's FP8
-    linear layers (--skill-fp8-linear on the local layers at TP 1, where the entry puts them, as
-    the planner's fp8_local); bf16 otherwise (Megatron's local layers have no FP8 path)."""
+    linear layers (--skill-fp8-linear on the local layers; labelled and costed as the planner
+    labels and costs such a plan at any TP); bf16 otherwise (Megatron's local layers have no
+    FP8 path)."""
     if transformer_engine(ns):
         return "fp8" if ns.fp8 else "bf16"
-    own = skill_entry(ns) and bool(getattr(ns, "skill_fp8_linear", False))
-    return "fp8" if own and (ns.tensor_model_parallel_size or 1) == 1 else "bf16"
+    return "fp8" if skill_entry(ns) and getattr(ns, "skill_fp8_linear", False) else "bf16"
 
 
 def _pipeline_split(ns: Any, num_layers: int, pp: int) -> dict[str, Any]:

@@ -118,21 +118,28 @@ def _plain(value: Any, depth: int = 0) -> bool:
     return False
 
 
+def literal(text: str) -> Any:
+    """A list, tuple or dict value of Megatron's argument dump, which prints each as str() of the
+    Python value (--recompute-modules: "['core_attn', 'layernorm']"); the text itself where it is
+    no such literal, longer than any flag's value, or holds more than strings, numbers and
+    string-keyed dicts. The reader of the dump calls it for the names it knows (a log can hold
+    any number of others)."""
+    if text[:1] not in ("[", "(", "{") or len(text) > MAX_LITERAL:
+        return text
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return text
+    return value if _plain(value) else text
+
+
 def _arg_value(text: str) -> Any:
-    """One value of Megatron's argument dump, which prints each as str() of the Python value:
-    lists, tuples and dicts as their literals (--recompute-modules: "['core_attn', 'layernorm']").
-    A literal longer than any flag's value, or one holding more than strings, numbers and
-    string-keyed dicts, stays text."""
-    if text[:1] in ("[", "(", "{") and len(text) <= MAX_LITERAL:
-        try:
-            value = ast.literal_eval(text)
-        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-            return text
-        return value if _plain(value) else text
     if text in ("True", "False"):
         return text == "True"
     if text == "None":
         return None
+    if text in ("inf", "-inf", "nan"):   # e.g. --clip-grad inf
+        return float(text)
     try:
         return int(text)
     except ValueError:

@@ -147,12 +147,12 @@ def _lever_table(model: ModelConfig, gpu: GPUSpec, run: _Variant, ns: Any, measu
 def _levers(model: ModelConfig, gpu: GPUSpec, run: _Variant, ns: Any) -> Iterator[tuple[str, _Variant, str]]:
     """(lever, the run with only that lever changed, the fix in Megatron's flags) for each lever
     that this run does not pull yet."""
-    yield from _kernel_levers(run)
+    yield from _kernel_levers(run, ns)
     yield from _layout_levers(model, gpu, run)
     yield from _precision_levers(gpu, run)
 
 
-def _kernel_levers(run: _Variant) -> Iterator[tuple[str, _Variant, str]]:
+def _kernel_levers(run: _Variant, ns: Any) -> Iterator[tuple[str, _Variant, str]]:
     """The attention kernel, the skill's fused paths, Transformer Engine's layers."""
     lay, opts = run.lay, run.opts
     planned = dataclasses.replace(opts, attention_kernel=PLANNED)
@@ -178,11 +178,13 @@ def _kernel_levers(run: _Variant) -> Iterator[tuple[str, _Variant, str]]:
                + " ".join(skill.entry_flags()) + " (what 'launch.py render' writes without TE)")
     te = dataclasses.replace(planned, te=True)
     fix = "--transformer-impl transformer_engine where TE is installed (NGC's PyTorch container has it)"
-    if lay.precision == "fp8" and opts.fp8_linear:
-        # costed as TE's FP8: the skill's FP8 layers are local ones, TE asks for FP8 by its own flags
+    # TE trains in FP8 where --fp8-format asks (Megatron's local layers ignore it); the skill's
+    # FP8 layers are local ones, so their run asks TE for FP8 by TE's own flags
+    te_lay = dataclasses.replace(lay, precision="fp8") if getattr(ns, "fp8", None) else lay
+    if lay.precision == "fp8" and opts.fp8_linear and not getattr(ns, "fp8", None):
         fix += ", with --fp8-format hybrid --fp8-recipe tensorwise in place of --skill-fp8-linear"
     yield ("Transformer Engine's layers (fused kernels, flash attention, TP communication overlap)",
-           _Variant(lay, te, te.memory(lay)), fix)
+           _Variant(te_lay, te, te.memory(te_lay)), fix)
 
 
 def _fits(model: ModelConfig, gpu: GPUSpec, lay: Layout, mem: MemoryOptions) -> bool:

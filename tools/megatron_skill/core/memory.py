@@ -440,8 +440,8 @@ def stage_memory(model: ModelConfig, lay: Layout, rank: int, padded_vocab: int,
     h = model.hidden_size
     params, weights, gradients, optimizer, shard_params = _state_bytes(
         model, layers, n_moe, first, last, lay.pp > 1, lay.tp, lay.ep, lay.etp, lay.dp * lay.cp, lay.expert_dp,
-        lay.distributed_optimizer, lay.precision if opts.te_fp8 else "bf16",   # FP8 weight copies: TE's or fp8_linear's
-        padded_vocab, opts.fp8_params, opts.fp8_linear, opts.grad_bytes, opts.fsdp_params)
+        lay.distributed_optimizer, lay.precision, padded_vocab, opts.fp8_params, opts.fp8_linear, opts.grad_bytes,
+        opts.fsdp_params)
 
     tokens = lay.mbs * lay.seq_length / lay.cp  # per micro-batch on this rank
     act = _layer_acts(model, lay.tp, lay.sequence_parallel, lay.recompute, lay.seq_length, lay.cp, lay.etp,

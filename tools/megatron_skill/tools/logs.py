@@ -65,12 +65,12 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
     summary = megatron_log.summarize(parsed, seq, peak)
     if dumped:
         summary["arguments"] = {k: v for k, v in dumped.items() if k in megatron_log.ARGS_READ}
-        if ignored:
-            summary["arguments_ignored"] = ignored
         summary["prediction"] = _prediction(dumped, req.get("gpu"), summary, ctx)
         slow = slow_run.why_slow(dumped, req.get("gpu"), summary)
         if slow is not None:
             summary["why_slow"] = slow
+    if ignored:
+        summary["arguments_ignored"] = ignored
     _stall(summary, path, dumped)
     if not summary.get("logged_iterations") and not summary.get("failures"):
         raise ToolError("invalid_script", f"no Megatron iteration lines in {path}", where="/log",
