@@ -320,7 +320,7 @@ def test_transformer_engines_lever_keeps_the_fp8_the_arguments_ask_for(tmp_path)
 
 
 def test_megatrons_dump_of_lists_reads_as_lists():
-    from megatron_skill.adapter.log import MAX_LITERAL, literal
+    from megatron_skill.adapter.described import MAX_LITERAL, literal
     assert literal("['core_attn', 'layernorm']") == ["core_attn", "layernorm"]
     assert literal("(0.9, 0.95)") == (0.9, 0.95)
     assert literal("[unclosed") == "[unclosed" and literal("{1, 2}") == "{1, 2}"

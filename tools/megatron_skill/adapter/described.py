@@ -8,6 +8,7 @@ read from an argument is named in `assumed`.
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,6 @@ from ..core.moe import MoEOptions
 from ..core.options import RuntimeOptions
 from ..errors import ToolError
 from . import flags as megatron_flags
-from . import log as megatron_log
 
 
 class Args(dict):
@@ -65,6 +65,38 @@ def _conforms(flag: dict, value: Any) -> bool:
     return one(value)
 
 
+MAX_LITERAL = 4096   # characters: Megatron's longest list values (data paths aside) are far shorter
+
+
+def _plain(value: Any, depth: int = 0) -> bool:
+    """Whether a value is what a JSON answer carries as it is (no sets, bytes or complex numbers;
+    dict keys strings, so that no two keys print alike)."""
+    if value is None or isinstance(value, (str, int, float)):   # bool is an int
+        return True
+    if depth > 20:
+        return False
+    if isinstance(value, (list, tuple)):
+        return all(_plain(v, depth + 1) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _plain(v, depth + 1) for k, v in value.items())
+    return False
+
+
+def literal(text: str) -> Any:
+    """A list, tuple or dict value of Megatron's argument dump, which prints each as str() of the
+    Python value (--recompute-modules: "['core_attn', 'layernorm']"); the text itself where it is
+    no such literal, longer than any flag's value, or holds more than strings, numbers and
+    string-keyed dicts. typed_arguments reads it for the names it knows (a log can hold any number
+    of others)."""
+    if text[:1] not in ("[", "(", "{") or len(text) > MAX_LITERAL:
+        return text
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return text
+    return value if _plain(value) else text
+
+
 def typed_arguments(dumped: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
     """A log's argument dump with each value of a known flag checked against the type Megatron's
     parser makes of it (the manifest's: a switch, an integer, a number, a string, a list of them
@@ -78,7 +110,7 @@ def typed_arguments(dumped: dict[str, Any]) -> tuple[dict[str, Any], dict[str, s
     for name, value in dumped.items():
         flag = by_dest.get(name)
         if isinstance(value, str) and (flag is not None or name in DERIVED):
-            value = megatron_log.literal(value)
+            value = literal(value)
         if flag is not None and not _conforms(flag, value):
             ignored[name] = f"{str(value)[:80]!r} is not what its flag takes ({_kind(flag)}): read as unset"
         elif name in DERIVED and value is not None and not (

@@ -10,7 +10,6 @@ what it can read from each line and counts the rest.
 """
 from __future__ import annotations
 
-import ast
 import collections
 import dataclasses
 import math
@@ -100,38 +99,6 @@ ARGS_READ = ("seq_length", "micro_batch_size", "global_batch_size", "world_size"
              "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
              "expert_model_parallel_size", "num_layers", "hidden_size", "num_attention_heads", "transformer_impl",
              "attention_backend", "fp8", "recompute_granularity", "sequence_parallel")
-
-MAX_LITERAL = 4096   # characters: Megatron's longest list values (data paths aside) are far shorter
-
-
-def _plain(value: Any, depth: int = 0) -> bool:
-    """Whether a value is what a JSON answer carries as it is (no sets, bytes or complex numbers;
-    dict keys strings, so that no two keys print alike)."""
-    if value is None or isinstance(value, (str, int, float)):   # bool is an int
-        return True
-    if depth > 20:
-        return False
-    if isinstance(value, (list, tuple)):
-        return all(_plain(v, depth + 1) for v in value)
-    if isinstance(value, dict):
-        return all(isinstance(k, str) and _plain(v, depth + 1) for k, v in value.items())
-    return False
-
-
-def literal(text: str) -> Any:
-    """A list, tuple or dict value of Megatron's argument dump, which prints each as str() of the
-    Python value (--recompute-modules: "['core_attn', 'layernorm']"); the text itself where it is
-    no such literal, longer than any flag's value, or holds more than strings, numbers and
-    string-keyed dicts. The reader of the dump calls it for the names it knows (a log can hold
-    any number of others)."""
-    if text[:1] not in ("[", "(", "{") or len(text) > MAX_LITERAL:
-        return text
-    try:
-        value = ast.literal_eval(text)
-    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-        return text
-    return value if _plain(value) else text
-
 
 def _arg_value(text: str) -> Any:
     if text in ("True", "False"):
