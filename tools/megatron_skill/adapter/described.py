@@ -435,9 +435,9 @@ def memory_options(ns: Any, lay: Layout, assumed: dict[str, str]) -> MemoryOptio
                                 if getattr(ns, "skill_fused_adam", False) else
                                 "torch's multi-tensor AdamW (Megatron's fallback without TE or apex): "
                                 "sqrt(exp_avg_sq) of the shard allocated at each step")
-    modules = ns.recompute_modules
-    if not isinstance(modules, (list, tuple)):
-        modules = ["core_attn"]   # Megatron's default under selective
+    modules = ns.recompute_modules or ["core_attn"]   # Megatron's default under selective
+    if isinstance(modules, str):   # one name (typed_arguments lets a list flag's single value be)
+        modules = [modules]
     # The planner's own options for the paths these arguments ran, with what only a command line
     # says: the unfused attention's scores, the selective set; the skill's FP8 layers only under
     # its entry (Megatron's entry with local layers has no FP8 linear path).

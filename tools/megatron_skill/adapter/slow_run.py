@@ -180,8 +180,9 @@ def _kernel_levers(run: _Variant, ns: Any) -> Iterator[tuple[str, _Variant, str]
     fix = "--transformer-impl transformer_engine where TE is installed (NGC's PyTorch container has it)"
     # TE trains in FP8 where --fp8-format asks (Megatron's local layers ignore it); the skill's
     # FP8 layers are local ones, so their run asks TE for FP8 by TE's own flags
-    te_lay = dataclasses.replace(lay, precision="fp8") if getattr(ns, "fp8", None) else lay
-    if lay.precision == "fp8" and opts.fp8_linear and not getattr(ns, "fp8", None):
+    asks_fp8 = bool(getattr(ns, "fp8", None))
+    te_lay = dataclasses.replace(lay, precision="fp8") if asks_fp8 else lay
+    if lay.precision == "fp8" and not asks_fp8:
         fix += ", with --fp8-format hybrid --fp8-recipe tensorwise in place of --skill-fp8-linear"
     yield ("Transformer Engine's layers (fused kernels, flash attention, TP communication overlap)",
            _Variant(te_lay, te, te.memory(te_lay)), fix)

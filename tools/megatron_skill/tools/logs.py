@@ -147,7 +147,7 @@ def _prediction(dumped: dict, gpu_name: str | None, summary: dict, ctx: Context)
         request = {"model": {"name": "from the log", **fields}, "gpu": gpu_name, "num_gpus": lay.world_size,
                    "seq_length": lay.seq_length, "global_batch_size": lay.gbs, "top": 1,
                    "transformer_engine": described.transformer_engine(ns)}
-        if (lay.precision == "fp8" or dumped.get("skill_fp8_linear") is True) and get_gpu(gpu_name).supports_fp8:
+        if lay.precision == "fp8" and get_gpu(gpu_name).supports_fp8:
             request["precision"] = "fp8"     # the log's own precision (TE's or the skill's FP8 layers)
         try:
             best = invoke("plan", request, ctx)
