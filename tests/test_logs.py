@@ -483,6 +483,30 @@ def test_why_slow_needs_the_gpu_and_names_a_masked_sdpa_run(tmp_path):
     assert not any("skill's fused paths" in lv["lever"] for lv in slow["levers"] + slow["not_levers"])
 
 
+def test_why_slow_costs_only_runs_megatron_could_have_started(tmp_path):
+    """A damaged or edited dump with sizes no run has (10^8 layers, a 10^30 hidden size, TP that
+    splits no head evenly) is not costed: the answer says which size and why, at once (10^8
+    layers used to take minutes and gigabytes to cost), and the rest of the summary stands."""
+    def why(**changed):
+        log = tmp_path / "edited.log"
+        log.write_text("\n".join(_dump(**{**ONE_B, **changed}) + [_line(1), _line(2)]) + "\n")
+        r = call("logs", {"log": str(log), "gpu": "h100-sxm"})["result"]
+        assert r["tokens_per_s"] > 0
+        return r["why_slow"].get("skipped", "")
+    assert why() == ""
+    assert why(num_layers=10**8).startswith("num_layers: 100000000 is greater than the maximum of 4096")
+    assert why(hidden_size=10**30).startswith("hidden_size: ")
+    assert why(micro_batch_size=10**11).startswith("micro_batch_size: ")
+    assert why(tensor_model_parallel_size=10**30).startswith("tensor_model_parallel_size: ")
+    assert why(num_attention_heads=0).startswith("num_attention_heads: 0 is less than the minimum of 1")
+    refused = why(tensor_model_parallel_size=3)
+    assert refused.startswith("these arguments describe no run Megatron starts") and "divisible by TP" in refused
+    assert "divisible by PP" in why(pipeline_model_parallel_size=3)
+    # TP across nodes is the planner's preference, not Megatron's rule: still costed
+    assert why(tensor_model_parallel_size=16, num_attention_heads=32, num_query_groups=16, world_size=16,
+               global_batch_size=128) == ""
+
+
 def test_why_slow_leaves_a_host_bound_gap_unexplained():
     """The real H200 log of a 134M-parameter model runs far below the planner's prediction (its
     kernels are too small to fill the GPU): at most four times the masked attention's count is

@@ -70,6 +70,11 @@ BROKEN = {
                                                      "--use-distributed-optimizer --overlap-param-gather"),
     "optimizer_cpu_offload_needs_precision_aware": script("--micro-batch-size 1 --global-batch-size 64 "
                                                           "--use-distributed-optimizer --optimizer-cpu-offload"),
+    # sizes beyond what the memory check covers (a typo'd 10,000 layers) are an error, not a pass
+    "model_out_of_range": script("--tensor-model-parallel-size 2 --sequence-parallel --micro-batch-size 1 "
+                                 "--global-batch-size 64", head=HEAD.replace("--num-layers 32", "--num-layers 10000")),
+    "bad_model": script("--tensor-model-parallel-size 2 --sequence-parallel --micro-batch-size 1 --global-batch-size 64",
+                        head=HEAD.replace("--hidden-size 4096", "--hidden-size 4095")),
     # a rule only Megatron's validate_args knows
     "megatron_validate_args": script("--tensor-model-parallel-size 2 --sequence-parallel --micro-batch-size 1 "
                                      "--global-batch-size 64 --use-distributed-optimizer --overlap-grad-reduce "

@@ -11,9 +11,10 @@ import argparse
 import ast
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from .. import files
+from ..contract import load_schema, validator
 from ..core.attention_kernels import PLANNED, AttentionKernel
 from ..core.layout import Layout, pipeline_layout_chunks
 from ..core.megatron_options import MegatronOptions
@@ -241,12 +242,15 @@ def _vocab_size(ns: Any, assumed: dict[str, str]) -> int:
     return n
 
 
+# The arguments without which there is no model to cost (the rest have Megatron's defaults).
+MODEL_SIZE_ARGUMENTS = ("num_layers", "hidden_size", "num_attention_heads")
+
+
 def model_from_args(ns: Any, assumed: dict[str, str]) -> tuple[ModelConfig | None, str | None]:
     """The model the arguments describe, read whole with Megatron's own defaults for what they
     leave out (GELU, LayerNorm, learned positions, biases on, tied embeddings)."""
-    required = ("num_layers", "hidden_size", "num_attention_heads")
-    if any(getattr(ns, k, None) is None for k in required):
-        missing = [f"--{k.replace('_', '-')}" for k in required if getattr(ns, k, None) is None]
+    missing = [f"--{k.replace('_', '-')}" for k in MODEL_SIZE_ARGUMENTS if getattr(ns, k, None) is None]
+    if missing:
         return None, "the arguments do not set " + ", ".join(missing)
     if ns.ffn_hidden_size is None:
         # Megatron's own default: 4h, or 8h/3 rounded to 64 for SwiGLU (arguments.py)
@@ -281,10 +285,58 @@ def model_from_args(ns: Any, assumed: dict[str, str]) -> tuple[ModelConfig | Non
     if ns.moe_layer_freq not in (None, 1):
         fields["moe_layer_freq"] = ns.moe_layer_freq if isinstance(ns.moe_layer_freq, (int, list)) \
             else str(ns.moe_layer_freq)
+    fields = {k: v for k, v in fields.items() if v is not None}
+    why = beyond_plan_bounds(model=fields)
+    if why:
+        return None, why
     try:
-        return build_spec("script", {k: v for k, v in fields.items() if v is not None}, where="script"), None
+        return build_spec("script", fields, where="script"), None
     except ToolError as e:
         return None, e.message
+
+
+OUT_OF_RANGE = "outside the range a plan covers"   # the words that end beyond_plan_bounds' answers
+
+
+def beyond_plan_bounds(model: dict[str, Any] | None = None, lay: Layout | None = None) -> str | None:
+    """Why sizes read from arguments lie outside what a plan request may ask (the bounds of
+    schemas/plan.request.json), or None. The planner's costs are made for that range; a script or
+    a damaged dump far beyond it (10^8 layers, a 10^30 hidden size) would take minutes to cost or
+    give figures of no run, and no run Megatron starts is there."""
+    request: dict[str, Any] = {"model": {k: v for k, v in (model or {}).items() if not isinstance(v, list)}
+                               if model is not None else "the arguments' model"}
+    steps = [request]
+    if lay is not None:   # the parallel sizes first: the world size is their product
+        steps.append({**request, "seq_length": lay.seq_length, "global_batch_size": lay.gbs,
+                      "constraints": {"tp": lay.tp, "pp": lay.pp, "vp": lay.vp, "cp": lay.cp, "ep": lay.ep,
+                                      "etp": lay.etp, "mbs": lay.mbs}})
+        steps.append({**steps[-1], "num_gpus": lay.world_size})
+    checker = validator(load_schema("plan", "request"))
+    order = [*(model or {}), "seq_length", "global_batch_size", "tp", "pp", "vp", "cp", "ep", "etp", "mbs"]
+    for step in steps:
+        errors = [(str(e.absolute_path[-1]) if e.absolute_path else "", e.message)
+                  for e in _leaf_errors(checker.iter_errors(step))]
+        if errors:   # the first in the arguments' order: a size given before the ones derived from it
+            name, message = min(errors, key=lambda e: order.index(e[0]) if e[0] in order else len(order))
+            return f"{_ARGUMENT_NAMES.get(name, name)}: {message}, {OUT_OF_RANGE}"
+    return None
+
+
+def _leaf_errors(errors) -> Iterator[Any]:
+    """The schema's errors under its oneOf / anyOf branches (a count given where a name or a list
+    may be given fails every branch: the branch that takes a count says why)."""
+    for e in errors:
+        if e.context:
+            yield from _leaf_errors(e.context)
+        else:
+            yield e
+
+
+# The request's names of layout sizes, as the arguments name them.
+_ARGUMENT_NAMES = {"num_gpus": "world size (TP x PP x CP x DP)", "tp": "tensor_model_parallel_size",
+                   "pp": "pipeline_model_parallel_size", "vp": "virtual pipeline stages per rank",
+                   "cp": "context_parallel_size", "ep": "expert_model_parallel_size",
+                   "etp": "expert_tensor_parallel_size", "mbs": "micro_batch_size"}
 
 
 def layout_from_args(ns: Any, model: ModelConfig, world: int | None, assumed: dict[str, str]) -> Layout:
@@ -346,6 +398,10 @@ def logged_run(dumped: dict) -> tuple[Any, ModelConfig | None, Layout | None, di
     assumed: dict[str, str] = {}
     model, why = model_from_args(ns, assumed)
     lay = layout_from_args(ns, model, None, assumed) if model is not None else None
+    if lay is not None:
+        why = beyond_plan_bounds(lay=lay)
+        if why:
+            model = lay = None
     return ns, model, lay, assumed, why
 
 def skill_entry(ns: Any) -> bool:

@@ -17,7 +17,7 @@ from typing import Any, Iterator
 from ..core.attention_kernels import PLANNED
 from ..core.catalog import GPUSpec, get_gpu
 from ..core.flops import padded_vocab_size
-from ..core.layout import Layout, broken_rules
+from ..core.layout import RULES, Layout, broken_rules
 from ..core.memory import GIB, MemoryOptions, memory_report, peak
 from ..core.model import ModelConfig
 from ..core.options import RuntimeOptions
@@ -30,6 +30,10 @@ from . import described
 MAX_COUNT_SCALE = 4.0
 UNEXPLAINED = 0.15      # a measured step this far from the prediction (after attribution) is said to be
 MIN_GAIN = 0.02         # a lever that gains less is not worth its change
+# The layout rules Megatron itself asserts before a run's first step: a log whose arguments break
+# one was damaged or edited, and its prediction would be of no run (the planner's own preferences,
+# such as TP inside a node, are not among them).
+MEGATRON_REFUSES = ("tp_heads", "tp_query_groups", "ep_experts", "pp_layers", "gbs_divisible")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +67,11 @@ def why_slow(dumped: dict, gpu_name: str | None, summary: dict) -> dict[str, Any
     ns, model, lay, assumed, why = described.logged_run(dumped)
     if model is None:
         return {"skipped": why}
+    refused = [r for r in broken_rules(lay, model, gpu, lay.world_size, te=described.transformer_engine(ns))
+               if r in MEGATRON_REFUSES]
+    if refused:
+        return {"skipped": "these arguments describe no run Megatron starts: "
+                           + "; ".join(RULES[r].message for r in refused)}
     if lay.sequence_parallel and lay.tp == 1:
         lay = dataclasses.replace(lay, sequence_parallel=False)
     as_run = _Variant(lay, described.runtime_options(ns), described.memory_options(ns, lay, assumed))

@@ -267,7 +267,13 @@ def check_launch(launch: Launch, gpu_name: str | None, recheck_fix: bool = True)
     size, source, read = described.vocabulary(ns)
     result["vocabulary"] = {"size": size, "source": source, "read": read}
     model, why = described.model_from_args(ns, assumed)
-    if model is None:
+    if model is None and all(getattr(ns, k, None) is not None for k in described.MODEL_SIZE_ARGUMENTS):
+        beyond = described.OUT_OF_RANGE in (why or "")
+        findings.append(_finding("model_out_of_range" if beyond else "bad_model",
+                                 f"the model-size flags describe no model this check covers: {why}",
+                                 "correct the model-size flags (a typo?); the layout and memory are unchecked"))
+        result["memory"] = {"skipped": f"no model: {why}"}
+    elif model is None:
         findings.append(_finding("incomplete", f"cannot check the layout: {why}", "set the model-size flags",
                                  severity="warning"))
         result["memory"] = {"skipped": f"no model: {why}"}
@@ -578,7 +584,7 @@ REPAIRS = {**{c.code: (c.flag,) for c in megatron_flags.COMBINATIONS},
 # or whose words never reach them (unknown flags and unreadable values are left out of what they
 # read). Stray words are not among them: they may be a split value, whose verdict is fixed_args'.
 NOT_MEGATRONS = {"out_of_memory", "fp8_arch", "cp_needs_te", "qk_norm_sp_needs_te", "moe_flex_needs_te",
-                 "tp_within_nvlink", "pretrained_vocab_rows", "unknown_flag", "bad_value"}
+                 "tp_within_nvlink", "pretrained_vocab_rows", "unknown_flag", "bad_value", "model_out_of_range"}
 
 
 def _repaired_copy(launch: Launch, clean: list[str], findings: list[dict]) -> tuple[list[str], dict, list[str]]:
