@@ -54,6 +54,23 @@ def test_top_plan_of_each_catalog_model_renders_a_valid_script(tmp_path, model, 
             assert flag in text
 
 
+def test_a_hugging_face_moe_with_dense_layers_renders_the_pattern_megatron_parses(tmp_path):
+    """A DeepSeek-style config whose first layer is dense: the model keeps its layer pattern as a
+    tuple, and the script must carry it as the list Megatron's --moe-layer-freq parses (it was the
+    tuple's Python text, which the parser refuses)."""
+    cfg = {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "hidden_act": "silu",
+           "hidden_size": 1024, "intermediate_size": 4096, "moe_intermediate_size": 512, "num_attention_heads": 8,
+           "num_key_value_heads": 8, "num_hidden_layers": 4, "n_routed_experts": 8, "n_shared_experts": 1,
+           "num_experts_per_tok": 2, "first_k_dense_replace": 1, "kv_lora_rank": 256, "q_lora_rank": None,
+           "qk_nope_head_dim": 64, "qk_rope_head_dim": 32, "v_head_dim": 64, "vocab_size": 32000,
+           "max_position_embeddings": 4096, "rope_theta": 10000, "norm_topk_prob": True, "rms_norm_eps": 1e-6}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    res, _ = _render(tmp_path, hf_config=str(tmp_path), num_gpus=8, seq_length=4096)
+    args = res["megatron_args"]
+    assert args[args.index("--moe-layer-freq") + 1] == "[0,1,1,1]"
+    assert res["parser_check"] == "megatron.training.arguments"
+
+
 def test_single_node_script_runs_megatron_args_through_the_entry(tmp_path):
     res, text = _render(tmp_path, model="llama3-8b", num_gpus=8, seq_length=8192, global_batch_size=128)
     assert "--standalone --nproc-per-node 8" in text

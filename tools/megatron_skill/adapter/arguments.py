@@ -129,7 +129,7 @@ def model_args(m: ModelConfig, seq_length: int | None = None, moe: MoEOptions | 
             a += ["--moe-shared-expert-intermediate-size", m.moe_shared_expert_intermediate_size]
         if m.moe_layer_freq != 1:
             freq = m.moe_layer_freq
-            if isinstance(freq, list):
+            if isinstance(freq, (list, tuple)):   # a model keeps its pattern as a tuple (hashable)
                 freq = "[" + ",".join(str(int(x)) for x in freq) + "]"
             a += ["--moe-layer-freq", str(freq)]
     if m.mtp_num_layers:
