@@ -483,6 +483,28 @@ def test_why_slow_needs_the_gpu_and_names_a_masked_sdpa_run(tmp_path):
     assert not any("skill's fused paths" in lv["lever"] for lv in slow["levers"] + slow["not_levers"])
 
 
+def test_a_log_holding_several_runs_is_read_as_its_last_run(tmp_path):
+    """A launch that appends every start to one log (tee -a): a dump with another model, layout or
+    batch starts another run, and the answer is the last run's: its state, speed, arguments and
+    an OOM's fixes from its own arguments; the runs before it are listed. A resume (the same
+    arguments again) continues the run it resumes."""
+    ok, oom = (FIXTURES / "skill-1b-h100-mbs4.log").read_text(), (FIXTURES / "oom-unfused-attention-mbs8.log").read_text()
+    (tmp_path / "ok-then-oom.log").write_text(ok + oom)
+    (tmp_path / "oom-then-ok.log").write_text(oom + ok)
+    r = call("logs", {"log": str(tmp_path / "ok-then-oom.log"), "gpu": "h100-sxm"})["result"]
+    assert r["state"] == "failed" and r["arguments"]["micro_batch_size"] == 8
+    assert [e["logged_iterations"] for e in r["earlier_runs"]] == [6] and not r["earlier_runs"][0]["failures"]
+    assert "S x S" in r["failures"][0]["fix"] and "--micro-batch-size from 4" not in r["failures"][0]["fix"]
+    r = call("logs", {"log": str(tmp_path / "oom-then-ok.log"), "gpu": "h100-sxm"})["result"]
+    alone = call("logs", {"log": str(FIXTURES / "skill-1b-h100-mbs4.log"), "gpu": "h100-sxm"})["result"]
+    assert r["state"] == "finished" and not r["failures"]
+    assert r["tokens_per_s"] == alone["tokens_per_s"] and r["loss_curve"] == alone["loss_curve"]
+    assert r["earlier_runs"][0]["failures"][0]["code"] == "out_of_memory"
+    # a kill and a resume with the same arguments: one run of two starts
+    resumed = call("logs", {"log": str(FIXTURE)})["result"]
+    assert resumed["starts"] == 2 and "earlier_runs" not in resumed
+
+
 def test_why_slow_costs_only_runs_megatron_could_have_started(tmp_path):
     """A damaged or edited dump with sizes no run has (10^8 layers, a 10^30 hidden size, TP that
     splits no head evenly) is not costed: the answer says which size and why, at once (10^8

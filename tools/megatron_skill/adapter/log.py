@@ -141,27 +141,60 @@ def _may_fail(line: str) -> bool:
     return any(word in line for word in FAILURE_WORDS)
 
 
+# The arguments that make a run the run it is: a dump that differs in one of them starts another
+# run (a launch script that appends every launch to one log, tee -a); the same values again are a
+# restart of the same run (a resume), whose iterations continue the curve.
+RUN_DEFINING = ARGS_READ + ("ffn_hidden_size", "num_query_groups", "kv_channels", "vocab_size", "padded_vocab_size",
+                            "num_experts", "bf16", "fp16", "swiglu", "normalization", "train_iters")
+
+
+def _earlier_run(arguments: dict[str, Any], iterations: dict[int, dict], failures: list[dict], dumps: int) -> dict:
+    """What the answer keeps of a run that a later one in the same log follows."""
+    its = [iterations[k] for k in sorted(iterations)]
+    return {"starts": dumps, "logged_iterations": len(its), "last_iteration": its[-1]["iteration"] if its else None,
+            "final_loss": next((r["loss"] for r in reversed(its) if "loss" in r), None),
+            "failures": [{"code": f["code"], "line": f["line"]} for f in failures],
+            "arguments": {k: arguments[k] for k in ARGS_READ if k in arguments}}
+
+
 def parse(lines: Iterable[str]) -> dict[str, Any]:
+    """A Megatron log read line by line: the iterations, memory, failures and argument dump of its
+    last run, and a short record of each earlier run in the same file."""
     iterations: dict[int, dict] = {}
     memory: dict[int, dict] = {}
     failures: list[dict] = []
     arguments: dict[str, Any] = {}
-    dumps = 0          # argument dumps: one per start of the job (a resume adds one)
-    in_args = False
+    dump: dict[str, Any] | None = None   # the dump being read
+    earlier: list[dict] = []
+    dumps = 0          # argument dumps of this run: one per start of the job (a resume adds one)
     recent: collections.deque[str] = collections.deque(maxlen=400)  # the lines just above (a traceback's frames)
     unreadable = 0
     finished = False
     last_stamp = None
+
+    def close_dump() -> None:
+        nonlocal arguments, iterations, memory, failures, dumps, finished
+        new = dump or {}
+        if arguments and any(new.get(k) != arguments.get(k) for k in RUN_DEFINING):
+            earlier.append(_earlier_run(arguments, iterations, failures, dumps - 1))
+            iterations, memory, failures, arguments, dumps, finished = {}, {}, [], {}, 1, False
+        for k, v in new.items():
+            arguments.setdefault(k, v)   # the first dump's value (a resume repeats it)
+
     for n, line in enumerate(lines, 1):
         if "-- arguments --" in line:
-            in_args = True
+            if dump is not None:   # a dump cut short before its end line
+                close_dump()
+            dump = {}
             dumps += 1
         elif "-- end of arguments --" in line:
-            in_args = False
-        elif in_args:
+            if dump is not None:
+                close_dump()
+            dump = None
+        elif dump is not None:
             a = ARG_LINE.match(line)
-            if a and a.group(1) not in arguments:   # the first dump's value (a resume repeats it)
-                arguments[a.group(1)] = _arg_value(a.group(2))
+            if a and a.group(1) not in dump:   # rank 0's copy (every rank may print one)
+                dump[a.group(1)] = _arg_value(a.group(2))
         if "after training is done" in line:   # FINISHED
             finished = True
         if SKILL_NOTE in line and "SDPA core attention" in line:
@@ -195,12 +228,14 @@ def parse(lines: Iterable[str]) -> dict[str, Any]:
                 failures.append(failure)
             elif rank is not None and rank not in seen["ranks"] and len(seen["ranks"]) < 64:
                 seen["ranks"].append(rank)
+    if dump is not None:   # the log ends inside a dump
+        close_dump()
     for failure in failures:
         if failure["code"] == "out_of_memory":
             failure.update(oom_advice(failure.pop("frames"), arguments))
     return {"iterations": [iterations[k] for k in sorted(iterations)], "memory": memory,
             "failures": failures, "unreadable_lines": unreadable, "arguments": arguments, "starts": dumps,
-            "finished": finished, "last_time": last_stamp}
+            "finished": finished, "last_time": last_stamp, "earlier_runs": earlier}
 
 
 # ---- out of memory: where, from the traceback's frames, and what fits the run -------------
@@ -432,6 +467,8 @@ def summarize(parsed: dict[str, Any], seq_length: int | None = None, peak_tflops
     its = parsed["iterations"]
     out: dict[str, Any] = {"logged_iterations": len(its), "failures": parsed["failures"],
                            "unreadable_lines": parsed["unreadable_lines"], "starts": parsed.get("starts", 0)}
+    if parsed.get("earlier_runs"):
+        out["earlier_runs"] = parsed["earlier_runs"]
     out["state"] = ("failed" if parsed["failures"] else "finished" if parsed.get("finished") or
                     (its and its[-1]["iteration"] >= its[-1]["train_iters"]) else "stopped or running")
     if not its:
