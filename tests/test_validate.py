@@ -135,6 +135,19 @@ def test_obsolete_flags_name_their_exact_replacements_checked_again():
     assert "--pipeline-model-parallel-size" in res["fixed_args"]["args"]
 
 
+def test_windows_line_endings_are_an_error_and_the_rest_is_still_checked():
+    """bash keeps each CR of CR LF as part of a line's last word (set -o pipefail<CR> fails): a
+    script saved with Windows line endings does not run, whatever its flags say; the reader
+    still reads it, so the other findings come in the same answer."""
+    res = _validate(GOOD.replace("\n", "\r\n"))
+    errors, _ = _codes(res)
+    assert errors == ["crlf_line_endings"] and "dos2unix" in res["errors"][0]["fix"], res["errors"]
+    assert res["checks"]["megatron"].startswith("Megatron's parser and validate_args ran")
+    broken = _validate(BROKEN["out_of_memory"].replace("\n", "\r\n"))
+    assert set(_codes(broken)[0]) == {"crlf_line_endings", "out_of_memory"}
+    assert _validate(GOOD)["valid"]
+
+
 def test_fp8_before_hopper():
     assert _validate(FP8_ON_AMPERE, gpu="h100-sxm")["valid"]
     res = _validate(FP8_ON_AMPERE, gpu="a100-80gb")

@@ -584,7 +584,8 @@ REPAIRS = {**{c.code: (c.flag,) for c in megatron_flags.COMBINATIONS},
 # or whose words never reach them (unknown flags and unreadable values are left out of what they
 # read). Stray words are not among them: they may be a split value, whose verdict is fixed_args'.
 NOT_MEGATRONS = {"out_of_memory", "fp8_arch", "cp_needs_te", "qk_norm_sp_needs_te", "moe_flex_needs_te",
-                 "tp_within_nvlink", "pretrained_vocab_rows", "unknown_flag", "bad_value", "model_out_of_range"}
+                 "tp_within_nvlink", "pretrained_vocab_rows", "unknown_flag", "bad_value", "model_out_of_range",
+                 "crlf_line_endings"}
 
 
 def _repaired_copy(launch: Launch, clean: list[str], findings: list[dict]) -> tuple[list[str], dict, list[str]]:
@@ -731,8 +732,23 @@ def script_launches(text: str, script_path: Path | None, env: dict[str, str], nu
             continue
         seen.add(key)
         launches.append(Launch(args=ex.args, world=world, env={**ex.env, **env}, lines=ex.lines, entry=ex.entry,
-                               path="; ".join(ex.choices) or None, script_text=text, info=script_args.summary(ex)))
+                               path="; ".join(ex.choices) or None, script_text=text, info=script_args.summary(ex),
+                               notes=_line_ending_findings(text)))
     return launches, about
+
+
+def _line_ending_findings(text: str) -> list[dict]:
+    """Windows line endings: the reader takes CR LF as a line's end, bash does not. It keeps each
+    CR as the last character of the line's last word: `set -o pipefail<CR>` is an invalid option,
+    a flag's value ends in a CR, a backslash before CR LF continues nothing."""
+    if "\r\n" not in text:
+        return []
+    first = text[:text.index("\r\n")].count("\n") + 1
+    return [_finding("crlf_line_endings", f"the script has Windows line endings (CR LF, from line {first}): bash "
+                     "keeps each CR as part of the line's last word, so options, flag values and line "
+                     "continuations break (the findings below read it as if the CRs were gone)",
+                     "convert the script to Unix line endings: dos2unix script.sh, or sed -i 's/\\r$//' script.sh",
+                     where=f"line {first}")]
 
 
 def _combine(checked: list[tuple[Launch, dict[str, Any]]]) -> list[dict]:
