@@ -198,4 +198,5 @@ def test_a_sliding_window_is_said_not_silently_dropped(tmp_path, cli):
     tiny("mistral", tmp_path / "hf")  # transformers' Mistral config has a 4,096-token window
     code, out, _ = cli("import-hf", "--hf-model", str(tmp_path / "hf"), "--output", str(tmp_path / "m"), "--dry-run")
     assert code == 0 and out["result"]["dry_run"] and not (tmp_path / "m").exists()
-    assert any("sliding_window is 4096" in n for n in out["result"]["notes"])
+    assert any(n.startswith("sliding-window attention (4096 tokens)") and "sequences up to 4096" in n
+               for n in out["result"]["notes"])

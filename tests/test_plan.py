@@ -1,6 +1,7 @@
 """The plan tool: published layouts come out feasible and near the top; bad requests get one error."""
 import json
 import time
+from pathlib import Path
 
 import jsonschema
 import pytest
@@ -108,6 +109,44 @@ def test_model_by_fields_and_by_hf_config(tmp_path):
     hf = Path(__file__).parent / "fixtures" / "hf" / "mixtral-8x7b"
     c = _plan(hf_config=str(hf), num_gpus=16, seq_length=4096)
     assert c["model"]["experts"] == 8
+
+
+def test_what_a_hugging_face_config_says_beyond_the_model_is_stated_never_dropped(tmp_path):
+    """Sliding-window attention, a RoPE scaling other than Llama 3.1's, another activation or
+    biases, a DeepSeek router: the plan (and render's script) carry the model without them, and
+    the answer says so; import-hf and a render that imports refuse such a config outright."""
+    from megatron_skill.convert import hf as conv
+    from megatron_skill.errors import ToolError
+
+    llama = json.loads((Path(__file__).parent / "fixtures" / "hf" / "llama3-8b" / "config.json").read_text())
+
+    def planned(**changed):
+        folder = tmp_path / str(len(list(tmp_path.iterdir())))
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({**llama, **changed}))
+        return folder, _plan(hf_config=str(folder), num_gpus=8, seq_length=4096)["model"].get("approximations", [])
+    assert planned()[1] == []
+    assert planned(use_sliding_window=False, sliding_window=4096)[1] == []
+    assert planned(model_type="qwen2", architectures=["Qwen2ForCausalLM"], sliding_window=4096)[1] == []
+    folder, said = planned(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=4096)
+    assert said[0].startswith("sliding-window attention (4096 tokens): read as full causal attention")
+    assert conv.check_config(json.loads((folder / "config.json").read_text())) == "mistral"   # same weights
+    folder, said = planned(rope_scaling={"rope_type": "yarn", "factor": 4.0})
+    assert "'yarn'" in said[0]
+    with pytest.raises(ToolError, match="yarn"):
+        conv.check_config(json.loads((folder / "config.json").read_text()))
+    render = call("render", {"hf_config": str(folder), "num_gpus": 8, "dry_run": True,
+                             "import_hf": {"hf_model": "/cluster/models/m", "output": "/cluster/ckpt/m"}})
+    assert render["error"]["code"] == "bad_model" and "yarn" in render["error"]["message"]
+    said = planned(hidden_act="gelu", mlp_bias=True)[1]
+    assert len(said) == 2 and "'gelu'" in said[0] and "mlp_bias" in said[1]
+    # DeepSeek-V3 (transformers' router, the config naming none of it) and the catalog's entry
+    v3 = _plan(hf_config=str(Path(__file__).parent / "fixtures" / "hf" / "deepseek-v3"), num_gpus=256,
+               seq_length=4096, top=1, include_args=True)
+    assert "sigmoid scores" in v3["model"]["approximations"][0]
+    args = v3["plans"][0]["megatron_args"]
+    assert "--qk-layernorm" in args and "--moe-router-pre-softmax" not in args
+    assert "sigmoid" in _plan(model="deepseek-v3", num_gpus=1024, seq_length=4096)["model"]["approximations"][0]
 
 
 def test_same_request_same_id_and_result():

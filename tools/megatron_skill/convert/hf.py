@@ -39,7 +39,7 @@ MOE_MLP = {"mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts
 def check_config(cfg: dict, where: str = "/hf_model") -> str:
     """The family of a Hugging Face config.json this module converts exactly, or a ToolError that
     says what in it has no Megatron counterpart here."""
-    from ..core.model import LLAMA3_ROPE_FIXED, rope_parameters, rope_scaling_type, rope_theta
+    from ..core.model import hf_differences, rope_theta
     from ..errors import ToolError
 
     archs = cfg.get("architectures") or []
@@ -47,21 +47,13 @@ def check_config(cfg: dict, where: str = "/hf_model") -> str:
     if arch is None:
         raise ToolError("bad_model", f"architecture {archs or cfg.get('model_type')!r} has no conversion",
                         where=f"{where}/config.json", fix="supported: " + ", ".join(ARCHITECTURES))
-    rope = rope_scaling_type(cfg)
-    if rope not in ("default", "llama3"):
-        raise ToolError("bad_model", f"RoPE scaling {rope!r} has no counterpart in Megatron's GPTModel",
-                        where=f"{where}/config.json", fix="plain RoPE or Llama 3.1's (rope_type llama3) convert")
-    if rope == "llama3":
-        params = rope_parameters(cfg)
-        off = {k: params.get(k) for k, v in LLAMA3_ROPE_FIXED.items() if float(params.get(k, v)) != v}
-        if off:
-            raise ToolError("bad_model", f"Llama 3 RoPE scaling with {off}: Megatron builds in {LLAMA3_ROPE_FIXED}",
-                            where=f"{where}/config.json", fix="only the Llama 3.1 / 3.2 constants convert exactly")
     rope_theta(cfg, f"{where}/config.json")   # a base Megatron's --rotary-base cannot take is refused
-    if cfg.get("hidden_act", "silu") != "silu" or cfg.get("mlp_bias") or (
-            cfg.get("attention_bias") and ARCHITECTURES[arch] != "qwen2"):
-        raise ToolError("bad_model", "the MLP activation or biases differ from the family's standard layer",
-                        where=f"{where}/config.json", fix="SiLU-gated MLPs without biases convert (Qwen2's q/k/v bias too)")
+    differences = hf_differences(cfg, weights_only=True)
+    if differences:
+        raise ToolError("bad_model", "the config has what the conversion's Megatron model lacks: "
+                        + "; ".join(differences), where=f"{where}/config.json",
+                        fix="convert a config of the family's standard layer: plain RoPE or Llama 3.1's (rope_type "
+                            "llama3), SiLU-gated MLPs without biases (Qwen2's q/k/v bias too)")
     return ARCHITECTURES[arch]
 
 

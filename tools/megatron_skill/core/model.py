@@ -37,6 +37,7 @@ DEFAULTS: dict[str, Any] = {
     "moe_shared_expert_intermediate_size": None,
     "moe_layer_freq": 1,
     "moe_router_pre_softmax": False,   # True: top-k of the softmax, not renormalised (Megatron's flag)
+    "approximations": (),
     "multi_latent_attention": False,
     "q_lora_rank": None,
     "kv_lora_rank": 512,
@@ -116,6 +117,9 @@ class ModelConfig:
     published_params: float | None
     published_active_params: float | None
     source: str | None
+    # What the Hugging Face config it was read from says that this model does not carry
+    # (hf_differences): the plan costs, and a script trains, the model without them.
+    approximations: tuple[str, ...]
 
     # ---- derived shape ---------------------------------------------------------------
     @property
@@ -262,11 +266,14 @@ class ModelConfig:
                        experts=self.num_experts, topk=self.moe_router_topk)
         if self.mtp_num_layers:
             out["mtp_params_b"] = round(self.mtp_params() / 1e9, 3)
+        if self.approximations:
+            out["approximations"] = list(self.approximations)
         return out
 
     def to_fields(self) -> dict[str, Any]:
-        """The spec as plain field values, the form a request may carry."""
-        return dataclasses.asdict(self)
+        """The spec as plain field values, the form a request may carry (which names no
+        approximations: a request's fields are the model)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "approximations"}
 
 
 def moe_layer_pattern(freq: int | str | list | tuple, num_layers: int) -> list[int]:
@@ -305,8 +312,9 @@ def build_spec(name: str, fields: dict[str, Any], where: str = "model") -> Model
         raise ToolError("bad_model", f"model is missing {missing}", where=where,
                         fix="give every one of " + ", ".join(REQUIRED))
     values = {**DEFAULTS, **fields}
-    if isinstance(values["moe_layer_freq"], list):   # a tuple: a model is hashable (the planner caches by it)
-        values["moe_layer_freq"] = tuple(values["moe_layer_freq"])
+    for key in ("moe_layer_freq", "approximations"):   # tuples: a model is hashable (the planner caches by it)
+        if isinstance(values[key], list):
+            values[key] = tuple(values[key])
     for key in REQUIRED + ("num_query_groups", "kv_channels", "num_experts", "moe_ffn_hidden_size",
                            "moe_shared_expert_intermediate_size", "q_lora_rank", "mtp_num_layers"):
         v = values[key]
@@ -342,6 +350,16 @@ def build_spec(name: str, fields: dict[str, Any], where: str = "model") -> Model
 
 
 # ---- Hugging Face config.json --------------------------------------------------------
+def hf_config_json(path: str | Path) -> dict:
+    """A Hugging Face config.json as read: the file, or the one in a folder."""
+    from .. import files
+
+    p = Path(path)
+    if files.kind_of(p) == "folder":
+        p = p / "config.json"
+    return files.read_json_object(p, where="hf_config", what="Hugging Face config.json", code="bad_model")
+
+
 def from_hf_config(path: str | Path) -> ModelConfig:
     """Read a local Hugging Face config.json (Llama, Mixtral, Qwen2/3, Qwen3-MoE, DeepSeek-V3)."""
     from .. import files
@@ -350,7 +368,7 @@ def from_hf_config(path: str | Path) -> ModelConfig:
     p = Path(path)
     if files.kind_of(p) == "folder":
         p = p / "config.json"
-    cfg = files.read_json_object(p, where=where, what="Hugging Face config.json", code="bad_model")
+    cfg = hf_config_json(p)
     check_rope_fields(cfg, where)
     mtype = cfg.get("model_type")
     readers = {"llama": _hf_llama, "mistral": _hf_llama, "mixtral": _hf_llama, "qwen2": _hf_llama,
@@ -373,7 +391,69 @@ def from_hf_config(path: str | Path) -> ModelConfig:
     name = (str(cfg.get("_name_or_path") or "").rstrip("/").rsplit("/", 1)[-1]
             or (p.stem if p.name != "config.json" else "")
             or (str(archs[0]) if isinstance(archs, list) and archs else "") or str(mtype))
-    return build_spec(str(name), fields, where=where)
+    return build_spec(str(name), {**fields, "approximations": hf_differences(cfg)}, where=where)
+
+
+# The router settings of DeepSeek's configs, and what transformers takes where a config leaves one
+# out (DeepseekV3's router is always sigmoid scores with expert bias over expert groups).
+DEEPSEEK_ROUTER = {
+    "deepseek_v2": {"scoring_func": "softmax", "topk_method": "greedy", "n_group": None, "topk_group": None,
+                    "routed_scaling_factor": 1.0, "norm_topk_prob": False},
+    "deepseek_v3": {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4,
+                    "routed_scaling_factor": 2.5, "norm_topk_prob": True},
+}
+
+
+def hf_differences(cfg: dict, weights_only: bool = False) -> list[str]:
+    """What a Hugging Face config.json says of its model that the readers here do not carry into
+    the model, and so into a plan's costs and a script's flags: each in words. Plan and render
+    state them; convert.hf refuses a config with any that changes what the weights mean
+    (weights_only: all but a sliding window, which is the same model up to the window's length)."""
+    out = []
+    rope, params = rope_scaling_type(cfg), rope_parameters(cfg)
+    if rope not in ("default", "llama3"):
+        factor = f", factor {params['factor']}" if "factor" in params else ""
+        out.append(f"RoPE scaling {rope!r}{factor}: read as plain RoPE (Megatron's GPTModel builds Llama 3.1's "
+                   "scaling only)")
+    elif rope == "llama3":
+        off = {k: params.get(k) for k, v in LLAMA3_ROPE_FIXED.items()
+               if isinstance(params.get(k, v), (int, float)) and float(params.get(k, v)) != v}
+        if off:
+            out.append(f"Llama 3 RoPE scaling with {off}: read with the constants Megatron builds in "
+                       f"{LLAMA3_ROPE_FIXED}")
+    if cfg.get("partial_rotary_factor") not in (None, 1, 1.0):
+        out.append(f"RoPE on a part of each head (partial_rotary_factor {cfg['partial_rotary_factor']}): read as on "
+                   "all of it")
+    window = cfg.get("sliding_window")
+    # Qwen's configs carry a window that is off unless use_sliding_window (transformers' default: off)
+    if window and cfg.get("use_sliding_window", not str(cfg.get("model_type", "")).startswith("qwen")) \
+            and not weights_only:
+        out.append(f"sliding-window attention ({window} tokens): read as full causal attention, the same model "
+                   f"for sequences up to {window} tokens")
+    if str(cfg.get("hidden_act", "silu")) != "silu":
+        out.append(f"MLP activation {str(cfg['hidden_act'])[:40]!r}: read as SwiGLU (SiLU-gated)")
+    biased = [k for k in ("mlp_bias", "attention_bias") if cfg.get(k)]
+    if str(cfg.get("model_type", "")).startswith("qwen2"):
+        biased = [k for k in biased if k != "attention_bias"]   # Qwen2's q/k/v biases are read (add_qkv_bias)
+    if biased:
+        out.append(f"biases ({', '.join(biased)}): read without them")
+    if cfg.get("model_type") == "qwen2_moe" and cfg.get("shared_expert_intermediate_size"):
+        out.append("the shared expert's sigmoid gate: read as an ungated shared expert")
+    if cfg.get("model_type") in DEEPSEEK_ROUTER:
+        r = {**DEEPSEEK_ROUTER[cfg["model_type"]], **{k: cfg[k] for k in DEEPSEEK_ROUTER["deepseek_v2"] if k in cfg}}
+        router = []
+        if r["scoring_func"] != "softmax":
+            router.append(f"{r['scoring_func']} scores")
+        if r["topk_method"] == "noaux_tc":
+            router.append("expert-bias balancing without the auxiliary loss")
+        if (r["n_group"] or 1) > 1 and r["topk_method"] in ("group_limited_greedy", "noaux_tc"):
+            router.append(f"routing within {r['topk_group']} of {r['n_group']} expert groups")
+        if r["routed_scaling_factor"] not in (None, 1, 1.0):
+            router.append(f"routed weights scaled by {r['routed_scaling_factor']}")
+        if router:
+            out.append(f"the router's {', '.join(router)}: read as Megatron's softmax top-k router with an "
+                       "auxiliary loss")
+    return out
 
 
 def _hf_llama(cfg: dict) -> dict:
@@ -514,6 +594,10 @@ def _hf_deepseek(cfg: dict) -> dict:
         "moe_router_topk": cfg["num_experts_per_tok"],
         "moe_ffn_hidden_size": cfg["moe_intermediate_size"],
         "moe_layer_freq": [0] * dense + [1] * (layers - dense),
+        # MLA's norms of the query and key-value latents (Megatron builds them with --qk-layernorm)
+        "qk_layernorm": True,
+        # softmax over all experts, then the top k, renormalised only where the config says so
+        "moe_router_pre_softmax": not cfg.get("norm_topk_prob", DEEPSEEK_ROUTER[cfg["model_type"]]["norm_topk_prob"]),
     }
     if cfg.get("n_shared_experts"):
         fields["moe_shared_expert_intermediate_size"] = cfg["n_shared_experts"] * cfg["moe_intermediate_size"]

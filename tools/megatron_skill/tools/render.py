@@ -445,6 +445,10 @@ def import_step(req: dict, model, k8s: dict | None) -> dict | None:
     if req.get("fake_rank") is not None:
         raise ToolError("bad_request", "a fake_rank run measures one rank's memory; it imports nothing",
                         where="/import_hf", fix="import first (import-hf), or leave fake_rank out")
+    if req.get("hf_config"):   # the job's import-hf checks the same config: refuse now, not once the job has its nodes
+        from ..convert.hf import check_config
+        from ..core.model import hf_config_json
+        check_config(hf_config_json(req["hf_config"]), where="/hf_config")
     paths = {"hf_model": spec["hf_model"], "output": output}
     for key, path in paths.items():
         where = "/import_hf/" + key if key in spec else "/training/pretrained"
@@ -599,6 +603,8 @@ def _training(job: _Job) -> tuple[dict, dict | None, list[str]]:
     req, model = job.req, job.model
     training = match_tokenizer(training_settings(model, req["training"]), model.vocab_size)
     notes = [w for w in (pretraining_rate_warning(model, req["training"]),) if w]
+    notes += [f"the script trains the model without what its Hugging Face config says here: {a}"
+              for a in model.approximations]
     training.setdefault("vocab_size", model.vocab_size)
     start = None
     if training.get("pretrained"):
