@@ -516,11 +516,12 @@ def test_why_slow_costs_only_runs_megatron_could_have_started(tmp_path):
         assert r["tokens_per_s"] > 0
         return r["why_slow"].get("skipped", "")
     assert why() == ""
-    assert why(num_layers=10**8).startswith("num_layers: 100000000 is greater than the maximum of 4096")
+    assert why(num_layers=10**8).startswith("num_layers: 100000000 is above the most of 4096")
     assert why(hidden_size=10**30).startswith("hidden_size: ")
     assert why(micro_batch_size=10**11).startswith("micro_batch_size: ")
     assert why(tensor_model_parallel_size=10**30).startswith("tensor_model_parallel_size: ")
-    assert why(num_attention_heads=0).startswith("num_attention_heads: 0 is less than the minimum of 1")
+    assert why(num_attention_heads=0).startswith("num_attention_heads: 0 is below the least of 1")
+    assert why(micro_batch_size=0).startswith("micro_batch_size: 0 is below the least of 1")
     refused = why(tensor_model_parallel_size=3)
     assert refused.startswith("these arguments describe no run Megatron starts") and "divisible by TP" in refused
     assert "divisible by PP" in why(pipeline_model_parallel_size=3)

@@ -148,6 +148,19 @@ def test_windows_line_endings_are_an_error_and_the_rest_is_still_checked():
     assert _validate(GOOD)["valid"]
 
 
+def test_sizes_beyond_the_planners_range_are_errors_and_below_it_warnings():
+    """Above the range (10,000 layers, TP 10^30) no GPU holds the run: an error. Below it (a
+    0, a sequence of 8) Megatron may start the run or its own checks refuse it: a warning that
+    the layout and memory are unchecked, and Megatron's verdict beside it."""
+    def codes(*extra):
+        res = call("validate", {"args": BIG + list(extra), "num_gpus": 8, "gpu": "h100-sxm"})["result"]
+        return {f["code"]: f["severity"] for f in res["errors"] + res["warnings"]}
+    assert codes("--tensor-model-parallel-size", str(10**30))["layout_out_of_range"] == "error"
+    assert codes("--seq-length", "8")["layout_out_of_range"] == "warning"
+    zero = codes("--micro-batch-size", "0")
+    assert zero["layout_out_of_range"] == "warning" and zero["megatron_validate_args"] == "error"
+
+
 def test_fp8_before_hopper():
     assert _validate(FP8_ON_AMPERE, gpu="h100-sxm")["valid"]
     res = _validate(FP8_ON_AMPERE, gpu="a100-80gb")

@@ -295,7 +295,11 @@ def model_from_args(ns: Any, assumed: dict[str, str]) -> tuple[ModelConfig | Non
         return None, e.message
 
 
-OUT_OF_RANGE = "outside the range a plan covers"   # the words that end beyond_plan_bounds' answers
+# The words of beyond_plan_bounds' answers: every one ends OUT_OF_RANGE; one for a size above the
+# range (no GPU holds such a model or run) says ABOVE_RANGE, one below it (a 0, a short
+# sequence) does not: Megatron may well start that run, or its own checks say why not.
+OUT_OF_RANGE = "outside the range a plan covers"
+ABOVE_RANGE = "above the most"
 
 
 def beyond_plan_bounds(model: dict[str, Any] | None = None, lay: Layout | None = None) -> str | None:
@@ -314,11 +318,13 @@ def beyond_plan_bounds(model: dict[str, Any] | None = None, lay: Layout | None =
     checker = validator(load_schema("plan", "request"))
     order = [*(model or {}), "seq_length", "global_batch_size", "tp", "pp", "vp", "cp", "ep", "etp", "mbs"]
     for step in steps:
-        errors = [(str(e.absolute_path[-1]) if e.absolute_path else "", e.message)
+        errors = [(str(e.absolute_path[-1]) if e.absolute_path else "", e)
                   for e in _leaf_errors(checker.iter_errors(step))]
         if errors:   # the first in the arguments' order: a size given before the ones derived from it
-            name, message = min(errors, key=lambda e: order.index(e[0]) if e[0] in order else len(order))
-            return f"{_ARGUMENT_NAMES.get(name, name)}: {message}, {OUT_OF_RANGE}"
+            name, e = min(errors, key=lambda x: order.index(x[0]) if x[0] in order else len(order))
+            said = {"maximum": f"{e.instance} is {ABOVE_RANGE} of {e.validator_value}",
+                    "minimum": f"{e.instance} is below the least of {e.validator_value}"}.get(e.validator, e.message)
+            return f"{_ARGUMENT_NAMES.get(name, name)}: {said}, {OUT_OF_RANGE}"
     return None
 
 
@@ -352,13 +358,14 @@ def layout_from_args(ns: Any, model: ModelConfig, world: int | None, assumed: di
         assumed["world_size"] = f"{tp * pp * cp} (TP x PP x CP: the GPU count is not known; pass num_gpus)"
     world = world or tp * pp * cp
     dp = max(1, world // (tp * pp * cp))
-    mbs = ns.micro_batch_size or 1
+    mbs = ns.micro_batch_size if ns.micro_batch_size is not None else 1   # a 0 stays 0: beyond_plan_bounds says it
     if ns.seq_length is None:
         assumed["seq_length"] = "4096 (the arguments set no --seq-length)"
     recompute = ns.recompute_granularity or "none"
     return Layout(tp=tp, pp=pp, vp=vp, cp=cp, ep=ns.expert_model_parallel_size or 1,
-                  etp=ns.expert_tensor_parallel_size or 1, dp=dp, mbs=mbs, gbs=ns.global_batch_size or mbs * dp,
-                  seq_length=ns.seq_length or 4096, recompute=recompute,
+                  etp=ns.expert_tensor_parallel_size or 1, dp=dp, mbs=mbs,
+                  gbs=ns.global_batch_size if ns.global_batch_size is not None else mbs * dp,
+                  seq_length=ns.seq_length if ns.seq_length is not None else 4096, recompute=recompute,
                   recompute_layers=ns.recompute_num_layers or (0 if recompute != "full" else 1),
                   distributed_optimizer=bool(ns.use_distributed_optimizer),
                   sequence_parallel=bool(ns.sequence_parallel),

@@ -261,7 +261,7 @@ OOM_SITES = (
      "more TP (the vocabulary is split over TP)"),
     ("attention_scores", re.compile(r"dot_product_attention|core_attention|baddbmm|fused_softmax|"
                                     r"scaled_masked_softmax|attention_scores|flash_attn"),
-     "core attention (with unfused attention, its S x S scores)",
+     "core attention (where it is unfused, its S x S scores)",
      "where attention is unfused (--transformer-impl local with Megatron's entry), flash / cuDNN attention: Transformer "
      "Engine with --attention-backend flash, or the skill's entry script (torch SDPA); else a smaller "
      "--micro-batch-size or selective recompute"),

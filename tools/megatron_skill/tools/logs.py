@@ -144,7 +144,7 @@ def _prediction(dumped: dict, gpu_name: str | None, summary: dict, ctx: Context)
     if gpu_name:
         out["gpu_gib"] = get_gpu(gpu_name, where="/gpu").memory_gib
         fields = {k: v for k, v in dataclasses.asdict(model).items() if k in PLAN_MODEL_FIELDS and v is not None}
-        request = {"model": {"name": "from the log", **fields}, "gpu": gpu_name, "num_gpus": lay.world_size,
+        request = {"model": {"name": "the log's model", **fields}, "gpu": gpu_name, "num_gpus": lay.world_size,
                    "seq_length": lay.seq_length, "global_batch_size": lay.gbs, "top": 1,
                    "transformer_engine": described.transformer_engine(ns)}
         if lay.precision == "fp8" and get_gpu(gpu_name).supports_fp8:

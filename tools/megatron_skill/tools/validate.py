@@ -271,7 +271,8 @@ def check_launch(launch: Launch, gpu_name: str | None, recheck_fix: bool = True)
         beyond = described.OUT_OF_RANGE in (why or "")
         findings.append(_finding("model_out_of_range" if beyond else "bad_model",
                                  f"the model-size flags describe no model this check covers: {why}",
-                                 "correct the model-size flags (a typo?); the layout and memory are unchecked"))
+                                 "correct the model-size flags (a typo?); the layout and memory are unchecked",
+                                 severity="error" if not beyond or described.ABOVE_RANGE in why else "warning"))
         result["memory"] = {"skipped": f"no model: {why}"}
     elif model is None:
         findings.append(_finding("incomplete", f"cannot check the layout: {why}", "set the model-size flags",
@@ -395,6 +396,13 @@ def _check_layout(launch: Launch, ns: argparse.Namespace, model: ModelConfig, gp
         findings.append(_finding("vp_layers", uneven, RULES["vp_layers"].fix,
                                  launch.where("--num-layers-per-virtual-pipeline-stage")))
         lay = dataclasses.replace(lay, vp=1)   # costed without the virtual stages it cannot have
+    beyond = described.beyond_plan_bounds(lay=lay)
+    if beyond:
+        findings.append(_finding("layout_out_of_range", f"the layout and batch flags describe no run this check "
+                                 f"covers: {beyond}", "correct the parallel sizes, batch sizes and sequence length",
+                                 severity="error" if described.ABOVE_RANGE in beyond else "warning"))
+        result["memory"] = {"skipped": f"no layout: {beyond}"}
+        return
     result["layout"] = {**lay.to_json(), **({"vp": None} if uneven else {})}
     result["model"] = {"params_b": round(model.total_params() / 1e9, 3), "activation": model.activation,
                        "num_layers": model.num_layers, "hidden_size": model.hidden_size}
@@ -585,7 +593,7 @@ REPAIRS = {**{c.code: (c.flag,) for c in megatron_flags.COMBINATIONS},
 # read). Stray words are not among them: they may be a split value, whose verdict is fixed_args'.
 NOT_MEGATRONS = {"out_of_memory", "fp8_arch", "cp_needs_te", "qk_norm_sp_needs_te", "moe_flex_needs_te",
                  "tp_within_nvlink", "pretrained_vocab_rows", "unknown_flag", "bad_value", "model_out_of_range",
-                 "crlf_line_endings"}
+                 "layout_out_of_range", "crlf_line_endings"}
 
 
 def _repaired_copy(launch: Launch, clean: list[str], findings: list[dict]) -> tuple[list[str], dict, list[str]]:
