@@ -81,7 +81,10 @@ def test_rules_name_megatron_constraints():
 def test_fp8_is_refused_on_ampere():
     env = call("plan", {"model": "llama3-8b", "gpu": "a100-80gb", "num_gpus": 8, "precision": "fp8"})
     assert not env["ok"] and env["error"]["code"] == "infeasible"
-    assert "fp8_arch" in env["error"]["details"]["rejected"]
+    # said as what it is (no GPU count changes it), and render says the same
+    assert env["error"]["where"] == "/precision" and "a100-80gb has none" in env["error"]["message"]
+    again = call("render", {"model": "llama3-8b", "gpu": "a100-80gb", "num_gpus": 8, "precision": "fp8", "dry_run": True})
+    assert again["error"]["where"] == "/precision"
 
 
 def test_fp8_plans_on_hopper_are_faster():

@@ -30,6 +30,16 @@ def resolve_model(req: dict[str, Any]) -> ModelConfig:
     return build_spec(name, fields, where="/model")
 
 
+def check_precision(precision: str, gpu: GPUSpec) -> None:
+    """FP8 asked of a GPU without FP8 tensor cores is refused as such: no GPU count, batch or
+    layout changes it (a search would only find that nothing fits, and say so as if they could)."""
+    from .layout import RULES
+
+    if precision == "fp8" and not gpu.supports_fp8:
+        raise ToolError("infeasible", f"{RULES['fp8_arch'].message}; {gpu.key} has none", where="/precision",
+                        fix=f"precision bf16 (or any) on {gpu.key}, or an FP8 GPU (h100-sxm, h200, b200, ...)")
+
+
 def resolve_cluster(req: dict[str, Any]) -> tuple[GPUSpec, int, int]:
     """(GPU, GPUs in all, GPUs per node).  With a node size other than the GPU's usual one, the
     GPU's spec says so too: its NVLink domain shrinks to the node when it was the node."""

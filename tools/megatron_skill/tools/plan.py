@@ -13,7 +13,7 @@ from ..core.layout import Layout
 from ..core.memory import CONTEXT_GIB, FRAGMENTATION, NCCL_GIB_PER_GROUP, PLAN_MARGIN_GIB
 from ..core.options import RuntimeOptions
 from ..core.planner import Candidate, rank, search
-from ..core.resolve import default_global_batch, default_seq_length, resolve_cluster, resolve_model
+from ..core.resolve import check_precision, default_global_batch, default_seq_length, resolve_cluster, resolve_model
 from ..core.timing import calibration
 from ..errors import ToolError
 
@@ -73,6 +73,7 @@ def run(req: dict[str, Any], ctx: Context) -> dict[str, Any]:
     opts = RuntimeOptions.from_request(None, te=req["transformer_engine"], moe=req.get("moe"),
                                        megatron=req.get("megatron_options"))
     opts.megatron.check_request(req["precision"], opts.te)
+    check_precision(req["precision"], gpu)
     res = search(model, gpu, n_gpus, seq, gbs, precisions, req.get("constraints") or {},
                  headroom_gib=req["headroom_gib"], opts=opts)
     ranked = rank(res.candidates)

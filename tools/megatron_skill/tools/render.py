@@ -30,6 +30,7 @@ from ..core.options import RuntimeOptions
 from ..core.planner import predict, rank, search
 from ..core.resolve import (
     DEFAULT_TRAIN_ITERS,
+    check_precision,
     default_global_batch,
     default_seq_length,
     fake_rank,
@@ -133,6 +134,7 @@ def _layout_from_request(req: dict, model, gpu, n_gpus: int, seq: int, gbs: int)
                             f"more than the {gpu.memory_gib} GiB of {gpu.key}", where="/layout",
                             fix="more recompute, a smaller micro-batch, or more TP/PP; plan finds one that fits")
         return lay, cand
+    check_precision(req["precision"], gpu)
     precisions = ["fp8"] if req["precision"] == "fp8" else ["bf16"]
     res = search(model, gpu, n_gpus, seq, gbs, precisions, opts=opts)
     if not res.candidates:
