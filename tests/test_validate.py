@@ -174,6 +174,16 @@ def test_slurm_script_world_size_from_sbatch_lines():
     assert res["world_size"] == 16 and res["layout"]["dp"] == 8
 
 
+def test_deepspeeds_runner_gives_the_world_size():
+    """Megatron-DeepSpeed scripts start ranks with DeepSpeed's runner: --num_gpus per node x
+    --num_nodes is the world the layout must split (TP 3 of 16 GPUs does not)."""
+    text = GOOD.replace("torchrun --nproc-per-node $GPUS_PER_NODE", "deepspeed --num_nodes 2 --num_gpus 8")
+    res = _validate(text)
+    assert res["world_size"] == 16 and res["layout"]["dp"] == 8 and res["valid"], res["errors"]
+    bad = _validate(text.replace("--tensor-model-parallel-size 2", "--tensor-model-parallel-size 3"))
+    assert "world_size" in [e["code"] for e in bad["errors"]]
+
+
 @pytest.mark.parametrize("model,n", [("llama3-8b", 8), ("llama3-70b", 64), ("mixtral-8x7b", 64),
                                      ("deepseek-v3", 1024), ("qwen3-30b-a3b", 16)])
 @pytest.mark.parametrize("launcher", ["torchrun-multinode", "slurm"])

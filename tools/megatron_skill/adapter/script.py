@@ -116,13 +116,17 @@ TORCHRUN = {"torchrun", "torch.distributed.run", "torch.distributed.launch"}
 
 
 def _launcher_options(words: list[str]) -> dict[str, Any]:
-    """torchrun's --nproc-per-node and --nnodes; srun's node and task counts."""
+    """torchrun's --nproc-per-node and --nnodes (DeepSpeed's runner: --num_gpus, --num_nodes); srun's
+    node and task counts."""
     out: dict[str, Any] = {"torchrun": False, "srun": {}, "python": False}
     current = None
     for i, w in enumerate(words):
         name = Path(w).name
         if name in TORCHRUN or (w == "-m" and i + 1 < len(words) and words[i + 1] in TORCHRUN):
             out["torchrun"], current = True, "torchrun"
+            continue
+        if name == "deepspeed":   # DeepSpeed's runner (Megatron-DeepSpeed scripts): GPUs per node x nodes too
+            out["torchrun"], current = True, "deepspeed"
             continue
         if name == "srun":
             current = "srun"
@@ -141,6 +145,9 @@ def _launcher_options(words: list[str]) -> dict[str, Any]:
                 out["nnodes"] = int(val.split(":")[-1])
             elif key == "--standalone":
                 out.setdefault("nnodes", 1)
+        elif current == "deepspeed":
+            if key in ("--num-gpus", "--num-nodes") and val.isdigit():
+                out["nproc_per_node" if key == "--num-gpus" else "nnodes"] = int(val)
         elif current == "srun":
             aliases = {"-N": "nodes", "--nodes": "nodes", "-n": "ntasks", "--ntasks": "ntasks",
                        "--ntasks-per-node": "ntasks-per-node", "--gpus-per-node": "gpus-per-node"}
