@@ -503,6 +503,12 @@ def test_a_log_holding_several_runs_is_read_as_its_last_run(tmp_path):
     # a kill and a resume with the same arguments: one run of two starts
     resumed = call("logs", {"log": str(FIXTURE)})["result"]
     assert resumed["starts"] == 2 and "earlier_runs" not in resumed
+    # a resume that trains longer and saves elsewhere is the same run
+    longer = tmp_path / "longer.log"
+    longer.write_text("\n".join(_dump(**ONE_B, train_iters=40, save="/a") + [_line(1), _line(2)]
+                                + _dump(**ONE_B, train_iters=80, save="/b") + [_line(3)]) + "\n")
+    again = call("logs", {"log": str(longer)})["result"]
+    assert again["starts"] == 2 and again["logged_iterations"] == 3 and "earlier_runs" not in again
 
 
 def test_why_slow_costs_only_runs_megatron_could_have_started(tmp_path):

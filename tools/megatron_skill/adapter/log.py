@@ -143,9 +143,10 @@ def _may_fail(line: str) -> bool:
 
 # The arguments that make a run the run it is: a dump that differs in one of them starts another
 # run (a launch script that appends every launch to one log, tee -a); the same values again are a
-# restart of the same run (a resume), whose iterations continue the curve.
+# restart of the same run (a resume), whose iterations continue the curve, even where it trains
+# longer (--train-iters) or saves elsewhere.
 RUN_DEFINING = ARGS_READ + ("ffn_hidden_size", "num_query_groups", "kv_channels", "vocab_size", "padded_vocab_size",
-                            "num_experts", "bf16", "fp16", "swiglu", "normalization", "train_iters")
+                            "num_experts", "bf16", "fp16", "swiglu", "normalization")
 
 
 def _earlier_run(arguments: dict[str, Any], iterations: dict[int, dict], failures: list[dict], dumps: int) -> dict:
