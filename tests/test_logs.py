@@ -509,6 +509,21 @@ def test_a_log_holding_several_runs_is_read_as_its_last_run(tmp_path):
                                 + _dump(**ONE_B, train_iters=80, save="/b") + [_line(3)]) + "\n")
     again = call("logs", {"log": str(longer)})["result"]
     assert again["starts"] == 2 and again["logged_iterations"] == 3 and "earlier_runs" not in again
+    # read while a restart starts: its dump half printed, or whole with nothing after it yet
+    lines = FIXTURE.read_text().splitlines()
+    second = [i for i, line in enumerate(lines) if "-- arguments --" in line][1]
+    for cut in (second + 40, second + 900):
+        (tmp_path / "starting.log").write_text("\n".join(lines[:cut]) + "\n")
+        mid = call("logs", {"log": str(tmp_path / "starting.log")})["result"]
+        assert mid["last_iteration"] == 26 and "earlier_runs" not in mid, cut   # killed after 26
+    # a start killed inside its dump, then the resume; and an interleaved line in the resume's dump
+    killed = lines[:second + 40] + lines[second:]
+    garbled = [line + "[rank3]:W1202 UserWarning" if " num_layers ..." in line and i > second else line
+               for i, line in enumerate(lines)]
+    for text in (killed, garbled):
+        (tmp_path / "odd.log").write_text("\n".join(text) + "\n")
+        odd = call("logs", {"log": str(tmp_path / "odd.log")})["result"]
+        assert odd["logged_iterations"] == resumed["logged_iterations"] and "earlier_runs" not in odd
 
 
 def test_why_slow_costs_only_runs_megatron_could_have_started(tmp_path):

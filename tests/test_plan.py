@@ -143,13 +143,22 @@ def test_what_a_hugging_face_config_says_beyond_the_model_is_stated_never_droppe
     assert render["error"]["code"] == "bad_model" and "yarn" in render["error"]["message"]
     said = planned(hidden_act="gelu", mlp_bias=True)[1]
     assert len(said) == 2 and "'gelu'" in said[0] and "mlp_bias" in said[1]
-    # DeepSeek-V3 (transformers' router, the config naming none of it) and the catalog's entry
-    v3 = _plan(hf_config=str(Path(__file__).parent / "fixtures" / "hf" / "deepseek-v3"), num_gpus=256,
-               seq_length=4096, top=1, include_args=True)
-    assert "sigmoid scores" in v3["model"]["approximations"][0]
-    args = v3["plans"][0]["megatron_args"]
-    assert "--qk-layernorm" in args and "--moe-router-pre-softmax" not in args
-    assert "sigmoid" in _plan(model="deepseek-v3", num_gpus=1024, seq_length=4096)["model"]["approximations"][0]
+    # DeepSeek-V3's router (transformers' defaults: the fixture names none of it) is read, not
+    # approximated, as the catalog's entry has it; a router setting of the wrong type is refused
+    v3_folder = Path(__file__).parent / "fixtures" / "hf" / "deepseek-v3"
+    router = ["--moe-router-enable-expert-bias", "--moe-router-load-balancing-type", "seq_aux_loss",
+              "--moe-aux-loss-coeff", "1e-4", "--moe-router-score-function", "sigmoid", "--moe-router-num-groups",
+              "8", "--moe-router-group-topk", "4", "--moe-router-topk-scaling-factor", "2.5"]
+    for source in ({"hf_config": str(v3_folder), "num_gpus": 256}, {"model": "deepseek-v3", "num_gpus": 1024}):
+        v3 = _plan(**source, seq_length=4096, top=1, include_args=True)
+        args = v3["plans"][0]["megatron_args"]
+        assert "approximations" not in v3["model"] and "--qk-layernorm" in args, v3["model"]
+        assert "--moe-router-pre-softmax" not in args and " ".join(router) in " ".join(args), args
+    odd = json.loads((v3_folder / "config.json").read_text())
+    (tmp_path / "odd").mkdir()
+    (tmp_path / "odd" / "config.json").write_text(json.dumps({**odd, "n_group": "8"}))
+    env = call("plan", {"hf_config": str(tmp_path / "odd"), "num_gpus": 256})
+    assert env["error"]["code"] == "bad_model" and env["error"]["where"] == "hf_config.n_group"
 
 
 def test_same_request_same_id_and_result():

@@ -121,8 +121,20 @@ def model_args(m: ModelConfig, seq_length: int | None = None, moe: MoEOptions | 
             a += ["--q-lora-rank", m.q_lora_rank]
     if m.is_moe:
         a += ["--num-experts", m.num_experts, "--moe-router-topk", m.moe_router_topk,
-              "--moe-ffn-hidden-size", m.expert_ffn, *(moe or MoEOptions()).flags(),
-              "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "1e-3"]
+              "--moe-ffn-hidden-size", m.expert_ffn, *(moe or MoEOptions()).flags()]
+        if m.moe_router_enable_expert_bias:
+            # the bias balances the load; DeepSeek-V3 keeps a sequence-wise loss at 1e-4 beside it
+            # (its report, section 2.1.2)
+            a += ["--moe-router-enable-expert-bias", "--moe-router-load-balancing-type", "seq_aux_loss",
+                  "--moe-aux-loss-coeff", "1e-4"]
+        else:
+            a += ["--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "1e-3"]
+        if m.moe_router_score_function != "softmax":
+            a += ["--moe-router-score-function", m.moe_router_score_function]
+        if m.moe_router_num_groups:
+            a += ["--moe-router-num-groups", m.moe_router_num_groups, "--moe-router-group-topk", m.moe_router_group_topk]
+        if m.moe_router_topk_scaling_factor:
+            a += ["--moe-router-topk-scaling-factor", m.moe_router_topk_scaling_factor]
         if m.moe_router_pre_softmax:
             a += ["--moe-router-pre-softmax"]
         if m.moe_shared_expert_intermediate_size:

@@ -173,10 +173,16 @@ def parse(lines: Iterable[str]) -> dict[str, Any]:
     finished = False
     last_stamp = None
 
+    previous: tuple | None = None   # the run before the last split, whole: taken back if nothing follows
+
     def close_dump() -> None:
-        nonlocal arguments, iterations, memory, failures, dumps, finished
+        """A whole dump: another run where a run-defining value differs from the run's (values
+        of another type are a garbled line, not a change; a name either dump lacks, no change)."""
+        nonlocal arguments, iterations, memory, failures, dumps, finished, previous
         new = dump or {}
-        if arguments and any(new.get(k) != arguments.get(k) for k in RUN_DEFINING):
+        if arguments and any(k in new and k in arguments and type(new[k]) is type(arguments[k])
+                             and new[k] != arguments[k] for k in RUN_DEFINING):
+            previous = (arguments, iterations, memory, failures, dumps - 1, finished)
             earlier.append(_earlier_run(arguments, iterations, failures, dumps - 1))
             iterations, memory, failures, arguments, dumps, finished = {}, {}, [], {}, 1, False
         for k, v in new.items():
@@ -184,9 +190,7 @@ def parse(lines: Iterable[str]) -> dict[str, Any]:
 
     for n, line in enumerate(lines, 1):
         if "-- arguments --" in line:
-            if dump is not None:   # a dump cut short before its end line
-                close_dump()
-            dump = {}
+            dump = {}   # a dump cut short before its end line (a start killed in it) is left out
             dumps += 1
         elif "-- end of arguments --" in line:
             if dump is not None:
@@ -229,8 +233,12 @@ def parse(lines: Iterable[str]) -> dict[str, Any]:
                 failures.append(failure)
             elif rank is not None and rank not in seen["ranks"] and len(seen["ranks"]) < 64:
                 seen["ranks"].append(rank)
-    if dump is not None:   # the log ends inside a dump
-        close_dump()
+    if previous is not None and not iterations and not failures:
+        # the last run has only just started (its dump, nothing since): the answer stays the run
+        # before it, which the log has, and counts the start
+        arguments, iterations, memory, failures, dumps, finished = previous[:4] + (previous[4] + dumps,
+                                                                                   previous[5])
+        earlier.pop()
     for failure in failures:
         if failure["code"] == "out_of_memory":
             failure.update(oom_advice(failure.pop("frames"), arguments))

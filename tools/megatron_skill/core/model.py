@@ -6,10 +6,11 @@ Megatron's own accounting code reads.  Nothing here knows about GPUs or parallel
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
 import functools
+import json
 import math
-import re
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,14 @@ DEFAULTS: dict[str, Any] = {
     "moe_shared_expert_intermediate_size": None,
     "moe_layer_freq": 1,
     "moe_router_pre_softmax": False,   # True: top-k of the softmax, not renormalised (Megatron's flag)
+    # The router's scores, DeepSeek-V3's way where set: sigmoid scores, a bias per expert that
+    # balances the load without the auxiliary loss, routing within the best groups of experts,
+    # and the routed weights scaled (Megatron's --moe-router-* flags of the same names).
+    "moe_router_score_function": "softmax",
+    "moe_router_enable_expert_bias": False,
+    "moe_router_topk_scaling_factor": None,
+    "moe_router_num_groups": None,
+    "moe_router_group_topk": None,
     "approximations": (),
     "multi_latent_attention": False,
     "q_lora_rank": None,
@@ -55,6 +64,7 @@ ENUMS = {
     "activation": ("swiglu", "gelu", "squared_relu"),
     "normalization": ("RMSNorm", "LayerNorm"),
     "position_embedding_type": ("rope", "learned_absolute"),
+    "moe_router_score_function": ("softmax", "sigmoid"),
 }
 
 
@@ -106,6 +116,11 @@ class ModelConfig:
     moe_shared_expert_intermediate_size: int | None
     moe_layer_freq: int | str
     moe_router_pre_softmax: bool
+    moe_router_score_function: str
+    moe_router_enable_expert_bias: bool
+    moe_router_topk_scaling_factor: float | None
+    moe_router_num_groups: int | None
+    moe_router_group_topk: int | None
     multi_latent_attention: bool
     q_lora_rank: int | None
     kv_lora_rank: int
@@ -276,6 +291,42 @@ class ModelConfig:
         return {k: v for k, v in dataclasses.asdict(self).items() if k != "approximations"}
 
 
+MAX_PATTERN = 65536   # entries a layer pattern may spell out (models have at most 4,096 layers)
+
+
+def _layer_list(text: str) -> list[int] | None:
+    """The list a --moe-layer-freq string spells, as Megatron's eval would make it, from list
+    literals of 0 and 1 joined by + and repeated by * (in any nesting): read from its syntax
+    tree, never evaluated; None for anything else."""
+    try:
+        tree = ast.parse(text.strip(), mode="eval").body
+    except (SyntaxError, ValueError, RecursionError):
+        return None
+
+    def value(node: ast.AST) -> list[int] | int | None:
+        if isinstance(node, ast.List):
+            items = [value(e) for e in node.elts]
+            return items if all(i in (0, 1) and not isinstance(i, list) for i in items) else None
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            a, b = value(node.left), value(node.right)
+            if isinstance(node.op, ast.Add):
+                return a + b if isinstance(a, list) and isinstance(b, list) and len(a) + len(b) <= MAX_PATTERN \
+                    else None
+            if isinstance(a, int) and isinstance(b, list):
+                a, b = b, a
+            if isinstance(a, list) and isinstance(b, int) and 0 <= len(a) * b <= MAX_PATTERN:
+                return a * b
+        return None
+
+    try:
+        out = value(tree)
+    except RecursionError:   # thousands of terms in a chain: no pattern a model has
+        return None
+    return out if isinstance(out, list) else None
+
+
 def moe_layer_pattern(freq: int | str | list | tuple, num_layers: int) -> list[int]:
     """Megatron's --moe-layer-freq: an int N (every Nth layer, from layer 0), a list, or
     the string form "([0]*3+[1]*58)".  Parsed without eval."""
@@ -284,16 +335,11 @@ def moe_layer_pattern(freq: int | str | list | tuple, num_layers: int) -> list[i
     if isinstance(freq, (list, tuple)):
         pattern = [int(bool(x)) for x in freq]
     else:
-        text = str(freq).strip().strip("()").replace(" ", "")
-        pattern = []
-        for part in text.split("+"):
-            m = re.fullmatch(r"\[([01](?:,[01])*)\](?:\*(\d+))?", part)
-            if not m:
-                raise ToolError("bad_model", f"cannot read moe_layer_freq {freq!r}",
-                                where="model.moe_layer_freq",
-                                fix='give an int, a list of 0/1, or a string like "([0]*3+[1]*58)"')
-            items = [int(x) for x in m.group(1).split(",")]
-            pattern += items * int(m.group(2) or 1)
+        pattern = _layer_list(str(freq))
+        if pattern is None:
+            raise ToolError("bad_model", f"cannot read moe_layer_freq {str(freq)[:200]!r}",
+                            where="model.moe_layer_freq",
+                            fix='give an int, a list of 0/1, or a string like "([0]*3+[1]*58)" or "([1]*3+[0])*6"')
     if len(pattern) != num_layers:
         raise ToolError("bad_model", f"moe_layer_freq has {len(pattern)} entries for {num_layers} layers",
                         where="model.moe_layer_freq", fix="give one 0/1 entry per layer")
@@ -316,7 +362,8 @@ def build_spec(name: str, fields: dict[str, Any], where: str = "model") -> Model
         if isinstance(values[key], list):
             values[key] = tuple(values[key])
     for key in REQUIRED + ("num_query_groups", "kv_channels", "num_experts", "moe_ffn_hidden_size",
-                           "moe_shared_expert_intermediate_size", "q_lora_rank", "mtp_num_layers"):
+                           "moe_shared_expert_intermediate_size", "q_lora_rank", "mtp_num_layers",
+                           "moe_router_num_groups", "moe_router_group_topk"):
         v = values[key]
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
             raise ToolError("bad_model", f"{key} must be a positive integer, got {v!r}",
@@ -325,6 +372,15 @@ def build_spec(name: str, fields: dict[str, Any], where: str = "model") -> Model
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
         raise ToolError("bad_model", f"norm_epsilon must be a number between 0 and 1, got {eps!r}",
                         where=f"{where}.norm_epsilon", fix="use the model's epsilon (1e-5 or 1e-6 for most)")
+    scale = values["moe_router_topk_scaling_factor"]
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < 1e6):
+        raise ToolError("bad_model", f"moe_router_topk_scaling_factor must be a positive number or null, got {scale!r}",
+                        where=f"{where}.moe_router_topk_scaling_factor", fix="DeepSeek-V3 scales by 2.5")
+    groups, group_topk = values["moe_router_num_groups"], values["moe_router_group_topk"]
+    if (groups is None) != (group_topk is None) or (groups and (group_topk > groups or (values["num_experts"] or 0) % groups)):
+        raise ToolError("bad_model", f"moe_router_num_groups {groups} and moe_router_group_topk {group_topk}: give both, "
+                        "the groups dividing the experts and the top groups no more than the groups",
+                        where=f"{where}.moe_router_num_groups", fix="DeepSeek-V3: 8 groups, the top 4")
     factor = values["rope_scaling_factor"]
     if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor < 1):
         raise ToolError("bad_model", f"rope_scaling_factor must be a number >= 1 or null, got {factor!r}",
@@ -395,13 +451,23 @@ def from_hf_config(path: str | Path) -> ModelConfig:
 
 
 # The router settings of DeepSeek's configs, and what transformers takes where a config leaves one
-# out (DeepseekV3's router is always sigmoid scores with expert bias over expert groups).
+# out (DeepseekV3's router is always sigmoid scores with expert bias over expert groups): read into
+# the model's moe_router_* fields.
 DEEPSEEK_ROUTER = {
     "deepseek_v2": {"scoring_func": "softmax", "topk_method": "greedy", "n_group": None, "topk_group": None,
                     "routed_scaling_factor": 1.0, "norm_topk_prob": False},
     "deepseek_v3": {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4,
                     "routed_scaling_factor": 2.5, "norm_topk_prob": True},
 }
+
+
+def deepseek_router(cfg: dict) -> dict:
+    """A DeepSeek config's router settings: its own, transformers' default where it gives none."""
+    return {**DEEPSEEK_ROUTER[cfg["model_type"]],
+            **{k: cfg[k] for k in DEEPSEEK_ROUTER["deepseek_v2"] if cfg.get(k) is not None}}
+
+
+READ_TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 
 
 def hf_differences(cfg: dict, weights_only: bool = False) -> list[str]:
@@ -437,22 +503,13 @@ def hf_differences(cfg: dict, weights_only: bool = False) -> list[str]:
         biased = [k for k in biased if k != "attention_bias"]   # Qwen2's q/k/v biases are read (add_qkv_bias)
     if biased:
         out.append(f"biases ({', '.join(biased)}): read without them")
+    if cfg.get("model_type") in DEEPSEEK_ROUTER:   # the routers read into moe_router_*; others are not
+        r = deepseek_router(cfg)
+        if r["scoring_func"] not in ("softmax", "sigmoid") or r["topk_method"] not in READ_TOPK_METHODS:
+            out.append(f"the router's {str(r['scoring_func'])[:40]} scores with top-k method "
+                       f"{str(r['topk_method'])[:40]}: read as softmax scores, greedy top-k")
     if cfg.get("model_type") == "qwen2_moe" and cfg.get("shared_expert_intermediate_size"):
         out.append("the shared expert's sigmoid gate: read as an ungated shared expert")
-    if cfg.get("model_type") in DEEPSEEK_ROUTER:
-        r = {**DEEPSEEK_ROUTER[cfg["model_type"]], **{k: cfg[k] for k in DEEPSEEK_ROUTER["deepseek_v2"] if k in cfg}}
-        router = []
-        if r["scoring_func"] != "softmax":
-            router.append(f"{r['scoring_func']} scores")
-        if r["topk_method"] == "noaux_tc":
-            router.append("expert-bias balancing without the auxiliary loss")
-        if (r["n_group"] or 1) > 1 and r["topk_method"] in ("group_limited_greedy", "noaux_tc"):
-            router.append(f"routing within {r['topk_group']} of {r['n_group']} expert groups")
-        if r["routed_scaling_factor"] not in (None, 1, 1.0):
-            router.append(f"routed weights scaled by {r['routed_scaling_factor']}")
-        if router:
-            out.append(f"the router's {', '.join(router)}: read as Megatron's softmax top-k router with an "
-                       "auxiliary loss")
     return out
 
 
@@ -498,17 +555,31 @@ HF_COUNTS = {"num_hidden_layers": 4096, "hidden_size": 1048576, "intermediate_si
              "num_attention_heads": 16384, "num_key_value_heads": 16384, "head_dim": 65536, "vocab_size": 16777216,
              "max_position_embeddings": 16777216, "num_local_experts": 65536, "num_experts": 65536,
              "num_experts_per_tok": 1024, "moe_intermediate_size": 4194304, "decoder_sparse_step": 4096,
-             "shared_expert_intermediate_size": 4194304}
+             "shared_expert_intermediate_size": 4194304, "sliding_window": 16777216, "n_group": 65536,
+             "topk_group": 65536}
+# The other settings the readers and hf_differences look at, and the JSON types each may have
+# (or null): a string where a switch is asked would otherwise read as true, a list as a window.
+HF_TYPES = {"norm_topk_prob": bool, "use_sliding_window": bool, "mlp_bias": bool, "attention_bias": bool,
+            "tie_word_embeddings": bool, "scoring_func": str, "topk_method": str, "hidden_act": str,
+            "routed_scaling_factor": (int, float), "partial_rotary_factor": (int, float)}
 
 
 def check_hf_counts(cfg: dict, where: str) -> None:
     """Each count the readers compute with is absent, null or a whole number in its range: a
-    string, a list, 0 or 1e30 would otherwise fail inside the arithmetic or make a huge list."""
+    string, a list, 0 or 1e30 would otherwise fail inside the arithmetic or make a huge list;
+    each other setting they read is of its type (HF_TYPES)."""
+    for key, kinds in HF_TYPES.items():
+        value = cfg.get(key)
+        if value is not None and (not isinstance(value, kinds) or (kinds is not bool and isinstance(value, bool))):
+            kind = kinds.__name__ if isinstance(kinds, type) else "number"
+            raise ToolError("bad_model", f"config.json's {key} must be a {'switch (true or false)' if kinds is bool else kind}"
+                            f", got {json.dumps(value)[:80]}", where=f"{where}.{key}",
+                            fix="give the Hugging Face config.json as transformers writes it")
     for key, most in HF_COUNTS.items():
         value = cfg.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most):
             raise ToolError("bad_model", f"config.json's {key} must be a whole number from 1 to {most}, got "
-                            f"{str(value)[:80]}", where=f"{where}.{key}",
+                            f"{json.dumps(value)[:80]}", where=f"{where}.{key}",
                             fix="give the Hugging Face config.json as transformers writes it")
 
 
@@ -596,9 +667,18 @@ def _hf_deepseek(cfg: dict) -> dict:
         "moe_layer_freq": [0] * dense + [1] * (layers - dense),
         # MLA's norms of the query and key-value latents (Megatron builds them with --qk-layernorm)
         "qk_layernorm": True,
-        # softmax over all experts, then the top k, renormalised only where the config says so
-        "moe_router_pre_softmax": not cfg.get("norm_topk_prob", DEEPSEEK_ROUTER[cfg["model_type"]]["norm_topk_prob"]),
     }
+    r = deepseek_router(cfg)
+    if r["scoring_func"] == "sigmoid":   # Megatron normalises the chosen sigmoid scores, as DeepSeek-V3 does
+        fields["moe_router_score_function"] = "sigmoid"
+    else:   # softmax over all experts, then the top k, renormalised only where the config says so
+        fields["moe_router_pre_softmax"] = not r["norm_topk_prob"]
+    if r["topk_method"] == "noaux_tc":
+        fields["moe_router_enable_expert_bias"] = True
+    if (r["n_group"] or 1) > 1 and r["topk_method"] in ("group_limited_greedy", "noaux_tc"):
+        fields.update(moe_router_num_groups=r["n_group"], moe_router_group_topk=r["topk_group"])
+    if r["routed_scaling_factor"] not in (None, 1, 1.0):
+        fields["moe_router_topk_scaling_factor"] = float(r["routed_scaling_factor"])
     if cfg.get("n_shared_experts"):
         fields["moe_shared_expert_intermediate_size"] = cfg["n_shared_experts"] * cfg["moe_intermediate_size"]
     if cfg.get("num_nextn_predict_layers"):

@@ -62,6 +62,10 @@ def build_model(cfg: dict):
         # The all-to-all dispatcher makes a CUDA stream when built; all-gather's runs on the CPU.
         moe_token_dispatcher_type="allgather",
         moe_router_pre_softmax=bool(m.get("moe_router_pre_softmax")),
+        moe_router_score_function=m.get("moe_router_score_function", "softmax"),
+        moe_router_enable_expert_bias=bool(m.get("moe_router_enable_expert_bias")),
+        moe_router_topk_scaling_factor=m.get("moe_router_topk_scaling_factor"),
+        moe_router_num_groups=m.get("moe_router_num_groups"), moe_router_group_topk=m.get("moe_router_group_topk"),
     )
     if m.get("moe_layer_freq") not in (None, 1):
         freq = m["moe_layer_freq"]

@@ -269,10 +269,12 @@ def check_launch(launch: Launch, gpu_name: str | None, recheck_fix: bool = True)
     model, why = described.model_from_args(ns, assumed)
     if model is None and all(getattr(ns, k, None) is not None for k in described.MODEL_SIZE_ARGUMENTS):
         beyond = described.OUT_OF_RANGE in (why or "")
+        # an error only where no GPU holds the model; else this check's own reading stops here and
+        # Megatron's checks, which still run, say whether Megatron refuses it
         findings.append(_finding("model_out_of_range" if beyond else "bad_model",
                                  f"the model-size flags describe no model this check covers: {why}",
                                  "correct the model-size flags (a typo?); the layout and memory are unchecked",
-                                 severity="error" if not beyond or described.ABOVE_RANGE in why else "warning"))
+                                 severity="error" if beyond and described.ABOVE_RANGE in why else "warning"))
         result["memory"] = {"skipped": f"no model: {why}"}
     elif model is None:
         findings.append(_finding("incomplete", f"cannot check the layout: {why}", "set the model-size flags",
@@ -593,7 +595,7 @@ REPAIRS = {**{c.code: (c.flag,) for c in megatron_flags.COMBINATIONS},
 # read). Stray words are not among them: they may be a split value, whose verdict is fixed_args'.
 NOT_MEGATRONS = {"out_of_memory", "fp8_arch", "cp_needs_te", "qk_norm_sp_needs_te", "moe_flex_needs_te",
                  "tp_within_nvlink", "pretrained_vocab_rows", "unknown_flag", "bad_value", "model_out_of_range",
-                 "layout_out_of_range", "crlf_line_endings"}
+                 "bad_model", "layout_out_of_range", "crlf_line_endings"}
 
 
 def _repaired_copy(launch: Launch, clean: list[str], findings: list[dict]) -> tuple[list[str], dict, list[str]]:
