@@ -131,6 +131,11 @@ def test_what_a_hugging_face_config_says_beyond_the_model_is_stated_never_droppe
     assert planned()[1] == []
     assert planned(use_sliding_window=False, sliding_window=4096)[1] == []
     assert planned(model_type="qwen2", architectures=["Qwen2ForCausalLM"], sliding_window=4096)[1] == []
+    qwen_window = dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], sliding_window=4096,
+                       use_sliding_window=True)
+    assert planned(**qwen_window, max_window_layers=llama["num_hidden_layers"])[1] == []   # no layer slides
+    assert planned(**qwen_window, max_window_layers=4)[1] != []
+    assert planned(**qwen_window, layer_types=["full_attention"] * llama["num_hidden_layers"])[1] == []
     folder, said = planned(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=4096)
     assert said[0].startswith("sliding-window attention (4096 tokens): read as full causal attention")
     assert conv.check_config(json.loads((folder / "config.json").read_text())) == "mistral"   # same weights
@@ -159,6 +164,41 @@ def test_what_a_hugging_face_config_says_beyond_the_model_is_stated_never_droppe
     (tmp_path / "odd" / "config.json").write_text(json.dumps({**odd, "n_group": "8"}))
     env = call("plan", {"hf_config": str(tmp_path / "odd"), "num_gpus": 256})
     assert env["error"]["code"] == "bad_model" and env["error"]["where"] == "hf_config.n_group"
+
+
+def test_router_settings_megatron_would_refuse_are_refused_up_front(tmp_path):
+    """Megatron's TransformerConfig refuses an expert bias over softmax scores, top-1 routing over
+    renormalised softmax scores, and group-limited routing whose per-group top-k is 0 or more than
+    a group has experts: after its argument parser has passed them. plan refuses them at once."""
+    moe = {"num_layers": 4, "hidden_size": 512, "ffn_hidden_size": 1024, "num_attention_heads": 8,
+           "vocab_size": 32000, "num_experts": 16, "moe_router_topk": 2}
+
+    def refusal(**fields):
+        env = call("plan", {"model": {**moe, **fields}, "num_gpus": 8, "seq_length": 1024})
+        return "" if env["ok"] else env["error"]["message"]
+    assert refusal() == "" and refusal(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True) == ""
+    assert "Megatron refuses" in refusal(moe_router_enable_expert_bias=True)
+    assert "Megatron refuses" in refusal(moe_router_topk=1)
+    assert refusal(moe_router_topk=1, moe_router_pre_softmax=True) == ""
+    assert "top 0 scores" in refusal(moe_router_num_groups=8, moe_router_group_topk=4)
+    assert "must be 1 to 1" in refusal(moe_router_num_groups=16, moe_router_group_topk=1)
+    assert refusal(moe_router_num_groups=8, moe_router_group_topk=2) == ""
+    dense = {k: v for k, v in moe.items() if k not in ("num_experts", "moe_router_topk")}
+    env = call("plan", {"model": {**dense, "moe_router_score_function": "sigmoid"}, "num_gpus": 8})
+    assert "without experts" in env["error"]["message"] and "Megatron refuses" not in env["error"]["message"]
+    # a Hugging Face config's MLA sizes and layer frequency: type-checked, and read as transformers reads them
+    v3 = json.loads((Path(__file__).parent / "fixtures" / "hf" / "deepseek-v3" / "config.json").read_text())
+    for i, (changed, check) in enumerate((({"kv_lora_rank": "128"}, "hf_config.kv_lora_rank"),
+                                          ({"first_k_dense_replace": 10**12}, "hf_config.first_k_dense_replace"))):
+        (tmp_path / str(i)).mkdir()
+        (tmp_path / str(i) / "config.json").write_text(json.dumps({**v3, **changed}))
+        assert call("plan", {"hf_config": str(tmp_path / str(i)), "num_gpus": 256})["error"]["where"] == check
+    (tmp_path / "freq").mkdir()
+    (tmp_path / "freq" / "config.json").write_text(json.dumps({**v3, "num_hidden_layers": 8, "first_k_dense_replace": 1,
+                                                               "moe_layer_freq": 2}))
+    args = _plan(hf_config=str(tmp_path / "freq"), num_gpus=8, seq_length=1024, top=1, include_args=True)
+    freq = args["plans"][0]["megatron_args"]
+    assert freq[freq.index("--moe-layer-freq") + 1] == "[0,0,1,0,1,0,1,0]"
 
 
 def test_same_request_same_id_and_result():

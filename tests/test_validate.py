@@ -164,6 +164,9 @@ def test_sizes_beyond_the_planners_range_are_errors_and_below_it_warnings():
     assert odd["bad_model"] == "warning" and odd["megatron_validate_args"] == "error"
     moe = codes("--num-layers", "24", "--num-experts", "8", "--moe-layer-freq", "([1]*3+[0])*6")
     assert "bad_model" not in moe and "megatron_validate_args" not in moe
+    assert "bad_model" not in codes("--num-layers", "24", "--num-experts", "8", "--moe-layer-freq", "2")
+    # a pattern of another length passes Megatron's parser and stops its model build: an error
+    assert codes("--num-layers", "8", "--num-experts", "8", "--moe-layer-freq", "([1]*3+[0])*6")["bad_model"] == "error"
 
 
 def test_fp8_before_hopper():

@@ -64,7 +64,7 @@ ENUMS = {
     "activation": ("swiglu", "gelu", "squared_relu"),
     "normalization": ("RMSNorm", "LayerNorm"),
     "position_embedding_type": ("rope", "learned_absolute"),
-    "moe_router_score_function": ("softmax", "sigmoid"),
+    "moe_router_score_function": ("softmax", "sigmoid", "sqrtsoftplus"),
 }
 
 
@@ -291,13 +291,16 @@ class ModelConfig:
         return {k: v for k, v in dataclasses.asdict(self).items() if k != "approximations"}
 
 
+# The words of a bad_model answer for what Megatron itself refuses when it builds the model
+# (after its parser and validate_args have passed it): validate makes those errors.
+REFUSED_WHEN_BUILT = "(Megatron refuses it when it builds the model)"
 MAX_PATTERN = 65536   # entries a layer pattern may spell out (models have at most 4,096 layers)
 
 
-def _layer_list(text: str) -> list[int] | None:
+def _layer_list(text: str) -> list[int] | int | None:
     """The list a --moe-layer-freq string spells, as Megatron's eval would make it, from list
-    literals of 0 and 1 joined by + and repeated by * (in any nesting): read from its syntax
-    tree, never evaluated; None for anything else."""
+    literals of 0 and 1 joined by + and repeated by * (in any nesting), or the whole number it
+    is: read from its syntax tree, never evaluated; None for anything else."""
     try:
         tree = ast.parse(text.strip(), mode="eval").body
     except (SyntaxError, ValueError, RecursionError):
@@ -324,7 +327,7 @@ def _layer_list(text: str) -> list[int] | None:
         out = value(tree)
     except RecursionError:   # thousands of terms in a chain: no pattern a model has
         return None
-    return out if isinstance(out, list) else None
+    return out
 
 
 def moe_layer_pattern(freq: int | str | list | tuple, num_layers: int) -> list[int]:
@@ -336,14 +339,44 @@ def moe_layer_pattern(freq: int | str | list | tuple, num_layers: int) -> list[i
         pattern = [int(bool(x)) for x in freq]
     else:
         pattern = _layer_list(str(freq))
-        if pattern is None:
+        if isinstance(pattern, int) and pattern >= 1:   # "2": Megatron's int form, as text
+            return moe_layer_pattern(pattern, num_layers)
+        if not isinstance(pattern, list):
             raise ToolError("bad_model", f"cannot read moe_layer_freq {str(freq)[:200]!r}",
                             where="model.moe_layer_freq",
                             fix='give an int, a list of 0/1, or a string like "([0]*3+[1]*58)" or "([1]*3+[0])*6"')
     if len(pattern) != num_layers:
-        raise ToolError("bad_model", f"moe_layer_freq has {len(pattern)} entries for {num_layers} layers",
+        raise ToolError("bad_model", f"moe_layer_freq has {len(pattern)} entries for {num_layers} layers "
+                        f"{REFUSED_WHEN_BUILT}",
                         where="model.moe_layer_freq", fix="give one 0/1 entry per layer")
     return pattern
+
+
+def _router_rule(v: dict[str, Any]) -> tuple[str, str, str, bool] | None:
+    """The first rule for the router the fields break, as (what, the field, how to fix, whether
+    Megatron refuses it), or None. Megatron's (TransformerConfig and its group-limited top-k):
+    a script that breaks one passes the argument parser and stops when Megatron builds the
+    model, or at its first step."""
+    experts, topk = v["num_experts"], v["moe_router_topk"]
+    routed = (v["moe_router_score_function"] != "softmax" or v["moe_router_enable_expert_bias"]
+              or v["moe_router_topk_scaling_factor"] is not None or v["moe_router_num_groups"] is not None)
+    if not experts:   # not Megatron's rule (it ignores them): settings that would say nothing
+        return ("router settings on a model without experts", "num_experts",
+                "give num_experts, or leave the moe_router_* fields out", False) if routed else None
+    if v["moe_router_enable_expert_bias"] and v["moe_router_score_function"] == "softmax":
+        return ("the expert bias needs sigmoid (or sqrtsoftplus) scores in Megatron", "moe_router_enable_expert_bias",
+                "set moe_router_score_function to sigmoid, or leave the bias out", True)
+    if topk == 1 and v["moe_router_score_function"] == "softmax" and not v["moe_router_pre_softmax"]:
+        return ("top-1 routing over softmax scores renormalised gives every token the weight 1: Megatron asks for "
+                "the softmax before the top-k", "moe_router_pre_softmax", "set moe_router_pre_softmax to true",
+                True)
+    groups, group_topk = v["moe_router_num_groups"], v["moe_router_group_topk"]
+    if groups and not 1 <= topk // group_topk <= experts // groups:
+        return (f"group-limited routing ranks each of {groups} groups by the sum of its top {topk // group_topk} "
+                f"scores (top-k {topk} // {group_topk} groups), which must be 1 to {experts // groups}, the "
+                "experts of a group", "moe_router_group_topk",
+                "choose at most top-k groups, and no more top-k per group than a group has experts", True)
+    return None
 
 
 def build_spec(name: str, fields: dict[str, Any], where: str = "model") -> ModelConfig:
@@ -363,7 +396,7 @@ def build_spec(name: str, fields: dict[str, Any], where: str = "model") -> Model
             values[key] = tuple(values[key])
     for key in REQUIRED + ("num_query_groups", "kv_channels", "num_experts", "moe_ffn_hidden_size",
                            "moe_shared_expert_intermediate_size", "q_lora_rank", "mtp_num_layers",
-                           "moe_router_num_groups", "moe_router_group_topk"):
+                           "moe_router_num_groups", "moe_router_group_topk", "moe_router_topk"):
         v = values[key]
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
             raise ToolError("bad_model", f"{key} must be a positive integer, got {v!r}",
@@ -373,7 +406,7 @@ def build_spec(name: str, fields: dict[str, Any], where: str = "model") -> Model
         raise ToolError("bad_model", f"norm_epsilon must be a number between 0 and 1, got {eps!r}",
                         where=f"{where}.norm_epsilon", fix="use the model's epsilon (1e-5 or 1e-6 for most)")
     scale = values["moe_router_topk_scaling_factor"]
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < 1e6):
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale <= 1e6):
         raise ToolError("bad_model", f"moe_router_topk_scaling_factor must be a positive number or null, got {scale!r}",
                         where=f"{where}.moe_router_topk_scaling_factor", fix="DeepSeek-V3 scales by 2.5")
     groups, group_topk = values["moe_router_num_groups"], values["moe_router_group_topk"]
@@ -381,14 +414,19 @@ def build_spec(name: str, fields: dict[str, Any], where: str = "model") -> Model
         raise ToolError("bad_model", f"moe_router_num_groups {groups} and moe_router_group_topk {group_topk}: give both, "
                         "the groups dividing the experts and the top groups no more than the groups",
                         where=f"{where}.moe_router_num_groups", fix="DeepSeek-V3: 8 groups, the top 4")
-    factor = values["rope_scaling_factor"]
-    if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor < 1):
-        raise ToolError("bad_model", f"rope_scaling_factor must be a number >= 1 or null, got {factor!r}",
-                        where=f"{where}.rope_scaling_factor", fix="Llama 3.1 uses 8, Llama 3.2 uses 32")
     for key, choices in ENUMS.items():
         if values[key] not in choices:
             raise ToolError("bad_model", f"{key} must be one of {list(choices)}, got {values[key]!r}",
                             where=f"{where}.{key}", fix=f"choose one of {list(choices)}")
+    router_rule = _router_rule(values)
+    if router_rule:
+        what, field, fix, megatrons = router_rule
+        raise ToolError("bad_model", f"{what} {REFUSED_WHEN_BUILT}" if megatrons else what, where=f"{where}.{field}",
+                        fix=fix)
+    factor = values["rope_scaling_factor"]
+    if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor < 1):
+        raise ToolError("bad_model", f"rope_scaling_factor must be a number >= 1 or null, got {factor!r}",
+                        where=f"{where}.rope_scaling_factor", fix="Llama 3.1 uses 8, Llama 3.2 uses 32")
     spec = ModelConfig(name=name, **values)
     if not spec.multi_latent_attention and spec.kv_channels is None and spec.hidden_size % spec.num_attention_heads:
         raise ToolError("bad_model", f"hidden_size {spec.hidden_size} is not a multiple of num_attention_heads "
@@ -491,9 +529,15 @@ def hf_differences(cfg: dict, weights_only: bool = False) -> list[str]:
         out.append(f"RoPE on a part of each head (partial_rotary_factor {cfg['partial_rotary_factor']}): read as on "
                    "all of it")
     window = cfg.get("sliding_window")
-    # Qwen's configs carry a window that is off unless use_sliding_window (transformers' default: off)
-    if window and cfg.get("use_sliding_window", not str(cfg.get("model_type", "")).startswith("qwen")) \
-            and not weights_only:
+    # Qwen's configs carry a window that is off unless use_sliding_window (transformers' default:
+    # off), and then only from layer max_window_layers on; layer_types (newer configs) names each
+    # layer's attention
+    qwen = str(cfg.get("model_type", "")).startswith("qwen")
+    sliding = cfg.get("use_sliding_window", not qwen) and (
+        not qwen or (cfg.get("max_window_layers") or 0) < (cfg.get("num_hidden_layers") or 0))
+    if isinstance(cfg.get("layer_types"), list):
+        sliding = "sliding_attention" in cfg["layer_types"]
+    if window and sliding and not weights_only:
         out.append(f"sliding-window attention ({window} tokens): read as full causal attention, the same model "
                    f"for sequences up to {window} tokens")
     if str(cfg.get("hidden_act", "silu")) != "silu":
@@ -508,6 +552,16 @@ def hf_differences(cfg: dict, weights_only: bool = False) -> list[str]:
         if r["scoring_func"] not in ("softmax", "sigmoid") or r["topk_method"] not in READ_TOPK_METHODS:
             out.append(f"the router's {str(r['scoring_func'])[:40]} scores with top-k method "
                        f"{str(r['topk_method'])[:40]}: read as softmax scores, greedy top-k")
+        topk = cfg.get("num_experts_per_tok") or 1
+        if r["scoring_func"] == "sigmoid" and not r["norm_topk_prob"] and topk > 1:
+            out.append("sigmoid scores of the chosen experts not renormalised: read renormalised (Megatron's "
+                       "sigmoid router renormalises them)")
+        if (r["n_group"] or 1) > 1 and r["topk_method"] == "group_limited_greedy":
+            out.append("expert groups ranked by their best score (DeepSeek-V2): read as ranked by the sum of "
+                       f"their top {max(1, topk // (r['topk_group'] or 1))} (Megatron's group-limited routing)")
+        elif (r["n_group"] or 1) > 1 and r["topk_method"] == "noaux_tc" and topk // (r["topk_group"] or 1) != 2:
+            out.append("expert groups ranked by the sum of their top 2 scores (DeepSeek-V3): read as the sum of "
+                       f"their top {topk // (r['topk_group'] or 1)} (Megatron's group-limited routing)")
     if cfg.get("model_type") == "qwen2_moe" and cfg.get("shared_expert_intermediate_size"):
         out.append("the shared expert's sigmoid gate: read as an ungated shared expert")
     return out
@@ -556,7 +610,11 @@ HF_COUNTS = {"num_hidden_layers": 4096, "hidden_size": 1048576, "intermediate_si
              "max_position_embeddings": 16777216, "num_local_experts": 65536, "num_experts": 65536,
              "num_experts_per_tok": 1024, "moe_intermediate_size": 4194304, "decoder_sparse_step": 4096,
              "shared_expert_intermediate_size": 4194304, "sliding_window": 16777216, "n_group": 65536,
-             "topk_group": 65536}
+             "topk_group": 65536, "n_routed_experts": 65536, "kv_lora_rank": 65536, "q_lora_rank": 65536,
+             "qk_nope_head_dim": 65536, "qk_rope_head_dim": 65536, "v_head_dim": 65536, "moe_layer_freq": 4096,
+             "max_window_layers": 4096}
+# Counts that may be 0 as well (no dense layers first, no shared experts, no MTP layers).
+HF_COUNTS_FROM_ZERO = {"first_k_dense_replace": 4096, "n_shared_experts": 1024, "num_nextn_predict_layers": 64}
 # The other settings the readers and hf_differences look at, and the JSON types each may have
 # (or null): a string where a switch is asked would otherwise read as true, a list as a window.
 HF_TYPES = {"norm_topk_prob": bool, "use_sliding_window": bool, "mlp_bias": bool, "attention_bias": bool,
@@ -575,10 +633,10 @@ def check_hf_counts(cfg: dict, where: str) -> None:
             raise ToolError("bad_model", f"config.json's {key} must be a {'switch (true or false)' if kinds is bool else kind}"
                             f", got {json.dumps(value)[:80]}", where=f"{where}.{key}",
                             fix="give the Hugging Face config.json as transformers writes it")
-    for key, most in HF_COUNTS.items():
+    for key, least, most in [(k, 1, m) for k, m in HF_COUNTS.items()] + [(k, 0, m) for k, m in HF_COUNTS_FROM_ZERO.items()]:
         value = cfg.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most):
-            raise ToolError("bad_model", f"config.json's {key} must be a whole number from 1 to {most}, got "
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not least <= value <= most):
+            raise ToolError("bad_model", f"config.json's {key} must be a whole number from {least} to {most}, got "
                             f"{json.dumps(value)[:80]}", where=f"{where}.{key}",
                             fix="give the Hugging Face config.json as transformers writes it")
 
@@ -664,7 +722,8 @@ def _hf_deepseek(cfg: dict) -> dict:
         "num_experts": cfg["n_routed_experts"],
         "moe_router_topk": cfg["num_experts_per_tok"],
         "moe_ffn_hidden_size": cfg["moe_intermediate_size"],
-        "moe_layer_freq": [0] * dense + [1] * (layers - dense),
+        # transformers: layer i is an MoE layer from first_k_dense_replace on, every moe_layer_freq-th
+        "moe_layer_freq": [int(i >= dense and i % (cfg.get("moe_layer_freq") or 1) == 0) for i in range(layers)],
         # MLA's norms of the query and key-value latents (Megatron builds them with --qk-layernorm)
         "qk_layernorm": True,
     }
@@ -677,7 +736,9 @@ def _hf_deepseek(cfg: dict) -> dict:
         fields["moe_router_enable_expert_bias"] = True
     if (r["n_group"] or 1) > 1 and r["topk_method"] in ("group_limited_greedy", "noaux_tc"):
         fields.update(moe_router_num_groups=r["n_group"], moe_router_group_topk=r["topk_group"])
-    if r["routed_scaling_factor"] not in (None, 1, 1.0):
+    # DeepSeek-V2 scales the routed weights only where it does not renormalise them; V3 always
+    scaled = cfg["model_type"] == "deepseek_v3" or not r["norm_topk_prob"]
+    if r["routed_scaling_factor"] not in (None, 1, 1.0) and scaled:
         fields["moe_router_topk_scaling_factor"] = float(r["routed_scaling_factor"])
     if cfg.get("n_shared_experts"):
         fields["moe_shared_expert_intermediate_size"] = cfg["n_shared_experts"] * cfg["moe_intermediate_size"]

@@ -33,7 +33,7 @@ from ..core.flops import padded_vocab_size
 from ..core.layout import RULES, Layout, broken_rules
 from ..core.memory import GIB, memory_report
 from ..core.memory import peak as memory_peak
-from ..core.model import ModelConfig
+from ..core.model import REFUSED_WHEN_BUILT, ModelConfig
 from ..core.moe import MoEOptions
 from ..errors import ToolError
 
@@ -274,7 +274,8 @@ def check_launch(launch: Launch, gpu_name: str | None, recheck_fix: bool = True)
         findings.append(_finding("model_out_of_range" if beyond else "bad_model",
                                  f"the model-size flags describe no model this check covers: {why}",
                                  "correct the model-size flags (a typo?); the layout and memory are unchecked",
-                                 severity="error" if beyond and described.ABOVE_RANGE in why else "warning"))
+                                 severity="error" if (beyond and described.ABOVE_RANGE in why)
+                                 or REFUSED_WHEN_BUILT in (why or "") else "warning"))
         result["memory"] = {"skipped": f"no model: {why}"}
     elif model is None:
         findings.append(_finding("incomplete", f"cannot check the layout: {why}", "set the model-size flags",
