@@ -444,25 +444,20 @@ def build_spec(name: str, fields: dict[str, Any], where: str = "model") -> Model
 
 
 # ---- Hugging Face config.json --------------------------------------------------------
-def hf_config_json(path: str | Path) -> dict:
-    """A Hugging Face config.json as read: the file, or the one in a folder."""
+def hf_config_json(path: str | Path) -> tuple[dict, Path]:
+    """A Hugging Face config.json as read (the file, or the one in a folder), and its path."""
     from .. import files
 
     p = Path(path)
     if files.kind_of(p) == "folder":
         p = p / "config.json"
-    return files.read_json_object(p, where="hf_config", what="Hugging Face config.json", code="bad_model")
+    return files.read_json_object(p, where="hf_config", what="Hugging Face config.json", code="bad_model"), p
 
 
 def from_hf_config(path: str | Path) -> ModelConfig:
     """Read a local Hugging Face config.json (Llama, Mixtral, Qwen2/3, Qwen3-MoE, DeepSeek-V3)."""
-    from .. import files
-
     where = "hf_config"
-    p = Path(path)
-    if files.kind_of(p) == "folder":
-        p = p / "config.json"
-    cfg = hf_config_json(p)
+    cfg, p = hf_config_json(path)
     check_rope_fields(cfg, where)
     mtype = cfg.get("model_type")
     readers = {"llama": _hf_llama, "mistral": _hf_llama, "mixtral": _hf_llama, "qwen2": _hf_llama,

@@ -450,7 +450,7 @@ def import_step(req: dict, model, k8s: dict | None) -> dict | None:
     if req.get("hf_config"):   # the job's import-hf checks the same config: refuse now, not once the job has its nodes
         from ..convert.hf import check_config
         from ..core.model import hf_config_json
-        check_config(hf_config_json(req["hf_config"]), where="/hf_config")
+        check_config(hf_config_json(req["hf_config"])[0], where="/hf_config")
     paths = {"hf_model": spec["hf_model"], "output": output}
     for key, path in paths.items():
         where = "/import_hf/" + key if key in spec else "/training/pretrained"
