@@ -510,6 +510,10 @@ def _a_cpu_run_killed_then_finished_wakes_one_agent_run_per_event_with_the_inten
     killed_at = _checkpoint(run_dir)
     assert killed_at < 30  # the worker was stopped with torchrun: the run did not go on to its end
 
+    def kill_answered():   # a person resumes once told: the resume does not race the kill's answer
+        failed = next((r for r in _records(run_dir) if r["type"] == "job.failed"), None)
+        return failed if failed and gateway.model.finished(failed["event_id"]) else None
+    wait_until(kill_answered, 300, "the agent's answer to the kill")
     finished = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600)
     result = json.loads(finished.stdout)["result"]
     assert result["returncode"] == 0 and result["resumed_from"] == killed_at
