@@ -371,6 +371,10 @@ def _router_rule(v: dict[str, Any]) -> tuple[str, str, str, bool] | None:
                 "the softmax before the top-k", "moe_router_pre_softmax", "set moe_router_pre_softmax to true",
                 True)
     groups, group_topk = v["moe_router_num_groups"], v["moe_router_group_topk"]
+    if (groups is None) != (group_topk is None) or (groups and (group_topk > groups or experts % groups)):
+        return (f"moe_router_num_groups {groups} and moe_router_group_topk {group_topk}: give both, the groups "
+                "dividing the experts and the top groups no more than the groups", "moe_router_num_groups",
+                "DeepSeek-V3: 8 groups, the top 4", False)
     if groups and not 1 <= topk // group_topk <= experts // groups:
         return (f"group-limited routing ranks each of {groups} groups by the sum of its top {topk // group_topk} "
                 f"scores (top-k {topk} // {group_topk} groups), which must be 1 to {experts // groups}, the "
@@ -409,11 +413,6 @@ def build_spec(name: str, fields: dict[str, Any], where: str = "model") -> Model
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale <= 1e6):
         raise ToolError("bad_model", f"moe_router_topk_scaling_factor must be a positive number or null, got {scale!r}",
                         where=f"{where}.moe_router_topk_scaling_factor", fix="DeepSeek-V3 scales by 2.5")
-    groups, group_topk = values["moe_router_num_groups"], values["moe_router_group_topk"]
-    if (groups is None) != (group_topk is None) or (groups and (group_topk > groups or (values["num_experts"] or 0) % groups)):
-        raise ToolError("bad_model", f"moe_router_num_groups {groups} and moe_router_group_topk {group_topk}: give both, "
-                        "the groups dividing the experts and the top groups no more than the groups",
-                        where=f"{where}.moe_router_num_groups", fix="DeepSeek-V3: 8 groups, the top 4")
     for key, choices in ENUMS.items():
         if values[key] not in choices:
             raise ToolError("bad_model", f"{key} must be one of {list(choices)}, got {values[key]!r}",
