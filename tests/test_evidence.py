@@ -14,7 +14,7 @@ from conftest import ROOT
 from megatron_skill.contract import call
 from megatron_skill.core import evidence
 
-STORED = ROOT / "references" / "results" / "ci-2026-12-06" / "published-runs.md"
+STORED = ROOT / "references" / "results" / "ci-2026-12-07" / "published-runs.md"
 
 
 def test_the_stored_table_is_what_the_planner_says_now():

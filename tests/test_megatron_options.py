@@ -61,6 +61,26 @@ def test_the_fused_cross_entropy_keeps_no_fp32_copy_of_the_logits_and_costs_less
     assert fast < slow / 5
 
 
+def test_the_precision_aware_optimizer_keeps_only_the_masters_missing_bits_and_smaller_moments():
+    bf16 = dataclasses.replace(DP8, precision="bf16")
+    base = _first(bf16)
+    aware = _first(bf16, precision_aware_optimizer=True)
+    assert aware.optimizer == pytest.approx(base.optimizer * 10 / 12)   # 2 + 4 + 4 bytes against 4 + 4 + 4
+    small = _first(bf16, precision_aware_optimizer=True, exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16")
+    assert small.optimizer == pytest.approx(base.optimizer * 6 / 12)
+    # FP8 runs (tensorwise or MXFP8) keep the whole fp32 master: only the moments' dtypes count
+    assert _first(DP8, precision_aware_optimizer=True).optimizer == pytest.approx(_first(DP8).optimizer)
+    assert _first(DP8, precision_aware_optimizer=True, exp_avg_sq_dtype="bf16").optimizer == pytest.approx(
+        _first(DP8).optimizer * 10 / 12)
+    # it is Transformer Engine's Adam: without TE nothing changes (and a request is refused below)
+    assert RuntimeOptions.from_request(None, te=False, megatron={"precision_aware_optimizer": True}).memory(
+        bf16).optimizer_bytes == 12
+    no_distopt = dataclasses.replace(bf16, distributed_optimizer=False)
+    aware_opts = MegatronOptions(precision_aware_optimizer=True)
+    assert check_layout(no_distopt, LLAMA8B, H100, 8, True, megatron=aware_opts) == "precision_aware_needs_distopt"
+    assert check_layout(bf16, LLAMA8B, H100, 8, True, megatron=aware_opts) is None
+
+
 def test_fp8_parameter_gather_needs_te_fp8_and_a_sharded_optimizer():
     gather = MegatronOptions(fp8_param_gather=True)
     assert check_layout(DP8, LLAMA8B, H100, 8, True, megatron=gather) is None
@@ -80,7 +100,8 @@ def test_the_flags_pass_megatrons_parser_and_read_back_as_the_same_options():
 
     tp2 = Layout(tp=2, pp=1, dp=4, mbs=1, gbs=128, seq_length=8192, precision="fp8", sequence_parallel=True)
     every = MegatronOptions(grad_reduce_in_bf16=True, fp8_param_gather=True, fsdp=True, cross_entropy_fusion=True,
-                            cuda_graph_impl="transformer_engine", cuda_graph_modules=("attn", "mlp"))
+                            cuda_graph_impl="transformer_engine", cuda_graph_modules=("attn", "mlp"),
+                            precision_aware_optimizer=True, exp_avg_dtype="bf16", exp_avg_sq_dtype="fp8")
     te = arguments.te_only_args(tp2, H100, False, LLAMA8B, None, every)
     assert "--tp-comm-overlap" in te and te[-5:] == ["--cuda-graph-impl", "transformer_engine",
                                                      "--cuda-graph-modules", "attn", "mlp"]
@@ -125,6 +146,7 @@ def test_the_tp_overlap_and_cuda_graphs_are_costed_where_they_run():
 @pytest.mark.parametrize("options, field", [
     ({"cuda_graph_impl": "transformer_engine"}, "cuda_graph_impl"),           # without TE
     ({"cuda_graph_modules": ["attn"]}, "cuda_graph_modules"),                 # modules without graphs
+    ({"precision_aware_optimizer": True}, "precision_aware_optimizer"),       # TE's Adam without TE
 ])
 def test_cuda_graph_requests_that_cannot_run_are_bad_requests(options, field):
     from megatron_skill.errors import ToolError
@@ -132,6 +154,16 @@ def test_cuda_graph_requests_that_cannot_run_are_bad_requests(options, field):
     with pytest.raises(ToolError) as err:
         MegatronOptions.from_request(options).check_request("bf16", te=False)
     assert err.value.code == "bad_request" and err.value.where.endswith(field)
+
+def test_adam_state_dtypes_without_the_precision_aware_optimizer_are_a_bad_request():
+    from megatron_skill.errors import ToolError
+
+    with pytest.raises(ToolError) as err:
+        MegatronOptions.from_request({"exp_avg_sq_dtype": "bf16"}).check_request("bf16", te=True)
+    assert err.value.code == "bad_request" and err.value.where == "/megatron_options/exp_avg_sq_dtype"
+    MegatronOptions.from_request({"exp_avg_sq_dtype": "bf16", "precision_aware_optimizer": True}).check_request(
+        "bf16", te=True)
+
 
 def test_render_writes_them_from_a_plan_and_validate_reads_the_script_back_valid(tmp_path):
     require_modules("megatron.training")

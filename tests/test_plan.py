@@ -399,15 +399,19 @@ def test_near_ties_go_to_the_leaner_layout():
 def test_a_person_at_the_terminal_gets_a_short_summary_on_stderr_and_stdout_stays_one_json_object():
     from conftest import run_inproc
 
-    code, out, err = run_inproc("plan", "--model", "llama3-8b", "--num-gpus", "8", "--top", "3")
+    # a B200, whose kernel rates are assumed: the forecast says so among the warnings
+    code, out, err = run_inproc("plan", "--model", "llama3-8b", "--num-gpus", "8", "--top", "3", "--gpu", "b200")
     assert code == 0 and isinstance(out, dict) and out["ok"]  # stdout: the JSON answer alone
     lines = err.splitlines()
-    head = next(i for i, line in enumerate(lines) if line.startswith("plan: llama3-8b on 8 x h100-sxm"))
+    head = next(i for i, line in enumerate(lines) if line.startswith("plan: llama3-8b on 8 x b200"))
     assert "layout" in lines[head + 1] and "tokens/s" in lines[head + 1] and "MFU" in lines[head + 1]
     rows = lines[head + 2:head + 5]
     assert [r.split()[0] for r in rows] == ["1", "2", "3"]
     assert [r.split()[1] for r in rows] == [p["label"].split()[0] for p in out["result"]["plans"]]
     assert "warnings:" in lines and any("speed forecast:" in line for line in lines)
+    # the same warnings in the JSON, where an agent reads them
+    warned = lines[lines.index("warnings:") + 1:]
+    assert warned == [f"  - {w}" for w in out["result"]["warnings"]] and "assumed" in warned[-1]
     assert len(err) < 2000 < len(json.dumps(out))
 
 
@@ -434,3 +438,14 @@ def test_an_infeasible_plan_names_the_nearest_gpu_counts_and_batches_that_fit():
     code, out, err = run_inproc("plan", "--model", "llama3-70b", "--num-gpus", "8", "--seq-length", "8192")
     assert code == 4 and out["ok"] is False
     assert f"fits: {counts[0]} GPUs, global batch 512: {near['num_gpus'][0]['best']}" in err
+
+
+def test_fp8_without_te_at_tp_above_one_is_said_to_run_its_linear_layers_in_bf16():
+    """Without TE the skill's FP8 layers take only TP 1: a plan at TP 2 keeps the FP8 label (its
+    flags ask for FP8) and is costed with BF16 linear layers, and its warnings say so."""
+    req = {"model": "llama3-8b", "gpu": "h100-sxm", "num_gpus": 8, "precision": "fp8", "transformer_engine": False,
+           "top": 1}
+    tp2 = call("plan", {**req, "constraints": {"tp": [2]}})["result"]
+    assert any("every linear layer stays BF16" in w for w in tp2["warnings"]), tp2["warnings"]
+    tp1 = call("plan", {**req, "constraints": {"tp": [1]}})["result"]
+    assert not any("stays BF16" in w for w in tp1["warnings"]), tp1["warnings"]

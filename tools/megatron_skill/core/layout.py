@@ -311,6 +311,10 @@ RULES = {
         "the distributed optimizer or Megatron-FSDP",
         "drop --fp8-param-gather, or train in FP8 (--fp8-format) on Transformer Engine's layers with "
         "--use-distributed-optimizer or Megatron-FSDP"),
+    "precision_aware_needs_distopt": Rule(
+        "the precision-aware optimizer (precision_aware_optimizer) runs with the distributed optimizer "
+        "(Megatron's optimizer config asserts it)",
+        "add --use-distributed-optimizer, or drop --use-precision-aware-optimizer"),
     "fsdp_needs_te": Rule(
         "Megatron-FSDP runs with Transformer Engine's layers (its adapter asserts Transformer Engine 2.10 or "
         "newer)",
@@ -399,6 +403,8 @@ def options_rules(lay: Layout, megatron: MegatronOptions, te: bool) -> Iterator[
         yield "fp8_param_gather_needs_te_fp8"
     if megatron.fsdp and not te:
         yield "fsdp_needs_te"
+    if megatron.precision_aware_optimizer and not (lay.distributed_optimizer or megatron.fsdp):
+        yield "precision_aware_needs_distopt"
 
 
 def pipeline_rules(lay: Layout, model: ModelConfig) -> Iterator[str]:

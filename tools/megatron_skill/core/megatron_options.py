@@ -1,7 +1,7 @@
 """Megatron's own options beyond the layout that change memory, communication and launch overhead,
 as NVIDIA's recipes set them: gradients reduced in bf16, FP8 weights gathered, Megatron-FSDP
 sharding weights and gradients too, the fused cross-entropy, TP communication overlapped with the
-GEMMs, CUDA graphs. One value.
+GEMMs, CUDA graphs, the precision-aware optimizer's smaller states. One value.
 
 Its defaults are the request schema's (schemas/common.json, `megatron_options`), which are
 Megatron's own (all off) but for the TP overlap, which the skill turns on where TE can run it.
@@ -17,6 +17,9 @@ from typing import Any
 from ..errors import ToolError
 from .defaults import schema_defaults
 
+# Bytes of an Adam moment by the dtype Megatron's --exp-avg-dtype / --exp-avg-sq-dtype name
+STATE_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "fp8": 1.0}
+
 
 @dataclasses.dataclass(frozen=True)
 class MegatronOptions:
@@ -27,6 +30,9 @@ class MegatronOptions:
     tp_comm_overlap: bool = True         # --tp-comm-overlap where TE, SP and one NVLink domain allow it
     cuda_graph_impl: str = "none"        # --cuda-graph-impl: none, local, transformer_engine, full_iteration
     cuda_graph_modules: tuple[str, ...] = ()   # --cuda-graph-modules; empty: whole layers
+    precision_aware_optimizer: bool = False   # --use-precision-aware-optimizer: TE's Adam keeps the states below
+    exp_avg_dtype: str = "fp32"          # --exp-avg-dtype: Adam's first moment under it
+    exp_avg_sq_dtype: str = "fp32"       # --exp-avg-sq-dtype: its second moment
     fsdp_grads_fp32: bool = False        # --megatron-fsdp-main-grads-dtype fp32 (read from scripts only)
 
     @classmethod
@@ -51,7 +57,13 @@ class MegatronOptions:
         elif impl == "none" and getattr(ns, "external_cuda_graph", False):
             impl = "transformer_engine"
         modules = tuple(str(getattr(m, "name", m)) for m in (getattr(ns, "cuda_graph_modules", None) or ()))
+        def state_dtype(name: str) -> str:   # a name, or the torch dtype validate_args made of it
+            value = getattr(ns, name, None)
+            return {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16",
+                    "torch.uint8": "fp8"}.get(str(value), str(value or "fp32"))
         return cls(grad_reduce_in_bf16=bool(getattr(ns, "grad_reduce_in_bf16", False)),
+                   precision_aware_optimizer=bool(getattr(ns, "use_precision_aware_optimizer", False)),
+                   exp_avg_dtype=state_dtype("exp_avg_dtype"), exp_avg_sq_dtype=state_dtype("exp_avg_sq_dtype"),
                    fsdp_grads_fp32=fsdp and fsdp_grads in ("fp32", "float32"),
                    fp8_param_gather=bool(getattr(ns, "fp8_param_gather", False)), fsdp=fsdp,
                    cross_entropy_fusion=bool(getattr(ns, "cross_entropy_loss_fusion", False)),
@@ -63,6 +75,19 @@ class MegatronOptions:
         """Main gradients kept and reduced in bf16: asked for, or Megatron-FSDP's default (the
         parameters' dtype; grad_reduce_in_bf16 does not change it)."""
         return self.grad_reduce_in_bf16 or (self.fsdp and not self.fsdp_grads_fp32)
+
+    def optimizer_state_bytes(self, precision: str, te: bool) -> float:
+        """Bytes an optimizer-shard parameter keeps in the optimizer: an fp32 master copy and Adam's
+        two moments (12), or under the precision-aware optimizer (TE's Adam) the moments in their
+        dtypes and, for bf16 weights, only the 16 bits of the fp32 master the bf16 weight lacks
+        (Megatron's store_param_remainders, on by default): NeMo's distributed Adam kept the
+        same. Megatron keeps the whole fp32 master where the FP8 recipe is not delayed scaling
+        (the recipe render writes, tensorwise or MXFP8) or under Megatron-FSDP (its own master
+        buffer)."""
+        if not (self.precision_aware_optimizer and te):
+            return 12.0
+        master = 4.0 if precision == "fp8" or self.fsdp else 2.0
+        return master + STATE_BYTES[self.exp_avg_dtype] + STATE_BYTES[self.exp_avg_sq_dtype]
 
     def check_request(self, precision: str, te: bool) -> None:
         """A bad_request where the request itself asks what no layout can run (every layout would
@@ -76,6 +101,15 @@ class MegatronOptions:
             raise ToolError("bad_request", "Megatron-FSDP runs with Transformer Engine's layers (its adapter asserts "
                             "Transformer Engine 2.10 or newer)", where="/megatron_options/fsdp",
                             fix="plan for Transformer Engine, or drop fsdp")
+        if self.precision_aware_optimizer and not te:
+            raise ToolError("bad_request", "the precision-aware optimizer is Transformer Engine's Adam (Megatron "
+                            "asserts its FusedAdam)", where="/megatron_options/precision_aware_optimizer",
+                            fix="plan for Transformer Engine, or drop precision_aware_optimizer")
+        for name in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+            if getattr(self, name) != "fp32" and not self.precision_aware_optimizer:
+                raise ToolError("bad_request", f"{name} {getattr(self, name)} without the precision-aware optimizer: "
+                                "Megatron keeps fp32 moments and ignores it", where=f"/megatron_options/{name}",
+                                fix="set precision_aware_optimizer true, or leave the dtype at fp32")
         if self.cuda_graph_impl != "none" and not te:
             raise ToolError("bad_request", "CUDA graphs are planned for Transformer Engine's layers only (the skill's "
                             "local path is not captured)", where="/megatron_options/cuda_graph_impl",
@@ -112,9 +146,15 @@ class MegatronOptions:
     def te_flags(self) -> list[str]:
         """Flags that run only on Transformer Engine's layers (with the TP overlap, which depends on
         the layout: adapter/arguments.py, te_only_args)."""
+        a = []
+        if self.precision_aware_optimizer:   # Megatron asserts TE's FusedAdam for it
+            a.append("--use-precision-aware-optimizer")
+            for name in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+                if getattr(self, name) != "fp32":
+                    a += [f"--{name.replace('_', '-')}", getattr(self, name)]
         if self.cuda_graph_impl == "none":
-            return []
-        a = ["--cuda-graph-impl", self.cuda_graph_impl]
+            return a
+        a += ["--cuda-graph-impl", self.cuda_graph_impl]
         if self.cuda_graph_modules:
             a += ["--cuda-graph-modules", *self.cuda_graph_modules]
         if self.cuda_graph_impl == "full_iteration":   # Megatron asserts the NaN check off under it

@@ -63,6 +63,8 @@ class MemoryOptions:
     local_clip: bool = False            # Megatron's fallback gradient clipping (no TE or apex) scales each
     #                                     gradient through a temporary copy: the largest one at the step
     te_attention: bool = False          # TE's core attention: keeps its own contiguous V, the QKV output is freed
+    optimizer_bytes: float = 12.0       # per optimizer-shard parameter: fp32 master and two fp32 moments, or
+    #                                     the precision-aware optimizer's (MegatronOptions.optimizer_state_bytes)
     tp_comm_overlap: bool = False       # TE's userbuffers for --tp-comm-overlap, counted where TP > 1 under SP
     #                                     (also where a TP group spans NVLink domains and render leaves it off)
 
@@ -356,7 +358,7 @@ def fp8_linear_saved_bytes(model: ModelConfig, lay: Layout) -> float:
 def _state_bytes(model: ModelConfig, layers: tuple[int, ...], n_moe: int, first: bool, last: bool, pipelined: bool,
                  tp: int, ep: int, etp: int, dp_cp: int, expert_dp: int, distributed_optimizer: bool, precision: str,
                  padded_vocab: int, fp8_params: bool, fp8_linear: bool, grad_bytes: int,
-                 fsdp_params: bool) -> tuple[float, float, float, float, float]:
+                 fsdp_params: bool, optimizer_bytes: float = 12.0) -> tuple[float, float, float, float, float]:
     """(parameters, weight, gradient and optimizer bytes, optimizer-shard parameters) of a rank:
     what the micro-batch and the recompute do not change, cached across the layouts of a search
     that share it."""
@@ -403,10 +405,10 @@ def _state_bytes(model: ModelConfig, layers: tuple[int, ...], n_moe: int, first:
                       if model.is_moe else 0.0)
         weights = weights * (dense_local / shard + expert_local / eshard) / max(params, 1) + 2 * BF16 * layer_w
         gradients = grad_bytes * (dense_local / shard + expert_local / eshard) + 2 * BF16 * layer_w
-    # fp32 master weights and two Adam moments (the fp32 copy of a bf16 gradient shard lives only
-    # through the step: StageMemory.step_transient)
+    # fp32 master weights and two Adam moments, or the precision-aware optimizer's states (the fp32
+    # copy of a bf16 gradient shard lives only through the step: StageMemory.step_transient)
     shard_params = dense_local / shard + expert_local / eshard
-    return params, weights, gradients, 12 * shard_params, shard_params
+    return params, weights, gradients, optimizer_bytes * shard_params, shard_params
 
 
 @functools.lru_cache(maxsize=65536)
@@ -441,7 +443,7 @@ def stage_memory(model: ModelConfig, lay: Layout, rank: int, padded_vocab: int,
     params, weights, gradients, optimizer, shard_params = _state_bytes(
         model, layers, n_moe, first, last, lay.pp > 1, lay.tp, lay.ep, lay.etp, lay.dp * lay.cp, lay.expert_dp,
         lay.distributed_optimizer, lay.precision, padded_vocab, opts.fp8_params, opts.fp8_linear, opts.grad_bytes,
-        opts.fsdp_params)
+        opts.fsdp_params, opts.optimizer_bytes)
 
     tokens = lay.mbs * lay.seq_length / lay.cp  # per micro-batch on this rank
     act = _layer_acts(model, lay.tp, lay.sequence_parallel, lay.recompute, lay.seq_length, lay.cp, lay.etp,

@@ -18,6 +18,15 @@ from .memory import BF16, FP32, MemoryOptions
 from .moe import MoEOptions
 
 
+def fp8_local_note(lay: Layout) -> str:
+    """Which layers stay BF16 when FP8 goes through the skill's own linear layers (no Transformer
+    Engine): RuntimeOptions.fp8_local says where they take it."""
+    if lay.tp > 1:
+        return (f"at TP {lay.tp} every linear layer stays BF16: the skill's FP8 layers are TP 1 only; the "
+                "output layer and embeddings stay BF16")
+    return "attention and MLP linear layers in FP8; the output layer and embeddings stay BF16"
+
+
 @dataclasses.dataclass(frozen=True)
 class RuntimeOptions:
     linear_cross_entropy: bool      # the fused output layer + cross-entropy (runtime/fused_head.py)
@@ -55,6 +64,7 @@ class RuntimeOptions:
         tensor-parallel communication inside they are Megatron's BF16 ones)."""
         return not self.te and (self.fp8_linear or lay.precision == "fp8") and lay.tp == 1
 
+
     @property
     def fused_wgrad(self) -> bool:
         """Weight gradients accumulate into main_grad inside their GEMM: TE's layers do; the
@@ -70,6 +80,7 @@ class RuntimeOptions:
                              grad_bytes=BF16 if self.megatron.bf16_grads else FP32,
                              fp8_params=self.megatron.fp8_param_gather and self.te and lay.precision == "fp8",
                              fsdp_params=self.megatron.fsdp,
+                             optimizer_bytes=self.megatron.optimizer_state_bytes(lay.precision, self.te),
                              fused_cross_entropy=self.megatron.cross_entropy_fusion and not self.fused_head,
                              te_attention=self.te, tp_comm_overlap=self.te and self.megatron.tp_comm_overlap)
 

@@ -11,7 +11,7 @@ from ..core import evidence
 from ..core.flops import padded_vocab_size
 from ..core.layout import Layout
 from ..core.memory import CONTEXT_GIB, FRAGMENTATION, NCCL_GIB_PER_GROUP, PLAN_MARGIN_GIB
-from ..core.options import RuntimeOptions
+from ..core.options import RuntimeOptions, fp8_local_note
 from ..core.planner import Candidate, rank, search
 from ..core.resolve import check_precision, default_global_batch, default_seq_length, resolve_cluster, resolve_model
 from ..core.timing import calibration
@@ -95,7 +95,7 @@ def run(req: dict[str, Any], ctx: Context) -> dict[str, Any]:
     elapsed = time.perf_counter() - started
     ctx.progress(f"plan: {len(ranked)} feasible layouts, best {best.layout.label()} "
                  f"{best.tokens_per_s:,.0f} tokens/s ({elapsed:.2f}s)")
-    return {
+    result = {
         "model": model.summary(),
         "cluster": {"gpu": gpu.key, "gpu_name": gpu.name, "num_gpus": n_gpus, "gpus_per_node": per_node,
                     "bf16_dense_tflops": gpu.bf16_dense_tflops, "memory_gib": gpu.memory_gib},
@@ -110,6 +110,9 @@ def run(req: dict[str, Any], ctx: Context) -> dict[str, Any]:
         "elapsed_s": round(elapsed, 3),
         "request": req,
     }
+    # the same lines the terminal's summary ends with: an agent reads only the JSON
+    result["warnings"] = _warnings(result)
+    return result
 
 
 # ---- an infeasible request: the nearest values that fit ---------------------------------
@@ -228,6 +231,10 @@ def _warnings(result: dict[str, Any]) -> list[str]:
                    "memory the planner does not model can still run it out of memory")
     if ((result.get("request") or {}).get("megatron_options") or {}).get("cuda_graph_impl", "none") != "none":
         out.append("CUDA graphs: the memory of their static buffers is not counted in the peak")
+    lay = Layout.from_json(best["layout"])
+    if lay.precision == "fp8" and not (result.get("request") or {}).get("transformer_engine", True) and lay.tp > 1:
+        # labelled FP8 (the flags ask for it), costed as what runs: BF16 linear layers
+        out.append(f"FP8 without Transformer Engine: {fp8_local_note(lay)} (costed so); TP 1 keeps FP8")
     if best["bottleneck"] not in ("gemm", "attention"):
         out.append(f"the best layout spends most of its step in {best['bottleneck']}, not in compute")
     return out
@@ -252,7 +259,7 @@ def summary(envelope: dict[str, Any]) -> str:
              f"{result['seq_length']}, global batch {result['global_batch_size']}: {result['feasible']} costed layouts fit",
              f"   #  {'layout':<34} {'peak/GPU GiB':>13} {'tokens/s':>12}  {'MFU':>5}  bottleneck"]
     lines += [_row(p) for p in result["plans"][:5]]
-    warnings = _warnings(result)
+    warnings = result.get("warnings") or []
     if warnings:
         lines.append("warnings:")
         lines += [f"  - {w}" for w in warnings]

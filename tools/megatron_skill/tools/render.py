@@ -26,7 +26,7 @@ from ..core.flops import padded_vocab_size
 from ..core.layout import RULES, Layout, check_layout
 from ..core.megatron_options import MegatronOptions
 from ..core.moe import MoEOptions
-from ..core.options import RuntimeOptions
+from ..core.options import RuntimeOptions, fp8_local_note
 from ..core.planner import predict, rank, search
 from ..core.resolve import (
     DEFAULT_TRAIN_ITERS,
@@ -370,14 +370,6 @@ def environment_check(context: dict, for_import: bool = False) -> dict:
             "modules": list(IMPORT_MODULES) if for_import else [], "checkout": bool(context["megatron_lm"])}
 
 
-def _fp8_local_note(lay: Layout) -> str:
-    """Which layers stay BF16 when FP8 goes through the skill's own linear layers."""
-    if lay.tp > 1:
-        return (f"at TP {lay.tp} every linear layer stays BF16: the skill's FP8 layers are TP 1 only; the "
-                "output layer and embeddings stay BF16")
-    return "attention and MLP linear layers in FP8; the output layer and embeddings stay BF16"
-
-
 def _check_values(req: dict) -> None:
     training = req.get("training") or {}
     if training.get("lr_warmup_iters") is not None and training["lr_warmup_iters"] >= training["train_iters"]:
@@ -690,7 +682,7 @@ def _script_context(job: _Job, training: dict, start: dict | None, container: di
         "num_gpus": job.n_gpus, "nodes": job.nodes, "gpus_per_node": job.gpus_here, "run_dir": run_dir,
         "python": req["python"], "skill_home": _job_path(req, "skill_home") or "",
         "skill_home_default": _home_relative_skill(), "megatron_lm": req.get("megatron_lm"), "container": container,
-        "fp8_local_note": _fp8_local_note(lay), "data_checks": _data_checks(training),
+        "fp8_local_note": fp8_local_note(lay), "data_checks": _data_checks(training),
         "data_from_env": _data_from_env(training), "tokenizer_from_env": _tokenizer_from_env(training),
         "entry": entry, "env": flags.env, "arg_lines": _group_args(flags.common), "no_te_flags": flags.local,
         "te_args": flags.te, "needs_te": _needs_te(lay, job.model, job.gpu), "fp8": lay.precision == "fp8",
