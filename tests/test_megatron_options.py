@@ -81,6 +81,31 @@ def test_the_precision_aware_optimizer_keeps_only_the_masters_missing_bits_and_s
     assert check_layout(bf16, LLAMA8B, H100, 8, True, megatron=aware_opts) is None
 
 
+def test_te_adams_fp32_copies_of_16_bit_moments_are_counted_at_the_step():
+    bf16 = dataclasses.replace(DP8, precision="bf16")
+    fp32 = _first(bf16, precision_aware_optimizer=True)
+    small = _first(bf16, precision_aware_optimizer=True, exp_avg_dtype="bf16", exp_avg_sq_dtype="fp8")
+    # two moments copied to fp32 for the whole shard while the kernel runs: 8 bytes a shard parameter
+    assert small.step_transient - fp32.step_transient == pytest.approx(8 * fp32.optimizer / 10)   # 10 B of state
+
+
+def test_requests_the_options_contradict_are_bad_requests_and_the_script_needs_te():
+    from megatron_skill.contract import call
+
+    env = call("plan", {"model": "llama3-8b", "num_gpus": 8, "constraints": {"distributed_optimizer": False},
+                        "megatron_options": {"precision_aware_optimizer": True}})
+    assert not env["ok"] and env["error"]["code"] == "bad_request", env
+    assert env["error"]["where"] == "/megatron_options/precision_aware_optimizer"
+    res = call("render", {"model": "llama3-8b", "num_gpus": 8, "launcher": "torchrun", "layout": {"tp": 2, "mbs": 1},
+                          "training": {"mock_data": True}, "dry_run": True,
+                          "megatron_options": {"precision_aware_optimizer": True}})
+    assert res["ok"], res
+    script = res["result"]["files"][0]["content"]
+    # the plan's memory counts TE's Adam: the script stops where TE is missing instead of running
+    # the local branch with Megatron's 12 bytes a parameter
+    assert '"te": "the precision-aware optimizer is Transformer Engine' in script
+
+
 def test_fp8_parameter_gather_needs_te_fp8_and_a_sharded_optimizer():
     gather = MegatronOptions(fp8_param_gather=True)
     assert check_layout(DP8, LLAMA8B, H100, 8, True, megatron=gather) is None

@@ -614,3 +614,29 @@ def test_the_memory_read_back_counts_te_s_tp_overlap_buffers_as_the_planner_does
     lay = Layout(tp=2, dp=4, mbs=1, gbs=64, seq_length=8192, sequence_parallel=True)
     expected = userbuffer_bytes(SimpleNamespace(hidden_size=4096), lay) / GIB   # sized by the hidden size alone
     assert expected > 0.5 and abs((peaks[1] - peaks[0]) - expected) < 0.02, (peaks, expected)
+
+
+@pytest.mark.parametrize("extra, says", [
+    ("--use-precision-aware-optimizer", "only supported with distributed optimizer"),
+    ("--exp-avg-dtype bf16", "exp_avg_dtype can only be fp32 when not using precision-aware optimizer"),
+    ("--use-distributed-optimizer --use-precision-aware-optimizer --optimizer sgd", "only supported with adam"),
+])
+def test_megatrons_optimizer_config_checks_run_too(extra, says):
+    """What Megatron asserts only when it builds the optimizer (its OptimizerConfig, built from the
+    arguments as its training loop builds it) is an error in the same pass, not a pass."""
+    res = _validate(script("--tensor-model-parallel-size 2 --sequence-parallel --micro-batch-size 1 "
+                           "--global-batch-size 64", extra))
+    assert not res["valid"]
+    refused = [e for e in res["errors"] if e["code"] == "megatron_validate_args"]
+    assert refused and "optimizer config" in refused[0]["message"] and says in refused[0]["message"], res["errors"]
+
+
+def test_the_precision_aware_optimizer_in_a_script_is_costed_as_planned():
+    base = "--tensor-model-parallel-size 2 --sequence-parallel --micro-batch-size 1 --global-batch-size 64 " \
+           "--use-distributed-optimizer"
+    plain = _validate(script(base))
+    aware = _validate(script(base, "--use-precision-aware-optimizer"))
+    offloaded = _validate(script(base, "--use-precision-aware-optimizer --optimizer-cpu-offload"))
+    assert aware["valid"] and offloaded["valid"], (aware["errors"], offloaded["errors"])
+    # Transformer Engine's FusedAdam is not installed here: its absence is the job's Python's matter
+    assert plain["predicted_peak_gib"] > aware["predicted_peak_gib"] > offloaded["predicted_peak_gib"]

@@ -279,7 +279,27 @@ def _parse(arguments: Any, argv: list[str], world_size: int | None, device_major
         arguments.get_device_arch_version = original
         torch.cuda.get_device_capability = original_cap
         _set_env(saved_env)
+    _optimizer_config(args)
     return args
+
+
+# What the optimizer config's own check says when Transformer Engine's FusedAdam is not importable:
+# a fact of this Python, not of the arguments (the job's Python is checked where it runs).
+TE_ADAM_MISSING = "requires FusedAdam from TransformerEngine"
+
+
+def _optimizer_config(args: Any) -> None:
+    """Megatron's optimizer config, built from the arguments as its training loop builds it
+    (megatron.training.training.get_megatron_optimizer_config, already imported with the argument
+    module): its __post_init__ asserts what validate_args leaves to it, e.g. the precision-aware
+    optimizer only with Adam and the distributed optimizer, Adam's state dtypes fp32 without it."""
+    from megatron.training.training import get_megatron_optimizer_config
+
+    try:
+        _run_megatron("optimizer config", get_megatron_optimizer_config, args)
+    except ToolError as e:
+        if TE_ADAM_MISSING not in e.message:
+            raise
 
 
 def _set_env(env: dict[str, str | None]) -> None:

@@ -34,6 +34,7 @@ class MegatronOptions:
     exp_avg_dtype: str = "fp32"          # --exp-avg-dtype: Adam's first moment under it
     exp_avg_sq_dtype: str = "fp32"       # --exp-avg-sq-dtype: its second moment
     fsdp_grads_fp32: bool = False        # --megatron-fsdp-main-grads-dtype fp32 (read from scripts only)
+    optimizer_offload: float = 0.0       # --optimizer-cpu-offload: the share of the state on the host (scripts only)
 
     @classmethod
     def from_request(cls, options: dict[str, Any] | None) -> "MegatronOptions":
@@ -61,7 +62,10 @@ class MegatronOptions:
             value = getattr(ns, name, None)
             return {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16",
                     "torch.uint8": "fp8"}.get(str(value), str(value or "fp32"))
+        fraction = getattr(ns, "optimizer_offload_fraction", None)   # unset: Megatron's default, all of it
+        offload = (1.0 if fraction is None else float(fraction)) if getattr(ns, "optimizer_cpu_offload", False) else 0.0
         return cls(grad_reduce_in_bf16=bool(getattr(ns, "grad_reduce_in_bf16", False)),
+                   optimizer_offload=min(max(offload, 0.0), 1.0) if offload == offload else 0.0,  # NaN: none
                    precision_aware_optimizer=bool(getattr(ns, "use_precision_aware_optimizer", False)),
                    exp_avg_dtype=state_dtype("exp_avg_dtype"), exp_avg_sq_dtype=state_dtype("exp_avg_sq_dtype"),
                    fsdp_grads_fp32=fsdp and fsdp_grads in ("fp32", "float32"),
@@ -82,17 +86,38 @@ class MegatronOptions:
         dtypes and, for bf16 weights, only the 16 bits of the fp32 master the bf16 weight lacks
         (Megatron's store_param_remainders, on by default): NeMo's distributed Adam kept the
         same. Megatron keeps the whole fp32 master where the FP8 recipe is not delayed scaling
-        (the recipe render writes, tensorwise or MXFP8) or under Megatron-FSDP (its own master
-        buffer)."""
+        (the recipe render writes, tensorwise or MXFP8; delayed scaling would keep the remainder,
+        counted as the whole master). Under Megatron-FSDP the optimizer's parameters are FSDP's
+        fp32 main weights, and TE's Adam, told to keep master weights, keeps an fp32 copy of each
+        besides (not measured here: counted). A script's --optimizer-cpu-offload keeps its share
+        on the host."""
         if not (self.precision_aware_optimizer and te):
-            return 12.0
-        master = 4.0 if precision == "fp8" or self.fsdp else 2.0
-        return master + STATE_BYTES[self.exp_avg_dtype] + STATE_BYTES[self.exp_avg_sq_dtype]
+            total = 12.0
+        else:
+            master = 8.0 if self.fsdp else 4.0 if precision == "fp8" else 2.0
+            total = master + STATE_BYTES[self.exp_avg_dtype] + STATE_BYTES[self.exp_avg_sq_dtype]
+        return total * (1.0 - self.optimizer_offload)
 
-    def check_request(self, precision: str, te: bool) -> None:
+    def adam_step_bytes(self, te: bool) -> float:
+        """Bytes per optimizer-shard parameter TE's Adam allocates at the step under the
+        precision-aware optimizer: an fp32 copy of each moment kept in another dtype, for the
+        whole parameter group at once (fused_adam.py's unscaled lists, freed after the kernel).
+        Counted for every such moment, bf16 ones too, though TE releases that fuse a bf16 pair's
+        unscaling need no copy: the plan errs on the side that fits."""
+        if not (self.precision_aware_optimizer and te):
+            return 0.0
+        return 4.0 * sum(d != "fp32" for d in (self.exp_avg_dtype, self.exp_avg_sq_dtype))
+
+    def check_request(self, precision: str, te: bool, distributed_optimizer: bool | None = None) -> None:
         """A bad_request where the request itself asks what no layout can run (every layout would
         break the same rule: the request's error, not the layouts'); precision: the request's
-        (bf16, fp8 or any)."""
+        (bf16, fp8 or any); distributed_optimizer: what its constraints fix (None: free)."""
+        if distributed_optimizer is False and not self.fsdp:
+            for name in ("precision_aware_optimizer", "fp8_param_gather"):
+                if getattr(self, name):
+                    raise ToolError("bad_request", f"{name} runs with the distributed optimizer (or Megatron-FSDP), "
+                                    "which the constraints turn off", where=f"/megatron_options/{name}",
+                                    fix=f"drop constraints.distributed_optimizer false, or drop {name}")
         if self.fp8_param_gather and (precision not in ("fp8", "any") or not te):
             raise ToolError("bad_request", "gathering FP8 weights needs precision fp8 on Transformer Engine's layers",
                             where="/megatron_options/fp8_param_gather",
@@ -108,7 +133,7 @@ class MegatronOptions:
         for name in ("exp_avg_dtype", "exp_avg_sq_dtype"):
             if getattr(self, name) != "fp32" and not self.precision_aware_optimizer:
                 raise ToolError("bad_request", f"{name} {getattr(self, name)} without the precision-aware optimizer: "
-                                "Megatron keeps fp32 moments and ignores it", where=f"/megatron_options/{name}",
+                                "Megatron's optimizer config asserts fp32 moments then", where=f"/megatron_options/{name}",
                                 fix="set precision_aware_optimizer true, or leave the dtype at fp32")
         if self.cuda_graph_impl != "none" and not te:
             raise ToolError("bad_request", "CUDA graphs are planned for Transformer Engine's layers only (the skill's "
@@ -167,7 +192,7 @@ class MegatronOptions:
         return {"NCCL_GRAPH_REGISTER": "0"} if self.cuda_graph_impl == "transformer_engine" else {}
 
     def to_json(self) -> dict[str, Any]:
-        out = {k: v for k, v in dataclasses.asdict(self).items() if k != "fsdp_grads_fp32"}
+        out = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("fsdp_grads_fp32", "optimizer_offload")}
         return {**out, "cuda_graph_modules": list(self.cuda_graph_modules)}
 
     def flags(self) -> list[str]:

@@ -57,9 +57,10 @@ class MemoryOptions:
     recompute_modules: frozenset[str] | None = None   # --recompute-modules under selective; None: the skill's set
     moe_routed_factor: float = 1.0      # token copies per expert over the balanced share (MoEOptions.routed_factor)
     router_score_bytes: int = FP32      # the router's saved scores per expert (MoEOptions.router_score_bytes)
-    adam_temp_bytes: int = 0            # per optimizer-shard parameter, allocated during the step: torch's
+    adam_temp_bytes: float = 0          # per optimizer-shard parameter, allocated during the step: torch's
     #                                     multi-tensor AdamW keeps sqrt(exp_avg_sq) of the whole shard (4 B);
-    #                                     TE's, apex's and torch's fused kernels update in place (0)
+    #                                     TE's, apex's and torch's fused kernels update in place (0), but TE's
+    #                                     copies moments kept in 16 or 8 bits to fp32 (adam_step_bytes)
     local_clip: bool = False            # Megatron's fallback gradient clipping (no TE or apex) scales each
     #                                     gradient through a temporary copy: the largest one at the step
     te_attention: bool = False          # TE's core attention: keeps its own contiguous V, the QKV output is freed

@@ -76,7 +76,8 @@ class RuntimeOptions:
                              recompute_modules=self.moe.selective_modules(),
                              moe_routed_factor=self.moe.routed_factor(),
                              router_score_bytes=self.moe.router_score_bytes(),
-                             adam_temp_bytes=0 if self.te or self.fused_adam else FP32, local_clip=not self.te,
+                             adam_temp_bytes=(0 if self.te or self.fused_adam else FP32)
+                             + self.megatron.adam_step_bytes(self.te), local_clip=not self.te,
                              grad_bytes=BF16 if self.megatron.bf16_grads else FP32,
                              fp8_params=self.megatron.fp8_param_gather and self.te and lay.precision == "fp8",
                              fsdp_params=self.megatron.fsdp,

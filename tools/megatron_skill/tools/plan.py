@@ -72,7 +72,7 @@ def run(req: dict[str, Any], ctx: Context) -> dict[str, Any]:
     precisions = {"bf16": ["bf16"], "fp8": ["fp8"], "any": ["bf16", "fp8"]}[req["precision"]]
     opts = RuntimeOptions.from_request(None, te=req["transformer_engine"], moe=req.get("moe"),
                                        megatron=req.get("megatron_options"))
-    opts.megatron.check_request(req["precision"], opts.te)
+    opts.megatron.check_request(req["precision"], opts.te, (req.get("constraints") or {}).get("distributed_optimizer"))
     check_precision(req["precision"], gpu)
     res = search(model, gpu, n_gpus, seq, gbs, precisions, req.get("constraints") or {},
                  headroom_gib=req["headroom_gib"], opts=opts)

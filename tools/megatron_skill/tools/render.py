@@ -360,6 +360,9 @@ def environment_check(context: dict, for_import: bool = False) -> dict:
         te = f"this layout needs it ({context['needs_te']})"
     elif context["fsdp"]:
         te = "Megatron-FSDP runs on Transformer Engine's layers"
+    elif context["precision_aware"]:
+        te = ("the precision-aware optimizer is Transformer Engine's Adam, and the plan's memory counts its smaller "
+              "states")
     elif context["fp8"] and context["megatron_lm"]:
         te = ("this plan trains in FP8, which with Megatron-LM's entry script needs Transformer Engine (render "
               "without megatron_lm for the skill's own FP8 layers)")
@@ -675,6 +678,7 @@ def _script_context(job: _Job, training: dict, start: dict | None, container: di
     """What the launcher's template is rendered with."""
     req, lay, cand, run_id, run_dir = job.req, job.lay, job.cand, job.run_id, job.run_dir
     entry = (str(Path(req["megatron_lm"]) / "pretrain_gpt.py") if req.get("megatron_lm") else str(ENTRY_SCRIPT))
+    options = MegatronOptions.from_request(req.get("megatron_options"))
     slurm = {"job_name": f"megatron-{run_id[:8]}", "time": "04:00:00", "gpus": True, "exclusive": True,
              "partition": None, "account": None, "cpus_per_task": None, **(req.get("slurm") or {})}
     context = {
@@ -692,7 +696,7 @@ def _script_context(job: _Job, training: dict, start: dict | None, container: di
         "fake_rank": job.fake, "world_size": lay.world_size,
         "first_start_args": FIRST_START_ARGS if start else [],
         "tokenizer_check": _tokenizer_check(training),
-        "fsdp": MegatronOptions.from_request(req.get("megatron_options")).fsdp,
+        "fsdp": options.fsdp, "precision_aware": options.precision_aware_optimizer,
         "megatron_core": checked_version(flags.parser_check), "import_step": job.importing,
         "skill_launch": (f"{container['skill_mount']}/tools/launch.py" if container
                          else "$MEGATRON_SKILL_HOME/tools/launch.py" if job.k8s else "$SKILL_HOME/tools/launch.py"),
