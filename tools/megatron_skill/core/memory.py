@@ -359,7 +359,7 @@ def fp8_linear_saved_bytes(model: ModelConfig, lay: Layout) -> float:
 def _state_bytes(model: ModelConfig, layers: tuple[int, ...], n_moe: int, first: bool, last: bool, pipelined: bool,
                  tp: int, ep: int, etp: int, dp_cp: int, expert_dp: int, distributed_optimizer: bool, precision: str,
                  padded_vocab: int, fp8_params: bool, fp8_linear: bool, grad_bytes: int,
-                 fsdp_params: bool, optimizer_bytes: float = 12.0) -> tuple[float, float, float, float, float]:
+                 fsdp_params: bool, optimizer_bytes: float) -> tuple[float, float, float, float, float]:
     """(parameters, weight, gradient and optimizer bytes, optimizer-shard parameters) of a rank:
     what the micro-batch and the recompute do not change, cached across the layouts of a search
     that share it."""

@@ -64,7 +64,6 @@ class RuntimeOptions:
         tensor-parallel communication inside they are Megatron's BF16 ones)."""
         return not self.te and (self.fp8_linear or lay.precision == "fp8") and lay.tp == 1
 
-
     @property
     def fused_wgrad(self) -> bool:
         """Weight gradients accumulate into main_grad inside their GEMM: TE's layers do; the
