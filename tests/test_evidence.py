@@ -84,12 +84,28 @@ def test_blackwell_runs_are_checked_and_stay_where_the_table_says():
     dense = [abs(r["error_pct"]) for r in blackwell if not r["moe"]]
     moe = sorted(abs(r["error_pct"]) for r in blackwell if r["moe"])
     # dense rows within 13 % (the largest: Llama 3 70B on 64 GB200s, 26.02, +12.0 %); the MoE rows
-    # are all predicted slow (a per-token MoE cost fitted on the H100 does not carry, and their
-    # presets capture the router in CUDA graphs: references/benchmarks.md): four of the five
-    # within 25 %; Qwen3-30B-A3B on 8 GB200s at micro-batch 4 (Megatron-Bridge 25.11) is -68.6 %,
-    # the goal is not claimed for it
+    # with the share of the H100's MoE overhead that scales with HBM bandwidth
+    # (moe_overhead_hbm_share) within 11 % but one: Qwen3-30B-A3B on 8 GB200s at micro-batch 4
+    # (Megatron-Bridge 25.11) is -57.3 %, the goal is not claimed for it (before that share: all
+    # six predicted slow, -16 % to -69 %)
     assert statistics.median(errors) <= 10 and max(dense) <= 13, errors
-    assert moe[-2] <= 25 and moe[-1] <= 70, moe
+    assert moe[-2] <= 11 and moe[-1] <= 60, moe
+
+
+def test_the_moe_overhead_that_runs_at_the_memory_rate_scales_with_the_gpus_bandwidth():
+    """The same MoE layout costs less expert overhead on a GPU with more HBM bandwidth, by the
+    fitted share only: the host's part stays."""
+    from megatron_skill.core.catalog import get_gpu
+    from megatron_skill.core.moe import MoEOptions
+    from megatron_skill.core.timing import _expert_overhead_time, calibration
+    run = next(r for r in evidence.published_runs() if r["model"] == "qwen3-30b-a3b" and r["gpu"] == "b200")
+    model = evidence.get_model(run["model"])
+    lay = evidence.run_layout(run, model)
+    cal = calibration("b200")
+    h100, b200 = (_expert_overhead_time(model, lay, get_gpu(g), cal, 4096, MoEOptions()) for g in ("h100-sxm", "b200"))
+    share = cal["moe_overhead_hbm_share"]
+    assert 0 < share < 1
+    assert b200 / h100 == pytest.approx(1 - share + share * 3350 / 8000)
 
 
 @pytest.mark.slow   # the whole grid of the fit

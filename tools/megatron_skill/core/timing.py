@@ -16,7 +16,7 @@ from typing import Any
 
 from . import flops
 from .attention_kernels import MASKED_SDPA_FACTOR, PLANNED, AttentionKernel, unfused_seconds
-from .catalog import CATALOG_DIR, GPUSpec
+from .catalog import CATALOG_DIR, GPUSpec, get_gpu
 from .layout import Layout
 from .megatron_options import MegatronOptions
 from .memory import (
@@ -34,6 +34,8 @@ from .model import ModelConfig
 from .moe import MoEOptions
 
 DEFAULT_MOE = MoEOptions()
+# The MoE overhead's constants are fitted to runs on this GPU (benchmarks/published_runs.py --fit)
+FITTED_ON_HBM_GBPS = get_gpu("h100-sxm").hbm_gbps
 # Bytes Megatron's vocab-parallel cross-entropy moves per logit, counted pass by pass in its
 # code: the bf16 logits read and written in fp32 (6), the max (4), logits minus max in place (8),
 # exp (8), their sum (4), softmax in place (8), backward: the gradient scaled in place (8) and
@@ -300,7 +302,8 @@ def _dispatch_time(model: ModelConfig, lay: Layout, rates: _Rates, tokens: float
     return exchange * (rates.cal["ep_overlap_exposed"] if opts.overlap_ep_comm else 1.0)
 
 
-def _expert_overhead_time(model: ModelConfig, lay: Layout, cal: dict[str, Any], tokens: float, opts: MoEOptions) -> float:
+def _expert_overhead_time(model: ModelConfig, lay: Layout, gpu: GPUSpec, cal: dict[str, Any], tokens: float,
+                          opts: MoEOptions) -> float:
     """Seconds one MoE layer spends beyond its modelled GEMMs, exchanges and element-wise work,
     fitted to NVIDIA's published H100 MoE runs (catalog/calibration.json; python
     benchmarks/published_runs.py --fit). Two parts, both per token of the micro-batch and per
@@ -309,14 +312,16 @@ def _expert_overhead_time(model: ModelConfig, lay: Layout, cal: dict[str, Any], 
     padded to capacity, pay it too), and one more where the dispatcher reads the routing counts
     back to the host (dropless routing, or a capacity without padding: moe_dropless_*). The fit
     scales with tokens, not with micro-batches, so it is not the sync's launch latency alone.
-    Without grouped GEMMs the per-expert part is taken as larger (moe_sequential_factor, assumed)."""
+    Without grouped GEMMs the per-expert part is taken as larger (moe_sequential_factor, assumed).
+    On another GPU the share of it that runs at the memory rate (moe_overhead_hbm_share, fitted to
+    the Blackwell MoE runs) scales with its HBM bandwidth against the H100 SXM's; the rest stays."""
     local = model.num_experts // lay.ep
     sequential = 1 if opts.grouped_gemm else cal["moe_sequential_factor"]
-    every = cal["moe_us_per_token_expert"] * sequential * local
-    if not opts.host_sync:
-        return tokens * every * 1e-6
-    synced = cal["moe_dropless_us_per_token"] + cal["moe_dropless_us_per_token_expert"] * sequential * local
-    return tokens * (every + synced) * 1e-6
+    per_token = cal["moe_us_per_token_expert"] * sequential * local
+    if opts.host_sync:
+        per_token += cal["moe_dropless_us_per_token"] + cal["moe_dropless_us_per_token_expert"] * sequential * local
+    share = cal["moe_overhead_hbm_share"]
+    return tokens * per_token * 1e-6 * (1 - share + share * FITTED_ON_HBM_GBPS / gpu.hbm_gbps)
 
 
 def _kernel_attention(model: ModelConfig, gpu: GPUSpec, rates: _Rates, lay: Layout, kernel: AttentionKernel,
@@ -400,7 +405,7 @@ def _layer_times(model: ModelConfig, gpu: GPUSpec, te: bool, fp8_linear: bool, t
         if moe:
             ep_comm = _dispatch_time(model, lay, rates, tokens / (t if sp else 1), node, moe_opts)
             # per token a rank routes: with sequence parallelism 1/TP of the micro-batch, as the dispatch
-            experts = _expert_overhead_time(model, lay, rates.cal, tokens / (t if sp else 1), moe_opts)
+            experts = _expert_overhead_time(model, lay, gpu, rates.cal, tokens / (t if sp else 1), moe_opts)
         out[moe] = (gemm, attention, elementwise, tp_comm, cp_comm, ep_comm, experts)
         if moe:   # one forward of the MoE block: what recomputing it ('moe' in --recompute-modules) re-runs
             # (GEMMs and the experts' overhead: a third of forward and backward; the exchanges: half)
