@@ -30,6 +30,10 @@ CASES = [
     {"model": "deepseek-v3", "num_gpus": 1024, "gpu": "h100-sxm", "seq_length": 4096},
     {"model": "deepseek-v3", "num_gpus": 2048, "gpu": "h100-sxm", "seq_length": 4096},
     {"model": "qwen3-235b-a22b", "num_gpus": 2048, "gpu": "h100-sxm", "seq_length": 4096},
+    # every size a list of 1..64 (a request an agent may well write): ran for minutes before the
+    # search dropped the values no layout can take once instead of in every combination
+    {"model": "deepseek-v3", "num_gpus": 4096, "gpu": "h100-sxm", "precision": "any",
+     "constraints": {k: list(range(1, 65)) for k in ("tp", "pp", "vp", "cp", "ep", "etp", "mbs")}},
 ]
 
 

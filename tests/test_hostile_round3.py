@@ -696,6 +696,18 @@ FAILURE_LINES = {
                      "GPU has fallen off the bus", "CUDA error: unspecified launch failure"],
     "killed": ["Signals.SIGKILL: 9", "died with signal 9", "exitcode  : -9 (pid: 7)", "Killed", "oom-kill:constraint",
                "CANCELLED AT 2026-12-01T10:00:00 DUE TO TIME LIMIT", "JOB 5 DUE TO TIME LIMIT"],
+    "kernel_fault": ["RuntimeError: CUDA error: an illegal memory access was encountered",
+                     "[rank1]: CUDA error: device-side assert triggered", "CUDA error: misaligned address",
+                     "CUDA error: an illegal instruction was encountered", "CUBLAS_STATUS_EXECUTION_FAILED when calling",
+                     "Loss.cu:250: nll_loss_forward: block: [0,0,0], thread: [5,0,0] Assertion `t >= 0 && t < "
+                     "n_classes` failed."],
+    "host_out_of_memory": ["RuntimeError: [enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't "
+                           "allocate memory: you tried to allocate 8589934592 bytes", "terminate called after "
+                           "throwing an instance of 'std::bad_alloc'", "OSError: [Errno 12] Cannot allocate memory",
+                           "[rank0]: MemoryError"],
+    "worker_failed": ["torch.distributed.elastic.multiprocessing.errors.ChildFailedError:",
+                      "  exitcode  : 1 (pid: 4242)",
+                      "failed (exitcode: 1) local_rank: 0 (pid: 4242) of binary: /usr/bin/python"],
     "make_helpers": ["Failed to compile the C++ dataset helper functions", "make: *** [Makefile:9: helpers] Error 1"],
     "missing_fusion": ["No module named 'apex'", "No module named 'transformer_engine'", "apex is not installed",
                        "Transformer Engine >= 2.0 is required"],

@@ -616,3 +616,67 @@ def test_a_damaged_logs_speeds_that_are_no_numbers_are_left_out(tmp_path):
         r = call("logs", {"log": str(log), "gpu": "h100-sxm"})
         assert r["ok"] and "tokens_per_s" not in r["result"], r
         assert r["result"]["final_loss"] and r["result"]["logged_iterations"]
+
+
+# A crash of each kind a log ends in besides memory and NCCL: the traceback's own last line,
+# or torchrun's summary, makes the run failed (never "stopped or running").
+_TRACEBACK = ("[rank0]: Traceback (most recent call last):\n"
+              '[rank0]:   File "/workspace/Megatron-LM/pretrain_gpt.py", line 300, in <module>\n'
+              "[rank0]:     pretrain(train_valid_test_datasets_provider, model_provider)\n"
+              '[rank0]:   File "/workspace/Megatron-LM/megatron/core/datasets/indexed_dataset.py", line 412, in __init__\n'
+              "[rank0]:     self.bin_reader = _MMapBinReader(self.path_prefix + '.bin')\n")
+CRASHES = {
+    "exception": _TRACEBACK + "[rank0]: FileNotFoundError: [Errno 2] No such file or directory: '/data/c.bin'\n",
+    "kernel_fault": _TRACEBACK + "[rank0]: RuntimeError: CUDA error: an illegal memory access was encountered\n",
+    "host_out_of_memory": _TRACEBACK + "[rank0]: RuntimeError: [enforce fail at alloc_cpu.cpp:117] data. "
+                                       "DefaultCPUAllocator: can't allocate memory: you tried to allocate 42 bytes\n",
+    "worker_failed": "E1207 10:00:01 api.py:882] failed (exitcode: 1) local_rank: 0 (pid: 77) of binary: python\n"
+                     "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n",
+}
+
+
+def test_a_crash_of_any_kind_makes_the_run_failed_with_its_cause(tmp_path):
+    for code, tail in CRASHES.items():
+        log = tmp_path / f"{code}.log"
+        log.write_text("\n".join(_line(i, 3.0) for i in range(1, 6)) + "\n" + tail)
+        r = call("logs", {"log": str(log)})["result"]
+        assert r["state"] == "failed", (code, r["state"])
+        assert r["failures"][0]["code"] == code, (code, r["failures"])
+    first = call("logs", {"log": str(tmp_path / "exception.log")})["result"]["failures"][0]
+    assert "FileNotFoundError" in first["meaning"] and "indexed_dataset.py:412" in first["meaning"]
+    assert "--data-path" in first["fix"] and first["ranks"] == [0]
+    # a traceback already named by a known failure is that failure alone, not also an 'exception'
+    oom = tmp_path / "oom.log"
+    oom.write_text(_TRACEBACK + "[rank0]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB\n")
+    assert [f["code"] for f in call("logs", {"log": str(oom)})["result"]["failures"]] == ["out_of_memory"]
+    # an error word in a line far from any traceback (a data sample, a warning) is no crash
+    calm = tmp_path / "calm.log"
+    calm.write_text("\n".join(_line(i, 3.0) for i in range(1, 6)) + "\nValueError: in sample text\n")
+    assert call("logs", {"log": str(calm)})["result"]["failures"] == []
+
+
+def test_a_loss_that_jumps_and_stays_up_is_one_spike_and_the_rise_ends_at_its_last_finite_loss(tmp_path):
+    lines = [_line(i, 3.0) for i in range(1, 21)] + [_line(i, 30.0) for i in range(21, 30)] + \
+        [_line(30, "nan", nan=1)]
+    log = tmp_path / "train.log"
+    log.write_text("\n".join(lines))
+    anomalies = call("logs", {"log": str(log)})["result"]["anomalies"]
+    assert [a["iteration"] for a in anomalies if a["kind"] == "loss_spike"] == [21]
+    assert next(a for a in anomalies if a["kind"] == "divergence")["iteration"] == 29
+
+
+def test_a_plot_is_a_new_png_or_a_clear_error_and_never_replaces_a_file(tmp_path, cli):
+    import importlib.util
+    log = tmp_path / "train.log"
+    log.write_text("\n".join(_line(i, 3.0) for i in range(1, 6)))
+    mine = tmp_path / "mine.png"
+    mine.write_text("the user's own")
+    rc, out, _ = cli("logs", "--log", str(log), "--plot", str(mine))
+    assert rc == 6 and out["error"]["code"] == "conflict" and mine.read_text() == "the user's own"
+    rc, out, _ = cli("logs", "--log", str(log), "--plot", str(tmp_path / "notes.txt"))
+    assert rc == 2 and out["error"]["where"] == "/plot" and not (tmp_path / "notes.txt").exists()
+    rc, out, _ = cli("logs", "--log", str(log), "--plot", str(tmp_path / "new" / "curve.png"))
+    if importlib.util.find_spec("matplotlib") is None:
+        assert rc == 5 and out["error"]["code"] == "environment" and not (tmp_path / "new").exists()
+    else:
+        assert rc == 0 and (tmp_path / "new" / "curve.png").read_bytes()[:4] == b"\x89PNG"

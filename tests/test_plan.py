@@ -212,6 +212,21 @@ def test_same_request_same_id_and_result():
     assert call("plan", {**req, "gpu": "h100-sxm", "top": 5})["request_id"] == a["request_id"]
 
 
+def test_a_config_is_one_request_however_its_path_is_spelled_and_another_once_edited(tmp_path, monkeypatch):
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    config = folder / "config.json"
+    config.write_text((ROOT / "tests" / "fixtures" / "hf" / "llama3.2-1b" / "config.json").read_text())
+    monkeypatch.chdir(tmp_path)
+    ids = {call("plan", {"hf_config": spelled, "num_gpus": 1})["request_id"]
+           for spelled in (str(config), "hf/config.json", "./hf/../hf/config.json", "hf")}
+    assert len(ids) == 1
+    edited = json.loads(config.read_text())
+    edited["num_hidden_layers"] += 2
+    config.write_text(json.dumps(edited))
+    assert call("plan", {"hf_config": "hf/config.json", "num_gpus": 1})["request_id"] not in ids
+
+
 @pytest.mark.parametrize("args,code,where", [
     (["--model", "llama-9b", "--num-gpus", "8"], "not_found", "/model"),
     (["--model", "llama3-8b", "--gpu", "h300", "--num-gpus", "8"], "not_found", "/gpu"),
@@ -449,3 +464,31 @@ def test_fp8_without_te_at_tp_above_one_is_said_to_run_its_linear_layers_in_bf16
     assert any("every linear layer stays BF16" in w for w in tp2["warnings"]), tp2["warnings"]
     tp1 = call("plan", {**req, "constraints": {"tp": [1]}})["result"]
     assert not any("stays BF16" in w for w in tp1["warnings"]), tp1["warnings"]
+
+
+def test_long_lists_of_sizes_in_the_constraints_are_searched_as_their_valid_values():
+    """Every size given as a list of 1..64: the values no layout can take (virtual stages the layers do
+    not divide into, an EP that does not divide the experts, micro-batches the batch does not divide)
+    are refused once each, not in every combination (such a request ran for minutes): the answer is
+    the one the same request gives with only the valid values listed, and says what it refused."""
+    every = list(range(1, 65))
+    base = {"model": "mixtral-8x7b", "gpu": "h100-sxm", "num_gpus": 64, "global_batch_size": 256, "top": 3}
+    wide = call("plan", {**base, "constraints": {"vp": every, "ep": every, "mbs": every}})
+    assert wide["ok"], wide
+    rej = wide["result"]["rejected"]
+    assert rej["vp_layers"]["count"] > 0 and rej["ep_experts"]["count"] > 0 and rej["gbs_divisible"]["count"] > 0
+    valid = {"vp": [v for v in every if v == 1 or 32 % v == 0], "ep": [1, 2, 4, 8],
+             "mbs": [m for m in every if 256 % m == 0]}
+    narrow = call("plan", {**base, "constraints": valid})
+    assert [p["label"] for p in wide["result"]["plans"]] == [p["label"] for p in narrow["result"]["plans"]]
+
+
+def test_a_config_giving_a_key_twice_is_refused_and_json_types_are_named_in_json_words(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text('{"model_type": "llama", "hidden_size": 4096, "hidden_size": 8192}')
+    env = call("plan", {"hf_config": str(config), "num_gpus": 8})
+    assert env["error"]["code"] == "bad_model" and "'hidden_size' is given twice" in env["error"]["message"]
+    env = call("plan", {"model": "llama3-8b", "num_gpus": True})
+    assert env["error"]["message"] == "true is a boolean, not an integer" and env["error"]["where"] == "/num_gpus"
+    env = call("on-event", {"runs_root": str(tmp_path / "runs"), "dry_run": True})
+    assert env["error"]["message"].startswith("give one of: event; event_file; policy with save_policy")

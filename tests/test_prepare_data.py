@@ -374,3 +374,29 @@ def test_a_sentencepiece_model_tokenizes_as_megatrons_training_reads_it(tmp_path
     rc, out, _ = cli("prepare-data", "--input", str(tmp_path / "in.jsonl"), "--output-prefix", str(tmp_path / "y"),
                      "--tokenizer", str(model), "--format", "chat")
     assert rc != 0 and out["error"]["where"] == "/tokenizer" and "chat" in out["error"]["fix"]
+
+
+def test_files_prepare_data_did_not_write_are_never_replaced(tmp_path, cli):
+    """A .bin with no record of prepare-data beside it is someone's own file: overwrite does not
+    reach it; nor does a chat run reach a loss mask it did not write. Both are refused, untouched,
+    and the dry run names every file a chat run writes."""
+    mine = tmp_path / "corpus.bin"
+    mine.write_bytes(b"the user's own")
+    rc, out, _ = cli("prepare-data", "--input", str(CORPUS), "--output-prefix", str(tmp_path / "corpus"),
+                     "--overwrite")
+    assert rc == 6 and out["error"]["code"] == "conflict" and "did not write" in out["error"]["message"]
+    assert mine.read_bytes() == b"the user's own" and not (tmp_path / "corpus.idx").exists()
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"prompt": "hi", "response": "hello"}) + "\n")
+    mask = tmp_path / "c_lossmask.idx"
+    mask.write_bytes(b"the user's mask index")
+    args = ["prepare-data", "--input", str(chat), "--output-prefix", str(tmp_path / "c"), "--format", "chat"]
+    rc, out, _ = cli(*args, "--dry-run")
+    assert rc == 6 and str(mask) in out["error"]["message"]
+    mask.unlink()
+    rc, out, _ = cli(*args, "--dry-run")
+    assert rc == 0 and "c_lossmask.bin" in " ".join(out["result"]["actions"])
+    # the tool's own dataset, made by another request, is replaced where overwrite says so
+    rc, _, _ = cli(*args)
+    rc2, again, _ = cli(*args, "--text-key", "body", "--overwrite")
+    assert rc == 0 and rc2 == 0 and not again["result"].get("already_done")

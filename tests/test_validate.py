@@ -640,3 +640,85 @@ def test_the_precision_aware_optimizer_in_a_script_is_costed_as_planned():
     assert aware["valid"] and offloaded["valid"], (aware["errors"], offloaded["errors"])
     # Transformer Engine's FusedAdam is not installed here: its absence is the job's Python's matter
     assert plain["predicted_peak_gib"] > aware["predicted_peak_gib"] > offloaded["predicted_peak_gib"]
+
+
+# ---- what real scripts write that is not an error of theirs ----------------------------------
+SMALL_TEXT = ("--num-layers 4 --hidden-size 1024 --num-attention-heads 8 --max-position-embeddings 2048 "
+         "--micro-batch-size 1 --global-batch-size 8 --train-iters 10 --lr 1e-4 --lr-warmup-iters 2 "
+         "--tokenizer-type NullTokenizer --vocab-size 32000 --mock-data ")
+
+
+def test_encoder_seq_length_is_the_sequence_length_as_megatron_reads_it():
+    res = call("validate", {"args": (SMALL_TEXT + "--bf16 --encoder-seq-length 512").split(), "num_gpus": 1})["result"]
+    assert res["valid"], res["errors"]
+    assert res["layout"]["seq_length"] == 512 and "seq_length" not in res["assumed"]
+
+
+def test_a_value_the_script_leaves_to_the_job_is_a_warning_not_a_bad_value():
+    text = ("#!/bin/bash\nTP=$(python -c 'print(2)')\n"
+            f"torchrun --nproc-per-node 8 pretrain_gpt.py {SMALL_TEXT} --seq-length 2048 --bf16 --seed $SEED "
+            "--tensor-model-parallel-size $TP\n")
+    res = call("validate", {"script_text": text, "env": {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}})["result"]
+    errors, warnings = _codes(res)
+    assert "bad_value" not in errors and "stray_arguments" not in errors, res["errors"]
+    unresolved = [w["message"] for w in res["warnings"] if w["code"] == "unresolved_value"]
+    assert any(m.startswith("--seed $SEED") for m in unresolved) and any("--tensor-model-parallel-size $TP" in m
+                                                                          for m in unresolved), unresolved
+    # a literal that is not a number stays an error
+    bad = call("validate", {"args": (SMALL_TEXT + "--seq-length 2048 --bf16 --seed x").split(), "num_gpus": 1})["result"]
+    assert "bad_value" in _codes(bad)[0]
+
+
+def test_an_old_flag_another_entry_defines_is_a_warning_there_and_an_error_for_pretrain_gpt():
+    line = f"{SMALL_TEXT} --seq-length 2048 --bf16 --use-te\n"
+    other = call("validate", {"script_text": f"torchrun --nproc-per-node 1 examples/multimodal/train.py {line}"})
+    gpt = call("validate", {"script_text": f"torchrun --nproc-per-node 1 pretrain_gpt.py {line}"})
+    assert "obsolete_flag" in _codes(other["result"])[1] and "obsolete_flag" not in _codes(other["result"])[0]
+    assert "obsolete_flag" in _codes(gpt["result"])[0]
+
+
+def test_a_templates_placeholder_is_named_as_one():
+    text = ('#!/bin/bash\nWORKSPACE="<some dir>"\n'
+            f"torchrun --nproc-per-node 1 pretrain_gpt.py {SMALL_TEXT} --seq-length 2048 --bf16 --save ${{WORKSPACE}}/ck\n")
+    res = call("validate", {"script_text": text})["result"]
+    errors, warnings = _codes(res)
+    assert "stray_arguments" not in errors and "placeholder" in warnings, res["errors"]
+
+
+@pytest.mark.parametrize("directive", ["#SBATCH -N 2", "#SBATCH -N2", "#SBATCH --nodes=2", "#SBATCH --nodes 2"])
+def test_sbatch_node_counts_in_every_spelling(directive):
+    text = (f"#!/bin/bash\n{directive}\n#SBATCH --ntasks-per-node=8\nexport CUDA_DEVICE_MAX_CONNECTIONS=1\n"
+            f"srun python pretrain_gpt.py {SMALL_TEXT} --seq-length 2048 --bf16 --tensor-model-parallel-size 2 "
+            "--pipeline-model-parallel-size 8\n")
+    res = call("validate", {"script_text": text})["result"]
+    assert res["world_size"] == 16 and "world_size" not in _codes(res)[0], res["errors"]
+
+
+def test_fp16_is_costed_as_bf16_and_fp32_is_said_and_not_costed():
+    def run(precision):
+        return call("validate", {"args": (SMALL_TEXT + "--seq-length 2048 " + precision).split(), "num_gpus": 1,
+                                 "gpu": "h100-sxm"})["result"]
+
+    fp16, bf16, fp32 = run("--fp16"), run("--bf16"), run("")
+    assert fp16["predicted_peak_gib"] == bf16["predicted_peak_gib"] and "fp16" in fp16["assumed"]["precision"]
+    assert fp32["predicted_peak_gib"] is None and "fp32" in fp32["memory"]["skipped"]
+    assert "fp32_training" in _codes(fp32)[1] and "fp32_training" not in _codes(bf16)[1]
+
+
+def test_a_negative_size_is_an_error_and_a_zero_a_warning():
+    rest = SMALL_TEXT.replace("--num-layers 4 ", "") + "--seq-length 2048 --bf16 "
+    negative = call("validate", {"args": ("--num-layers -4 " + rest).split(), "num_gpus": 1})["result"]
+    zero = call("validate", {"args": ("--num-layers 0 " + rest).split(), "num_gpus": 1})["result"]
+    assert not negative["valid"] and "model_out_of_range" in _codes(negative)[0]
+    assert "model_out_of_range" in _codes(zero)[1] and "model_out_of_range" not in _codes(zero)[0]
+
+
+def test_the_router_is_read_as_the_script_sets_it():
+    """Llama 4's top-1 routing over sigmoid scores (NVIDIA's modelopt config): Megatron's rule for
+    top-1 over renormalised softmax scores does not apply; the same script with softmax scores breaks it."""
+    moe = (SMALL_TEXT + "--seq-length 2048 --bf16 --num-experts 16 --moe-router-topk 1 --moe-grouped-gemm "
+           "--moe-router-score-function {f} --moe-token-dispatcher-type alltoall")
+    sigmoid = call("validate", {"args": (moe.format(f="sigmoid")).split(), "num_gpus": 1})["result"]
+    softmax = call("validate", {"args": (moe.format(f="softmax")).split(), "num_gpus": 1})["result"]
+    assert "bad_model" not in _codes(sigmoid)[0], sigmoid["errors"]
+    assert "bad_model" in _codes(softmax)[0]

@@ -21,6 +21,7 @@ import textwrap
 import traceback
 from typing import Any, Callable
 
+from . import files
 from .errors import ToolError
 from .package_data import data_root, schema_dir
 
@@ -99,10 +100,41 @@ def schema_registry():
 
 
 def request_id(tool: str, request: dict) -> str:
-    """A hash of the canonical request: the same request always gets the same id."""
-    canonical = {k: v for k, v in request.items() if k not in NON_SEMANTIC}
+    """A hash of the canonical request: the same request always gets the same id. Canonical: a
+    path is absolute and normalised (./x, x and a/../x are one file), and a Hugging Face config
+    the request names counts by its content (an edited config.json is another model, so another
+    request)."""
+    canonical = {k: _canonical(v) for k, v in request.items() if k not in NON_SEMANTIC}
+    if isinstance(request.get("hf_config"), str):
+        config = request["hf_config"]   # a folder and its config.json are one config (every tool reads it so)
+        config = os.path.join(config, "config.json") if os.path.isdir(config) else config
+        canonical["hf_config"] = os.path.normpath(os.path.abspath(config))
+        canonical["hf_config_sha256"] = _config_digest(config)
     blob = json.dumps({"tool": tool, "request": canonical}, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _canonical(value: Any) -> Any:
+    """value with every path in it absolute and normalised; a path is a string of one word with a
+    slash in it (not a URL): a script's text, a model name or a flag is left as it is."""
+    if isinstance(value, dict):
+        return {k: _canonical(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_canonical(v) for v in value]
+    if isinstance(value, str) and "/" in value and "://" not in value and not any(c.isspace() for c in value):
+        return os.path.normpath(os.path.abspath(value))
+    return value
+
+
+def _config_digest(path: str) -> str | None:
+    """The SHA-256 of a Hugging Face config.json; None where it cannot be read (the tool's own
+    check says why)."""
+    from .files import read_regular
+
+    try:
+        return hashlib.sha256(read_regular(path, 1 << 20)).hexdigest()
+    except (OSError, ToolError):
+        return None
 
 
 def _resolve(prop: dict) -> dict:
@@ -201,19 +233,41 @@ def validate_request(tool: str, request: Any) -> dict:
             hint = f"known fields here: {', '.join(known)}" if known else f"see schemas/{tool}.request.json"
         elif "enum" in prop:
             hint = f"one of {prop['enum']}"
-        elif err.validator in ("oneOf", "anyOf") and all(set(alt) == {"required"} for alt in prop[err.validator]):
-            names = [alt["required"][0] for alt in prop[err.validator]]
-            given = [n for n in names if isinstance(err.instance, dict) and n in err.instance]
-            message = (f"give one of {', '.join(names)}" if not given else
-                       f"give only one of {', '.join(names)} (given: {', '.join(given)})")
-            raise ToolError("bad_request", message, where=where, fix=f"see schemas/{tool}.request.json")
+        elif err.validator in ("oneOf", "anyOf") and all("required" in alt for alt in prop[err.validator]):
+            # each branch a set of fields to give (on-event: event, event_file, or a policy to save)
+            names = [" with ".join(alt["required"]) for alt in prop[err.validator]]
+            given = [n for alt in prop[err.validator] for n in alt["required"][:1]
+                     if isinstance(err.instance, dict) and n in err.instance]
+            message = (f"give one of: {'; '.join(names)}" if not given else
+                       f"give only one of: {'; '.join(names)} (given: {', '.join(given)})")
+            raise ToolError("bad_request", message, where=where, fix=f"give exactly one of: {'; '.join(names)} "
+                            f"(schemas/{tool}.request.json)")
         elif err.validator in ("oneOf", "anyOf") and err.absolute_path:
             hint = "give " + " or ".join(_alternative(alt) for alt in prop[err.validator])
         elif err.validator == "type" and "integer" in str(err.validator_value) and isinstance(err.instance, float):
             hint = "give a whole number without a decimal point"
+        elif err.validator == "type":   # in JSON's words, not Python's ("True is not of type 'integer'")
+            wanted = err.validator_value if isinstance(err.validator_value, list) else [err.validator_value]
+            shown = json.dumps(err.instance)
+            words = " or ".join(JSON_TYPES.get(str(w), str(w)) for w in wanted)
+            message = f"{shown if len(shown) <= 60 else shown[:57] + '...'} is {_json_kind(err.instance)}, not {words}"
+            raise ToolError("bad_request", message, where=where, fix=f"give {words}" + (f" ({hint})" if hint else ""))
         raise ToolError("bad_request", err.message, where=where,
                         fix=(hint or f"see schemas/{tool}.request.json"))
     return _fill_defaults(schema, request)
+
+
+JSON_TYPES = {"integer": "an integer", "number": "a number", "string": "a string", "boolean": "true or false",
+              "object": "an object", "array": "an array", "null": "null"}
+
+
+def _json_kind(value: Any) -> str:
+    """A JSON value's type, as JSON names it."""
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    return {str: "a string", list: "an array", dict: "an object", type(None): "null"}.get(type(value), "a value")
 
 
 def _alternative(alt: dict) -> str:
@@ -423,8 +477,6 @@ def _epilog(tool: str, schema: dict) -> str:
 def _read_request(source: str) -> Any:
     """The request of --request: a regular file (never a FIFO or a device, which could wait or
     never end) or stdin, of bounded size, UTF-8 and strict JSON."""
-    from . import files
-
     if source == "-":
         if sys.stdin is None:  # closed by the caller (launch.py opens /dev/null there; embedded use may not)
             raise ToolError("bad_request", "--request - reads the request on stdin, which is closed", where="--request",
@@ -452,27 +504,15 @@ def _no_constant(name: str) -> None:
     raise ValueError(f"{name} is not JSON")
 
 
-class DuplicateKey(ValueError):
-    pass
-
-
-def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise DuplicateKey(f"the key {key!r} is given twice in one object")
-        out[key] = value
-    return out
-
-
 def parse_json(text: str, where: str, name: str, unique_keys: bool = False) -> Any:
     """Strict JSON: NaN and Infinity (which Python's parser accepts) are refused, and so is
     nesting deeper than the parser can follow; unique_keys: an object that gives a key twice
     too (Python keeps the last, another reader the first: {"dry_run": true, "dry_run": false} reads
     as a dry run to a person and ran for real)."""
     try:
-        return json.loads(text, parse_constant=_no_constant, object_pairs_hook=_unique if unique_keys else None)
-    except DuplicateKey as e:
+        hook = files.unique_object if unique_keys else None
+        return json.loads(text, parse_constant=_no_constant, object_pairs_hook=hook)
+    except files.DuplicateKey as e:
         raise ToolError("bad_request", f"{name}: {e}", where=where,
                         fix="give each key once: which of the two was meant is not for the tool to guess") from None
     except json.JSONDecodeError as e:

@@ -214,14 +214,31 @@ def _no_constant(name: str) -> None:
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
-def parse_json(text: str, name: str, where: str, code: str = "bad_request") -> Any:
+class DuplicateKey(ValueError):
+    """An object that gives one key twice: Python's reader keeps the last, another reader the first."""
+
+
+def unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise DuplicateKey(f"the key {key!r} is given twice in one object")
+        out[key] = value
+    return out
+
+
+def parse_json(text: str, name: str, where: str, code: str = "bad_request", unique_keys: bool = False) -> Any:
     """Strict JSON (NaN and Infinity refused, as is nesting deeper than the parser follows, and
-    text that is not Unicode: an escaped lone surrogate, which no later write could encode)."""
+    text that is not Unicode: an escaped lone surrogate, which no later write could encode);
+    unique_keys: an object giving a key twice too (which of the two was meant is not ours to guess)."""
     try:
-        value = json.loads(text, parse_constant=_no_constant)
+        value = json.loads(text, parse_constant=_no_constant, object_pairs_hook=unique_object if unique_keys else None)
         if _SURROGATE_ESCAPE.search(text):   # a pair decodes to one character; a lone half stays
             json.dumps(value, ensure_ascii=False).encode("utf-8")
         return value
+    except DuplicateKey as e:
+        raise ToolError(code, f"{name}: {e}", where=where,
+                        fix="give each key once: which of the two was meant is not for the tool to guess") from None
     except UnicodeEncodeError as e:
         raise ToolError(code, f"{name} holds a lone surrogate (\\u{ord(e.object[e.start]):04x}), which is not "
                         "Unicode", where=where, fix="write the file as valid UTF-8 text") from None
@@ -236,15 +253,16 @@ def parse_json(text: str, name: str, where: str, code: str = "bad_request") -> A
 
 
 def read_json(path: str | Path, where: str, what: str = "JSON file", limit: int = JSON_LIMIT,
-              code: str = "bad_request") -> Any:
+              code: str = "bad_request", unique_keys: bool = False) -> Any:
     """A regular file's strict JSON; code is the error code of content that is not (bad_model for
     a model's config.json)."""
-    return parse_json(read_text(path, where, what, limit, code), _short(os.fspath(path), 200), where, code)
+    return parse_json(read_text(path, where, what, limit, code), _short(os.fspath(path), 200), where, code,
+                      unique_keys)
 
 
 def read_json_object(path: str | Path, where: str, what: str = "JSON file", limit: int = JSON_LIMIT,
-                     code: str = "bad_request") -> dict[str, Any]:
-    value = read_json(path, where, what, limit, code)
+                     code: str = "bad_request", unique_keys: bool = False) -> dict[str, Any]:
+    value = read_json(path, where, what, limit, code, unique_keys)
     if not isinstance(value, dict):
         raise ToolError(code, f"{_short(os.fspath(path), 200)} holds a JSON {type(value).__name__}, not an object",
                         where=where, fix=f"give the {what} itself")

@@ -124,6 +124,8 @@ def typed_arguments(dumped: dict[str, Any]) -> tuple[dict[str, Any], dict[str, s
 
 def parse_values(args: list[str]) -> argparse.Namespace:
     ns, _ = megatron_flags.manifest_parser().parse_known_args(args)
+    if ns.seq_length is None:   # Megatron's validate_args: --encoder-seq-length stands for it
+        ns.seq_length = ns.encoder_seq_length
     return ns
 
 
@@ -276,6 +278,12 @@ def model_from_args(ns: Any, assumed: dict[str, str]) -> tuple[ModelConfig | Non
         "num_experts": ns.num_experts, "moe_router_topk": ns.moe_router_topk or 2,
         "moe_ffn_hidden_size": ns.moe_ffn_hidden_size,
         "moe_shared_expert_intermediate_size": ns.moe_shared_expert_intermediate_size,
+        # the router as the script sets it (its rules depend on the score function: core/model.py)
+        "moe_router_score_function": ns.moe_router_score_function,
+        "moe_router_pre_softmax": bool(ns.moe_router_pre_softmax),
+        "moe_router_enable_expert_bias": bool(ns.moe_router_enable_expert_bias),
+        "moe_router_topk_scaling_factor": ns.moe_router_topk_scaling_factor,
+        "moe_router_num_groups": ns.moe_router_num_groups, "moe_router_group_topk": ns.moe_router_group_topk,
         "multi_latent_attention": bool(ns.multi_latent_attention),
         "mtp_num_layers": ns.mtp_num_layers,
     }
@@ -300,6 +308,13 @@ def model_from_args(ns: Any, assumed: dict[str, str]) -> tuple[ModelConfig | Non
 # sequence) does not: Megatron may well start that run, or its own checks say why not.
 OUT_OF_RANGE = "outside the range a plan covers"
 ABOVE_RANGE = "above the most"
+NEGATIVE = "negative: no run has such a size"
+
+
+def no_run_has(why: str | None) -> bool:
+    """Whether beyond_plan_bounds' answer is a size no run has (above the range, or negative): an
+    error, where a size below the range (a 0, a short sequence) is a warning."""
+    return bool(why) and (ABOVE_RANGE in why or NEGATIVE in why)
 
 
 def beyond_plan_bounds(model: dict[str, Any] | None = None, lay: Layout | None = None) -> str | None:
@@ -322,8 +337,10 @@ def beyond_plan_bounds(model: dict[str, Any] | None = None, lay: Layout | None =
                   for e in _leaf_errors(checker.iter_errors(step))]
         if errors:   # the first in the arguments' order: a size given before the ones derived from it
             name, e = min(errors, key=lambda x: order.index(x[0]) if x[0] in order else len(order))
+            negative = e.validator == "minimum" and isinstance(e.instance, (int, float)) and e.instance < 0
             said = {"maximum": f"{e.instance} is {ABOVE_RANGE} of {e.validator_value}",
-                    "minimum": f"{e.instance} is below the least of {e.validator_value}"}.get(e.validator, e.message)
+                    "minimum": f"{e.instance} is {NEGATIVE}" if negative else
+                    f"{e.instance} is below the least of {e.validator_value}"}.get(e.validator, e.message)
             return f"{_ARGUMENT_NAMES.get(name, name)}: {said}, {OUT_OF_RANGE}"
     return None
 

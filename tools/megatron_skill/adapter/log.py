@@ -60,6 +60,21 @@ FAILURES = [
      "a process was killed from outside (the scheduler's time limit, the host's out-of-memory killer, or a person)",
      "resume from the last checkpoint; for a time limit, raise it or checkpoint more often (--save-interval); for the "
      "host's OOM killer, fewer dataloader workers or more host memory"),
+    ("kernel_fault", re.compile(r"CUDA error: (an illegal memory access|device-side assert|misaligned address|"
+                                r"an illegal instruction)|CUBLAS_STATUS_EXECUTION_FAILED|Assertion `.*` failed"),
+     "a GPU kernel faulted: an index out of range (a token id at or above the vocabulary size, a label the loss "
+     "cannot take), a kernel's own bug, or faulty GPU memory",
+     "check that the data's token ids are below the run's vocabulary (--vocab-size, the tokenizer's size) and that "
+     "the data matches its tokenizer; rerun with CUDA_LAUNCH_BLOCKING=1 to name the kernel; if it recurs on one "
+     "GPU only, leave that node out"),
+    ("host_out_of_memory", re.compile(r"DefaultCPUAllocator: can't allocate memory|std::bad_alloc|"
+                                      r"Cannot allocate memory|^\W*(\[\w*rank\d+\]:\s*)?MemoryError\b"),
+     "a process ran out of host (CPU) memory",
+     "fewer dataloader workers (--num-workers), no --optimizer-cpu-offload (or more host memory), fewer ranks per "
+     "node loading a checkpoint at once (a torch_dist checkpoint loads shard by shard); check other jobs on the node"),
+    ("worker_failed", re.compile(r"ChildFailedError|failed \(exitcode: [1-9]\d*\)|exitcode\s*:\s*[1-9]"),
+     "a training process exited with an error (torchrun's summary; the error above it says why)",
+     "read the first error or traceback above this line; fix it and resume from the last checkpoint"),
     ("make_helpers", re.compile(r"Failed to compile the C\+\+ dataset helper|make: \*\*\*.*helpers"),
      "Megatron tried to build its dataset helpers with make, which the pip wheel cannot",
      "launch through the skill's tools/pretrain_gpt.py, which uses the prebuilt helpers"),
@@ -134,7 +149,15 @@ def _rank_of(line: str) -> int | None:
 # half a minute. tests/test_hostile_round3.py checks a line of each alternative of each pattern.
 FAILURE_WORDS = ("emory", "atchdog", "NCCL", "nccl", "Heartbeat", "DistBackendError", "srun", "slurmstepd",
                  "CUDA error", "Xid ", "fallen off", "SIGKILL", "signal 9", "exitcode", "Killed", "oom-kill",
-                 "DUE TO TIME LIMIT", "helper", "No module named", "apex is not installed", "Transformer Engine")
+                 "DUE TO TIME LIMIT", "helper", "No module named", "apex is not installed", "Transformer Engine",
+                 "CUBLAS_STATUS", "Assertion `", "bad_alloc", "ChildFailedError")
+
+# The last line of a Python traceback: the exception's type and message ("[rank3]: " or "3: " before
+# it where torchrun or srun --label prefix the ranks' lines). Read only within TRACEBACK_REACH lines of
+# a "Traceback (most recent call last)" line, and only where no FAILURES pattern named the line.
+EXCEPTION = re.compile(r"^\s*(?:\[\w*rank\d+\]:|\d+:)?\s*(?P<type>(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*"
+                       r"(?:Error|Exception|Interrupt))(?::\s*(?P<message>.*))?$")
+TRACEBACK_REACH = 400
 
 
 def _may_fail(line: str) -> bool:
@@ -171,6 +194,7 @@ def parse(lines: Iterable[str]) -> dict[str, Any]:
     recent: collections.deque[str] = collections.deque(maxlen=400)  # the lines just above (a traceback's frames)
     unreadable = 0
     finished = False
+    traceback_at = -TRACEBACK_REACH - 1   # the line of the last "Traceback (most recent call last)"
     last_stamp = None
 
     previous: tuple | None = None   # the run before the last split, whole: taken back if nothing follows
@@ -220,19 +244,19 @@ def parse(lines: Iterable[str]) -> dict[str, Any]:
                 iterations[rec["iteration"]] = {**iterations.get(rec["iteration"], {}), **rec}
             else:
                 unreadable += 1
+        if "Traceback (most recent call last)" in line:
+            traceback_at = n
+        named = False
         for code, rx, meaning, fix in FAILURES if _may_fail(line) else ():
-            if not rx.search(line):
-                continue
-            seen = next((f for f in failures if f["code"] == code), None)
-            rank = _rank_of(line)
-            if seen is None:
-                failure = {"code": code, "line": n, "text": line.strip()[:300], "meaning": meaning, "fix": fix,
-                           "ranks": [] if rank is None else [rank]}
-                if code == "out_of_memory":
-                    failure["frames"] = traceback_frames(list(recent))   # read once the arguments are known
-                failures.append(failure)
-            elif rank is not None and rank not in seen["ranks"] and len(seen["ranks"]) < 64:
-                seen["ranks"].append(rank)
+            if rx.search(line):
+                named = True
+                _add_failure(failures, code, n, line, meaning, fix, recent)
+        if not named and n - traceback_at <= TRACEBACK_REACH and ("Error" in line or "Exception" in line
+                                                                 or "Interrupt" in line):
+            m = EXCEPTION.match(line)
+            if m:   # a traceback's end that no known failure explains
+                meaning, fix = exception_advice(m["type"], m["message"] or "", traceback_frames(list(recent)))
+                _add_failure(failures, "exception", n, line, meaning, fix, recent)
     if previous is not None and not iterations and not failures:
         # the last run has only just started (its dump, nothing since): the answer stays the run
         # before it, which the log has, and counts the start
@@ -245,6 +269,44 @@ def parse(lines: Iterable[str]) -> dict[str, Any]:
     return {"iterations": [iterations[k] for k in sorted(iterations)], "memory": memory,
             "failures": failures, "unreadable_lines": unreadable, "arguments": arguments, "starts": dumps,
             "finished": finished, "last_time": last_stamp, "earlier_runs": earlier}
+
+
+def _add_failure(failures: list[dict], code: str, n: int, line: str, meaning: str, fix: str, recent) -> None:
+    """The first line of each failure kind, with the ranks that reported it (64 at most)."""
+    seen = next((f for f in failures if f["code"] == code), None)
+    rank = _rank_of(line)
+    if seen is None:
+        failure = {"code": code, "line": n, "text": line.strip()[:300], "meaning": meaning, "fix": fix,
+                   "ranks": [] if rank is None else [rank]}
+        if code == "out_of_memory":
+            failure["frames"] = traceback_frames(list(recent))   # read once the arguments are known
+        failures.append(failure)
+    elif rank is not None and rank not in seen["ranks"] and len(seen["ranks"]) < 64:
+        seen["ranks"].append(rank)
+
+
+# What a training process's own exception most often means, by its type.
+EXCEPTION_FIXES = {
+    "FileNotFoundError": "a path the run names does not exist where it runs: check --data-path, --load, --save, "
+                         "the tokenizer's files and the container's mounts",
+    "PermissionError": "the run may not read or write a path it names: check --save / --load and the mounts",
+    "AssertionError": "one of Megatron's (or the script's) own checks failed: its message and frame say which; "
+                      "'launch.py validate' runs Megatron's argument checks on the launch before it starts",
+    "ModuleNotFoundError": "a package the run imports is missing from the job's Python: install it in the "
+                           "image, or leave out the flag that needs it ('launch.py doctor' lists what is there)",
+    "ImportError": "a package the run imports is missing or of another version: 'launch.py doctor' lists them",
+    "KeyboardInterrupt": "the process was interrupted (Ctrl-C, or a SIGINT from the scheduler): resume from the "
+                         "last checkpoint",
+}
+
+
+def exception_advice(kind: str, message: str, frames: list[str]) -> tuple[str, str]:
+    """(what it means, what to do) for a Python exception that ended a training process."""
+    where = f" at {frames[-1].split(' | ')[0]}" if frames else ""
+    meaning = f"a training process raised {kind}{': ' + message[:200] if message else ''}{where}"
+    fix = EXCEPTION_FIXES.get(kind.rsplit(".", 1)[-1], "read the exception and its innermost frame; fix the cause "
+                              "and resume from the last checkpoint ('launch.py validate' checks the launch first)")
+    return meaning, fix
 
 
 # ---- out of memory: where, from the traceback's frames, and what fits the run -------------
@@ -514,15 +576,19 @@ def summarize(parsed: dict[str, Any], seq_length: int | None = None, peak_tflops
     out["skipped_iterations"] = int(max((v for r in its if math.isfinite(v := r.get("skipped", 0))), default=0))
     anomalies = []
     vals = [loss for _, loss in losses]
+    last_spike = None   # a spike the next values stay up with is one spike (a plateau), said once
     for k in range(3, len(vals)):
         base = spike_base(vals[max(0, k - 5):k], vals[k])
-        if base is not None:
+        if base is not None and last_spike != k - 1:
             anomalies.append({"kind": "loss_spike", "iteration": losses[k][0], "loss": vals[k], "before": base})
+        last_spike = k if base is not None else last_spike
     if any(not math.isfinite(v) for v in vals) or out["nan_iterations"]:
         anomalies.append({"kind": "nan", "iteration": next((i for i, v in losses if not math.isfinite(v)), None)})
     rise = _divergence(vals)
     if rise:
-        anomalies.append({"kind": "divergence", "iteration": losses[-1][0], "loss": rise[0], "best": rise[1]})
+        # the last iteration with a finite loss: the rise is of those (a NaN after them is the 'nan' anomaly)
+        last = next(i for i, v in reversed(losses) if math.isfinite(v))
+        anomalies.append({"kind": "divergence", "iteration": last, "loss": rise[0], "best": rise[1]})
     norms = [(r["iteration"], r["grad_norm"]) for r in its if math.isfinite(r.get("grad_norm", math.nan))]
     for k in range(5, len(norms)):
         before = sorted(g for _, g in norms[k - 5:k])[2]

@@ -362,6 +362,19 @@ class Reading:
 
 
 SBATCH = re.compile(r"^#SBATCH\s+(--?[A-Za-z][\w-]*)(?:[= ]\s*(\S+))?", re.M)
+# sbatch's and srun's one-letter options, by their long names (the names the reader keeps)
+SBATCH_SHORT = {"N": "nodes", "n": "ntasks", "G": "gpus", "p": "partition", "t": "time"}
+
+
+def sbatch_directives(text: str) -> dict[str, str]:
+    """The #SBATCH lines' options by long name: -N 2, -N2, --nodes=2 and --nodes 2 alike."""
+    out: dict[str, str] = {}
+    for m in SBATCH.finditer(text):
+        opt, value = m.group(1), m.group(2) or ""
+        if not opt.startswith("--") and len(opt) > 2:   # -N2: the value attached
+            opt, value = opt[:2], opt[2:]
+        out.setdefault(SBATCH_SHORT.get(opt[1:], opt.lstrip("-")) if not opt.startswith("--") else opt[2:], value)
+    return out
 ASSIGN_HEAD = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\[[^\]]*\])?\+?=")
 SHELLS = {"bash", "sh", "zsh", "dash"}
 DECLARE = {"export", "declare", "typeset", "local", "readonly"}
@@ -461,8 +474,7 @@ class Reader:
         start = Path_(vars={**{k: v for k, v in self.env.items()}}, exported=set(self.env), funcs={},
                       positional=self.positional, files={}, sbatch={}, launches=[], choices=[], unresolved=[])
         start.vars.setdefault("0", str(self.script_path or "script.sh"))
-        for m in SBATCH.finditer(text):
-            start.sbatch[m.group(1).lstrip("-")] = m.group(2) or ""
+        start.sbatch.update(sbatch_directives(text))
         paths = self.run_text(text, [start], "")
         return Reading(paths, self.notes)
 
@@ -939,7 +951,7 @@ class Reader:
         return None
 
     def _sbatch_options(self, words: list[str], p: Path_) -> None:
-        aliases = {"N": "nodes", "n": "ntasks", "G": "gpus", "p": "partition", "t": "time"}
+        aliases = SBATCH_SHORT
         i = 0
         while i < len(words) and words[i].startswith("-"):
             w = words[i]
@@ -991,8 +1003,8 @@ class Reader:
             self.note(f"{where}: nested deeper than {MAX_DEPTH} levels, not read")
             return [p]
         if sbatch:
-            for m in SBATCH.finditer(text):
-                p.sbatch.setdefault(m.group(1).lstrip("-"), m.group(2) or "")
+            for k, v in sbatch_directives(text).items():
+                p.sbatch.setdefault(k, v)
         self.depth += 1
         saved = self._prefix
         self._prefix = saved + prefix
@@ -1418,11 +1430,12 @@ def _plain_param(part: dict) -> bool:
 
 
 def _bare_parameter(word: dict | None) -> bool:
-    """$Y, ${Y} or "$Y" alone."""
+    """$Y, ${Y} or "$Y" alone, or one command substitution $(...) / `...` alone: a value only the
+    run knows (the script's own commands are never run here)."""
     parts = _parts(word)
     if len(parts) == 1 and parts[0]["Type"] == "DblQuoted":
         parts = parts[0].get("Parts") or []
-    return len(parts) == 1 and _plain_param(parts[0])
+    return len(parts) == 1 and (_plain_param(parts[0]) or parts[0]["Type"] == "CmdSubst")
 
 
 def _all_items(part: dict) -> bool:

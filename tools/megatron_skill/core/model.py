@@ -450,7 +450,8 @@ def hf_config_json(path: str | Path) -> tuple[dict, Path]:
     p = Path(path)
     if files.kind_of(p) == "folder":
         p = p / "config.json"
-    return files.read_json_object(p, where="hf_config", what="Hugging Face config.json", code="bad_model"), p
+    return files.read_json_object(p, where="hf_config", what="Hugging Face config.json", code="bad_model",
+                                  unique_keys=True), p
 
 
 def from_hf_config(path: str | Path) -> ModelConfig:

@@ -252,6 +252,14 @@ def pipeline_splits(num_layers: int, pp: int) -> list[dict[str, Any]]:
     return out
 
 
+def _drop(rej: _Rejections, rule: str, values: list, keep: list, combinations: int, label) -> None:
+    """Count the layouts a rule refuses for each value of one size not kept, by the combinations of
+    the other sizes each would have formed."""
+    dropped = [v for v in values if v not in keep]
+    if dropped and combinations:
+        rej.add(rule, lambda: label(dropped[0]), len(dropped) * combinations)
+
+
 def _search_stage(model: ModelConfig, gpu: GPUSpec, n_gpus: int, lay: Layout, c: dict, mbss: list[int],
                   rej: _Rejections, todo: list, opts: RuntimeOptions) -> None:
     """The layouts of one pipeline split that Megatron's rules accept, each with its speed floor
@@ -266,6 +274,24 @@ def _search_stage(model: ModelConfig, gpu: GPUSpec, n_gpus: int, lay: Layout, c:
     else:
         eps, etps = [1], [1]
     eps, etps = _allowed(c, "ep", eps), _allowed(c, "etp", etps)
+    # A request's own lists of values are not pre-filtered as the search's are: a value no layout of
+    # this split can take goes here, once, not combination by combination (64 values of four sizes
+    # made a plan request run for minutes)
+    if "vp" in c:
+        keep = [v for v in vps if v == 1 or (lay.pp > 1 and lay.but(vp=v).chunk_sizes(model.num_layers) is not None)]
+        _drop(rej, "vp_needs_pp" if lay.pp == 1 else "vp_layers", vps, keep, len(eps) * len(etps) * len(mbss),
+              lambda v: f"VP{v} with PP{lay.pp} for {model.num_layers} layers")
+        vps = keep
+    if "ep" in c and model.is_moe:
+        keep = [e for e in eps if model.num_experts % e == 0]
+        _drop(rej, "ep_experts", eps, keep, len(vps) * len(etps) * len(mbss),
+              lambda e: f"EP{e} for {model.num_experts} experts")
+        eps = keep
+    if "mbs" in c:
+        keep = [m for m in mbss if lay.gbs % (m * lay.dp) == 0]
+        _drop(rej, "gbs_divisible", mbss, keep, len(vps) * len(eps) * len(etps),
+              lambda m: f"mbs{m} x DP{lay.dp} for gbs {lay.gbs}")
+        mbss = keep
     for vp in vps:
         if vp > 1 and lay.pp == 1:
             continue

@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import stat
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Iterator
 
+from .. import files as guarded
 from ..adapter import described, slow_run
 from ..adapter import log as megatron_log
 from ..contract import Context, Tool, invoke
@@ -55,6 +58,7 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
     except OSError as e:
         raise ToolError("not_found", f"cannot read {path}: {e.strerror}", where="/log", fix=fix) from None
     peak = get_gpu(req["gpu"], where="/gpu").bf16_dense_tflops if req.get("gpu") else None
+    plot = _plot_target(req["plot"]) if req.get("plot") else None   # before the log is read
     try:
         parsed = megatron_log.parse(read_lines(path, ctx))
     except OSError as e:
@@ -82,8 +86,8 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
         summary["lr_curve"] = summary.get("lr_curve", [])[:: max(1, int(step))]
     hints = _hints(summary)
     summary["hints"] = hints
-    if req.get("plot"):
-        summary["plot"] = _plot(parsed, Path(req["plot"]))
+    if plot is not None:
+        summary["plot"] = _plot(parsed, plot)
     ctx.progress(f"logs: {summary.get('logged_iterations', 0)} iterations, final loss {summary.get('final_loss')}, "
                  f"{len(hints)} hint(s)")
     return summary
@@ -175,13 +179,28 @@ def _stall(summary: dict, path: Path, dumped: dict) -> None:
              "iteration_s": round(summary["iter_ms_median"] / 1e3, 2)})
 
 
-def _plot(parsed: dict, out: Path) -> str | None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
+def _plot_target(path: str) -> Path:
+    """The plot's path, checked before any work: a new .png file (logs never replaces a file) in a
+    folder that is one or can be made, with matplotlib importable to draw it."""
+    out = Path(path)
+    if out.suffix.lower() != ".png":
+        raise ToolError("bad_request", f"{path}: the plot is written as PNG", where="/plot",
+                        fix="give a path ending in .png")
+    if guarded.kind_of(out) != "missing" or out.is_symlink():
+        raise ToolError("conflict", f"{path} exists: logs writes its plot to a new file only", where="/plot",
+                        fix="give a path where no file is (that one is left as it is)")
+    guarded.output_folder(out.parent, "/plot", "plot's folder")
+    import importlib.util
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ToolError("environment", "matplotlib is not installed here: the plot cannot be drawn", where="/plot",
+                        fix="pip install matplotlib, or leave plot out (the answer holds the loss curve)")
+    return out
+
+
+def _plot(parsed: dict, out: Path) -> str:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     its = parsed["iterations"]
     fig, ax = plt.subplots(1, 2, figsize=(10, 3.5))
     ax[0].plot([r["iteration"] for r in its if "loss" in r], [r["loss"] for r in its if "loss" in r])
@@ -190,8 +209,21 @@ def _plot(parsed: dict, out: Path) -> str | None:
     ax[1].plot([r["iteration"] for r in timed], [r["tflops_per_gpu"] for r in timed])
     ax[1].set(xlabel="iteration", ylabel="TFLOP/s/GPU")
     fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
+    guarded.make_folder(out.parent, "/plot", "plot's folder")
+    # drawn under a temporary name, then linked into place: a file that appeared there meanwhile stays
+    fd, temp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            fig.savefig(f, format="png", dpi=100)
+        os.link(temp, out)
+    except FileExistsError:
+        raise ToolError("conflict", f"{out} appeared while the plot was drawn: it is left as it is", where="/plot",
+                        fix="give a path where no file is") from None
+    except OSError as e:
+        raise guarded.os_error(e, out, "/plot", "plot") from None
+    finally:
+        plt.close(fig)
+        os.unlink(temp)
     return str(out)
 
 

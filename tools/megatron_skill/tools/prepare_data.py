@@ -431,7 +431,7 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
         return {"dry_run": True, "output_prefix": str(prefix), "tokenizer": tokenizer.describe(),
                 "actions": [f"read {', '.join(req['input'])}",
                             f"tokenize with {workers} worker process(es)",
-                            f"write {files['bin']}, {files['idx']}, {files['json']} under temporary names, "
+                            f"write {', '.join(str(files[k]) for k in _written(req))} under temporary names, "
                             "then rename them into place together (the record last)"]}
     try:
         import numpy as np
@@ -480,11 +480,25 @@ def _decide(req: dict, files: dict[str, Path], rid: str, ctx: Context, dry_run: 
     if status == "foreign":
         raise ToolError("conflict", f"{files['json']} exists and was not written by prepare-data",
                         where="/output_prefix", fix="choose another output_prefix (that file is left as it is)")
+    # what this run writes and finds in place: ours only where prepare-data's record lists it (a
+    # file with no record beside it, or a loss mask the record does not name, is someone else's)
+    writes = ("bin", "idx") + (("mask_bin", "mask_idx") if req["format"] == "chat" else ())
+    listed = {Path(f).name for f in (record or {}).get("result", {}).get("files", ())} if status != "missing" else set()
+    theirs = [files[k] for k in writes if guarded.kind_of(files[k]) != "missing" and files[k].name not in listed]
+    if theirs:
+        raise ToolError("conflict", f"{', '.join(map(str, theirs))} exist(s) and prepare-data did not write "
+                        f"{'it' if len(theirs) == 1 else 'them'} (no record of it beside the dataset)",
+                        where="/output_prefix", fix="choose another output_prefix (those files are left as they are)")
     if (complete or files["bin"].exists() or files["idx"].exists()) and not req["overwrite"]:
         why = "its record no longer matches its files" if status == "stale" else "made by another request"
         raise ToolError("conflict", f"a dataset exists at {files['bin'].with_suffix('')} ({why})",
                         where="/output_prefix", fix="choose another output_prefix, or set overwrite true")
     return None
+
+
+def _written(req: dict) -> tuple[str, ...]:
+    """The kinds of file a run of this request writes: the tokens, the record, the chat format's mask."""
+    return ("bin", "idx", "json") + (("mask_bin", "mask_idx") if req["format"] == "chat" else ())
 
 
 def _inputs(req: dict) -> dict[str, list[int]]:
@@ -495,7 +509,7 @@ def _inputs(req: dict) -> dict[str, list[int]]:
 def _build(req, ctx, tokenizer, files, workers, rid, dtype, IndexedDatasetBuilder, np, torch) -> dict[str, Any]:
     token = f"{os.getpid()}-{os.urandom(4).hex()}"
     chat = req["format"] == "chat"
-    kinds = ("bin", "idx", "json") + (("mask_bin", "mask_idx") if chat else ())
+    kinds = _written(req)
     temps = {k: files[k].with_name(f".{files[k].name}.{token}.tmp") for k in kinds}
     _write_journal(files, temps, "writing")  # first: whatever is made next can be found and removed
     inputs = _inputs(req)  # before reading them: a change while the run reads is seen by the next
@@ -586,7 +600,7 @@ def _result(req: dict, tokenizer: dict[str, Any], files: dict[str, Path], writer
     elif tokenizer["type"] == "sentencepiece":
         training.update(tokenizer_model=tokenizer["path"], tokenizer_type="SentencePieceTokenizer")
     return {"output_prefix": str(files["bin"].with_suffix("")), "format": req["format"],
-            "files": [str(files[k]) for k in ("bin", "idx", "json") + (("mask_bin", "mask_idx") if chat else ())],
+            "files": [str(files[k]) for k in _written(req)],
             **({"learned_tokens": writer.learned} if chat else {}),
             "documents_in": writer.documents_in, "documents_out": writer.documents_out,
             "bad_line_count": len(writer.bad), "bad_lines": writer.bad[:MAX_REPORTED], "blank_lines": blank_lines,

@@ -766,6 +766,31 @@ def _import_description(step: dict, launcher: str) -> dict:
 
 
 RENDERED_MARK = "# Rendered by the megatron-core-training skill"
+# The last line of a rendered file: the digest of every line above it. A file whose lines no longer
+# match it was edited since (by a person): render leaves it, as it leaves a file it never wrote.
+DIGEST_LINE = "# render: sha256 {} of the lines above (an edit shows; render then leaves the file as it is)\n"
+DIGEST = re.compile(r"^# render: sha256 ([0-9a-f]{64}) ", re.M)
+
+
+def _with_digest(text: str) -> str:
+    body = text if text.endswith("\n") else text + "\n"
+    return body + DIGEST_LINE.format(hashlib.sha256(body.encode()).hexdigest())
+
+
+def _edited(path: Path, new: str) -> bool:
+    """Whether a rendered file's lines differ from the digest on its last line; one without the
+    digest (its line removed, or rendered by a version before it) cannot be shown unedited, unless
+    it is what render writes now, line for line (replacing it loses nothing)."""
+    try:
+        text = files.read_text(path, "/output_dir", "launch script")
+    except ToolError:
+        return True
+    found = list(DIGEST.finditer(text))
+    if not found:
+        return text.rstrip("\n") != new.rstrip("\n")
+    m = found[-1]
+    after = text[m.start():].partition("\n")[2]   # lines added below the digest are an edit too
+    return bool(after.strip()) or hashlib.sha256(text[:m.start()].encode()).hexdigest() != m.group(1)
 
 
 def _unseen_datasets(req: dict) -> list[str]:
@@ -856,6 +881,11 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
     if files.kind_of(path) != "missing" and RENDERED_MARK not in _head(path):
         raise ToolError("conflict", f"{path} exists and was not written by render", where="/output_dir",
                         fix="choose another output_dir (the file is left as it is)")
+    if files.kind_of(path) != "missing" and _edited(path, text):
+        raise ToolError("conflict", f"{path} was written by render and edited since (its digest line no longer "
+                        "matches, or is gone): render leaves the edit",
+                        where="/output_dir", fix="choose another output_dir, or move the edited file away first")
+    text = _with_digest(text)
     if ctx.dry_run:
         out["dry_run"] = True
         out["actions"] = [f"mkdir -p {path.parent}", f"write {path} ({len(text)} bytes, mode {out['files'][0]['mode']})"]

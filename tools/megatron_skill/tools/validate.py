@@ -152,9 +152,15 @@ class _FlagReader:
     def _obsolete(self, a: str, flag: str, entry: megatron_flags.Obsolete) -> None:
         known = flag in self.known
         fix = (self.fixes.get(flag) or {"fix": entry.fix_text(flag)})["fix"]
-        self.findings.append(_finding("obsolete_flag", _obsolete_message(flag, entry, known), fix,
-                                      self.launch.where(flag),
-                                      severity="error" if entry.refused or not known else "warning"))
+        message = _obsolete_message(flag, entry, known)
+        # another entry may define the old name itself (examples/multimodal's train.py adds --use-te)
+        own = not known and self.launch.kind != "gpt"
+        if own:
+            message += f"; {self.launch.entry} may add it itself (its extra_args_provider)"
+            fix = f"check it against {self.launch.entry}'s own arguments; in Megatron's: {fix}"
+        self.findings.append(_finding("obsolete_flag", message, fix, self.launch.where(flag),
+                                      severity="error" if (entry.refused and known) or (not known and not own)
+                                      else "warning"))
         if known:
             self.clean.append(a)
         else:
@@ -189,6 +195,16 @@ class _FlagReader:
 
     def stray_finding(self) -> dict:
         quoted = " ".join(self.stray[:6]) + (" ..." if len(self.stray) > 6 else "")
+        placeholders = re.findall(r"<[^<>\n]{1,80}>", self.launch.script_text or "")
+        words = {w for p in placeholders for w in p.strip("<>").split()}
+        placeholder = re.search(r"<[^<>\n]{1,80}>", self.launch.script_text or "")
+        if placeholder and all("<" in w or ">" in w or w in words for w in self.stray):
+            # a template's "<some dir>", expanded unquoted: its words split the value it stands in
+            return _finding(
+                "placeholder", f"the script holds a placeholder to fill in ({placeholder.group(0)}): as it stands, "
+                f"its words split a flag's value and leave {len(self.stray)} word(s) no flag takes ({quoted})",
+                f"replace {placeholder.group(0)} with a real value before the script runs",
+                self.launch.where(self.owner) if self.owner else None, severity="warning")
         split = bool(re.search(r"(?<![\"'])\$\{\w+\[[@*]\]\}", self.launch.script_text or ""))
         return _finding(
             "stray_arguments", f"{len(self.stray)} word(s) that no flag takes ({quoted}): Megatron's parser refuses "
@@ -274,7 +290,7 @@ def check_launch(launch: Launch, gpu_name: str | None, recheck_fix: bool = True)
         findings.append(_finding("model_out_of_range" if beyond else "bad_model",
                                  f"the model-size flags describe no model this check covers: {why}",
                                  "correct the model-size flags (a typo?); the layout and memory are unchecked",
-                                 severity="error" if (beyond and described.ABOVE_RANGE in why)
+                                 severity="error" if (beyond and described.no_run_has(why))
                                  or REFUSED_WHEN_BUILT in (why or "") else "warning"))
         result["memory"] = {"skipped": f"no model: {why}"}
     elif model is None:
@@ -294,6 +310,21 @@ def check_launch(launch: Launch, gpu_name: str | None, recheck_fix: bool = True)
     _recipe_traps(launch, ns, model, findings, checks)
     _megatron_checks(launch, clean, findings, checks, have_megatron)
     return _close(result, findings, launch, gpu_name, recheck_fix)
+
+
+def _training_dtype(ns: argparse.Namespace, findings: list[dict], launch: Launch, assumed: dict[str, str]) -> str:
+    """bf16, fp16 or fp32 (neither flag: Megatron's default), with what the memory check makes of it."""
+    if getattr(ns, "bf16", False):
+        return "bf16"
+    if getattr(ns, "fp16", False):
+        assumed["precision"] = "fp16, costed as bf16 (two bytes a value alike; the loss scaler's state is small)"
+        return "fp16"
+    if launch.kind != "other":
+        findings.append(_finding(
+            "fp32_training", "neither --bf16 nor --fp16: Megatron trains in fp32, with twice the activation memory "
+            "of 16-bit training and without the BF16 tensor-core rate (LLM recipes train in bf16)",
+            "add --bf16", severity="warning"))
+    return "fp32"
 
 
 # What training recipes (Llama, GPT-3, Qwen, NVIDIA's own) set where Megatron's defaults differ.
@@ -369,13 +400,34 @@ def _readable(clean: list[str], launch: Launch, findings: list[dict],
             return clean, megatron_flags.check_values(clean)
         except ToolError as e:
             refused = re.search(r"argument (--[\w-]+)", e.message)
-            findings.append(_finding("bad_value", e.message, e.fix or "correct the value",
-                                     launch.where(refused.group(1)) if refused else None))
+            unresolved = refused and _unresolved_value(clean, refused.group(1))
+            if unresolved:   # the script leaves it to whoever starts it: not this check's to refuse
+                flag = refused.group(1)
+                findings.append(_finding(
+                    "unresolved_value", f"{flag} {unresolved}: the script does not set it (a variable of the job's "
+                    f"environment, or a command's output), so its value is not checked", f"make sure {unresolved} "
+                    f"is set where the job starts (Megatron refuses {flag} without a value of its type), or set it "
+                    "in the script", launch.where(flag), severity="warning"))
+                assumed[flag] = f"left out: its value {unresolved} is known only when the job starts"
+            else:
+                findings.append(_finding("bad_value", e.message, e.fix or "correct the value",
+                                         launch.where(refused.group(1)) if refused else None))
             if refused is None:
                 return None, "refused a value: the other checks need the values read"
-            assumed[refused.group(1)] = "left out: its value could not be read (see the bad_value error)"
+            if not unresolved:
+                assumed[refused.group(1)] = "left out: its value could not be read (see the bad_value error)"
             clean = _without(clean, {refused.group(1)})
     return None, "refused a value: the other checks need the values read"
+
+
+def _unresolved_value(args: list[str], flag: str) -> str | None:
+    """The value of flag in args where the script left it to the run ($VAR, $(command)), else None."""
+    for i, a in enumerate(args):
+        name, eq, value = a.partition("=")
+        if name == flag:
+            value = value if eq else (args[i + 1] if i + 1 < len(args) and not args[i + 1].startswith("--") else "")
+            return value if "$" in value else None
+    return None
 
 
 def _without(args: list[str], drop: set[str]) -> list[str]:
@@ -403,7 +455,7 @@ def _check_layout(launch: Launch, ns: argparse.Namespace, model: ModelConfig, gp
     if beyond:
         findings.append(_finding("layout_out_of_range", f"the layout and batch flags describe no run this check "
                                  f"covers: {beyond}", "correct the parallel sizes, batch sizes and sequence length",
-                                 severity="error" if described.ABOVE_RANGE in beyond else "warning"))
+                                 severity="error" if described.no_run_has(beyond) else "warning"))
         result["memory"] = {"skipped": f"no layout: {beyond}"}
         return
     result["layout"] = {**lay.to_json(), **({"vp": None} if uneven else {})}
@@ -438,7 +490,9 @@ def _check_layout(launch: Launch, ns: argparse.Namespace, model: ModelConfig, gp
                                  "TP or CP > 1 without CUDA_DEVICE_MAX_CONNECTIONS=1 (Megatron refuses to start "
                                  "on Hopper and older)", "export CUDA_DEVICE_MAX_CONNECTIONS=1 before the launch"))
     _pretrained_rows(launch, ns, lay.tp, findings, result)
-    if launch.kind == "gpt":
+    if _training_dtype(ns, findings, launch, assumed) == "fp32":
+        result["memory"] = {"skipped": "fp32 training: the memory model costs 16-bit weights and activations"}
+    elif launch.kind == "gpt":
         result["memory"] = _memory(launch, ns, model, lay, gpu, findings, assumed)
     else:
         result["memory"] = {"skipped": f"{launch.entry} is not Megatron's GPT training entry: its model and memory "
