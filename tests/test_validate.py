@@ -722,3 +722,18 @@ def test_the_router_is_read_as_the_script_sets_it():
     softmax = call("validate", {"args": (moe.format(f="softmax")).split(), "num_gpus": 1})["result"]
     assert "bad_model" not in _codes(sigmoid)[0], sigmoid["errors"]
     assert "bad_model" in _codes(softmax)[0]
+
+
+def test_a_fragment_or_another_tool_is_not_held_to_pretrain_gpts_flags():
+    """A file that only defines flags (its entry not known) and a launch of a tool of its own
+    (a checkpoint converter with positional arguments): what pretrain_gpt.py would refuse is a
+    warning there; the same words on pretrain_gpt.py stay errors."""
+    conf = 'OPTS="--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 128 --model-temperature 0.7"\n'
+    fragment = call("validate", {"script_text": conf})["result"]
+    assert "unknown_flag" in _codes(fragment)[1] and "unknown_flag" not in _codes(fragment)[0]
+    tool = "python tools/checkpoint/checkpoint_inspector.py convert --swiglu in_dir out_dir\n"
+    other = call("validate", {"script_text": tool})["result"]
+    gpt = call("validate", {"script_text": tool.replace("tools/checkpoint/checkpoint_inspector.py convert",
+                                                        "pretrain_gpt.py")})["result"]
+    assert "stray_arguments" in _codes(other)[1] and "stray_arguments" not in _codes(other)[0]
+    assert "stray_arguments" in _codes(gpt)[0]

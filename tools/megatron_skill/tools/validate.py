@@ -184,7 +184,14 @@ class _FlagReader:
     def _unknown(self, flag: str) -> None:
         hint = megatron_flags.suggest(flag)
         launch = self.launch
-        if launch.kind == "gpt":
+        if launch.info.get("fragment"):
+            # flags a script only defines (no launch in it): the entry that reads them is not known
+            self.findings.append(_finding("unknown_flag", f"{flag} is not a flag of Megatron's pretrain_gpt.py; the "
+                                          "script starts no launch, so the entry that reads it (which may add it "
+                                          "itself) is not known", (hint + "; else " if hint else "") +
+                                          "check it against that entry's own arguments", launch.where(flag),
+                                          severity="warning"))
+        elif launch.kind == "gpt":
             self.findings.append(_finding("unknown_flag", f"{flag} is not a flag of Megatron's pretrain_gpt.py",
                                           hint or "remove it", launch.where(flag)))
         else:   # the entry may add it (extra_args_provider): not ours to refuse
@@ -205,6 +212,11 @@ class _FlagReader:
                 f"its words split a flag's value and leave {len(self.stray)} word(s) no flag takes ({quoted})",
                 f"replace {placeholder.group(0)} with a real value before the script runs",
                 self.launch.where(self.owner) if self.owner else None, severity="warning")
+        if self.launch.kind == "other":   # a tool of its own (a converter, an inspector): its positionals
+            return _finding("stray_arguments", f"{len(self.stray)} word(s) no Megatron training flag takes "
+                            f"({quoted}): {self.launch.entry} is not a training entry, and they may be its own "
+                            "positional arguments", f"check them against {self.launch.entry}'s own usage",
+                            self.launch.where(self.owner) if self.owner else None, severity="warning")
         split = bool(re.search(r"(?<![\"'])\$\{\w+\[[@*]\]\}", self.launch.script_text or ""))
         return _finding(
             "stray_arguments", f"{len(self.stray)} word(s) that no flag takes ({quoted}): Megatron's parser refuses "
