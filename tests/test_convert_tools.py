@@ -114,6 +114,30 @@ def test_the_output_folder_is_never_someone_elses(tmp_path, cli):
     assert json.loads((tmp_path / "mcore" / "conversion.json").read_text())["result"]["dtype"] == "bf16"
 
 
+def test_the_tools_own_output_stays_its_own_from_any_working_folder(tmp_path, monkeypatch):
+    """A conversion asked with relative paths, then another asked from another folder: the record's
+    request keeps its paths absolute, so its id is its own wherever it is checked from; a record an
+    earlier version wrote (its request as given, its id of that) is still the skill's own."""
+    from megatron_skill.contract import call, legacy_request_id
+
+    tiny("llama", tmp_path / "hf")
+    (tmp_path / "sub").mkdir()
+    monkeypatch.chdir(tmp_path)
+    env = call("import-hf", {"hf_model": "hf", "output": "./mcore"})
+    assert env["ok"], env
+    record = json.loads((tmp_path / "mcore" / "conversion.json").read_text())
+    assert record["request"]["output"] == str(tmp_path / "mcore")
+    monkeypatch.chdir(tmp_path / "sub")
+    env = call("import-hf", {"hf_model": "../hf", "output": "../mcore", "dtype": "bf16", "overwrite": True})
+    assert env["ok"], env
+    record = json.loads((tmp_path / "mcore" / "conversion.json").read_text())
+    record["request"] = {**record["request"], "output": "../mcore"}
+    record["request_id"] = legacy_request_id(record["tool"], record["request"])
+    (tmp_path / "mcore" / "conversion.json").write_text(json.dumps(record))
+    env = call("import-hf", {"hf_model": "../hf", "output": "../mcore", "dtype": "fp32", "overwrite": True})
+    assert env["ok"], env
+
+
 @pytest.mark.slow
 def test_cpu_training_starts_from_the_imported_weights(tmp_path, cli):
     """The first loss of a CPU run from an import is the Hugging Face model's loss on the same

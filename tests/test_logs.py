@@ -680,3 +680,25 @@ def test_a_plot_is_a_new_png_or_a_clear_error_and_never_replaces_a_file(tmp_path
         assert rc == 5 and out["error"]["code"] == "environment" and not (tmp_path / "new").exists()
     else:
         assert rc == 0 and (tmp_path / "new" / "curve.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_an_exception_the_run_trained_on_after_is_no_failure(tmp_path):
+    """A logger's lost connection mid-run (a traceback, then more iterations), and Python's
+    "Exception ignored in" at the interpreter's exit: the run is not failed; an exception after
+    the last iteration still is."""
+    handled = ("Traceback (most recent call last):\n"
+               '  File "/usr/lib/python3/site-packages/wandb/sdk/internal/sender.py", line 10, in send\n'
+               "requests.exceptions.ConnectionError: Connection aborted.\n")
+    ignored = ("Exception ignored in: <function Pool.__del__ at 0x7f>\nTraceback (most recent call last):\n"
+               '  File "/usr/lib/python3.12/multiprocessing/pool.py", line 268, in __del__\n'
+               "AttributeError: 'NoneType' object has no attribute 'put'\n")
+    cases = {"mid_run": ("\n".join(_line(i, 3.0) for i in range(1, 4)) + "\n" + handled +
+                         "\n".join(_line(i, 3.0) for i in range(4, 8)) + "\n", "stopped or running"),
+             "at_exit": ("\n".join(_line(i, 3.0) for i in range(1, 6)) + "\n" + ignored, "stopped or running"),
+             "fatal": ("\n".join(_line(i, 3.0) for i in range(1, 4)) + "\n" + handled +
+                       "\n".join(_line(i, 3.0) for i in range(4, 8)) + "\n" + handled, "failed")}
+    for name, (text, state) in cases.items():
+        log = tmp_path / f"{name}.log"
+        log.write_text(text)
+        r = call("logs", {"log": str(log)})["result"]
+        assert r["state"] == state, (name, r["state"], r["failures"])

@@ -737,3 +737,30 @@ def test_a_fragment_or_another_tool_is_not_held_to_pretrain_gpts_flags():
                                                         "pretrain_gpt.py")})["result"]
     assert "stray_arguments" in _codes(other)[1] and "stray_arguments" not in _codes(other)[0]
     assert "stray_arguments" in _codes(gpt)[0]
+
+
+def test_the_review_of_the_mends_each_stays_mended():
+    """What an independent review found in the first versions of the mends above: a literal with a
+    dollar sign and a literal after an expansion are still checked; Megatron's own Mamba entry
+    refuses old flags; a comment's "<...>" hides no stray word; router flags on a dense model keep
+    the memory check; precision flags in an unexpanded variable are not fp32; the last #SBATCH line
+    of an option counts, and a short option's attached value is read whole."""
+    head = "#!/bin/bash\nexport CUDA_DEVICE_MAX_CONNECTIONS=1\n"
+    run = f"torchrun --nproc-per-node 1 pretrain_gpt.py {SMALL_TEXT} --seq-length 2048 "
+
+    def check(text, **extra):
+        return call("validate", {"script_text": head + text, **extra})["result"]
+
+    assert "bad_value" in _codes(check(run + "--bf16 --lr '3e-4$'\n"))[0]
+    assert "bad_value" in _codes(check(run + "--bf16 --lr $LR --lr 3e-4x\n"))[0]
+    mamba = check(run.replace("pretrain_gpt.py", "pretrain_mamba.py") + "--bf16 --use-te\n")
+    assert "obsolete_flag" in _codes(mamba)[0]
+    assert "stray_arguments" in _codes(check("# MBS: <1 or 2> per GPU\n" + run + "--bf16 --micro-batch-size 1 2\n"))[0]
+    dense = check(run + "--bf16 --moe-router-score-function sigmoid --moe-router-topk-scaling-factor 2.5\n",
+                  gpu="h100-sxm")
+    assert dense["predicted_peak_gib"] is not None and "bad_model" not in _codes(dense)[1]
+    variable = check(run + "${PRECISION_ARGS}\n", gpu="h100-sxm")
+    assert "fp32_training" not in _codes(variable)[1] and variable["predicted_peak_gib"] is not None
+    sbatch = check("#SBATCH -N 1\n#SBATCH -N 2\n#SBATCH -t01:00:00\n#SBATCH --ntasks-per-node=8\n" +
+                   run.replace("torchrun --nproc-per-node 1", "srun python") + "--bf16\n")
+    assert sbatch["world_size"] == 16 and sbatch["script"]["sbatch"]["time"] == "01:00:00"

@@ -101,26 +101,37 @@ def schema_registry():
 
 def request_id(tool: str, request: dict) -> str:
     """A hash of the canonical request: the same request always gets the same id. Canonical: a
-    path is absolute and normalised (./x, x and a/../x are one file), and a Hugging Face config
-    the request names counts by its content (an edited config.json is another model, so another
-    request)."""
-    canonical = {k: _canonical(v) for k, v in request.items() if k not in NON_SEMANTIC}
+    path with a slash in it is absolute and normalised (./x, dir/../x and the absolute path are
+    one file; a bare name is left as written), and a Hugging Face config the request names counts
+    by its content (an edited config.json is another model, so another request)."""
+    canonical = {k: with_absolute_paths(v) for k, v in request.items() if k not in NON_SEMANTIC}
     if isinstance(request.get("hf_config"), str):
         config = request["hf_config"]   # a folder and its config.json are one config (every tool reads it so)
         config = os.path.join(config, "config.json") if os.path.isdir(config) else config
         canonical["hf_config"] = os.path.normpath(os.path.abspath(config))
         canonical["hf_config_sha256"] = _config_digest(config)
+    return _hashed(tool, canonical)
+
+
+def legacy_request_id(tool: str, request: dict) -> str:
+    """The id as versions before the canonical paths made it (the request as written): what the
+    records those versions left hold."""
+    return _hashed(tool, {k: v for k, v in request.items() if k not in NON_SEMANTIC})
+
+
+def _hashed(tool: str, canonical: dict) -> str:
     blob = json.dumps({"tool": tool, "request": canonical}, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def _canonical(value: Any) -> Any:
+def with_absolute_paths(value: Any) -> Any:
     """value with every path in it absolute and normalised; a path is a string of one word with a
-    slash in it (not a URL): a script's text, a model name or a flag is left as it is."""
+    slash in it (not a URL): a script's text, a bare name or a flag is left as it is. A record keeps
+    its request so, to give the same id from any working folder."""
     if isinstance(value, dict):
-        return {k: _canonical(v) for k, v in value.items()}
+        return {k: with_absolute_paths(v) for k, v in value.items()}
     if isinstance(value, list):
-        return [_canonical(v) for v in value]
+        return [with_absolute_paths(v) for v in value]
     if isinstance(value, str) and "/" in value and "://" not in value and not any(c.isspace() for c in value):
         return os.path.normpath(os.path.abspath(value))
     return value

@@ -278,15 +278,16 @@ def model_from_args(ns: Any, assumed: dict[str, str]) -> tuple[ModelConfig | Non
         "num_experts": ns.num_experts, "moe_router_topk": ns.moe_router_topk or 2,
         "moe_ffn_hidden_size": ns.moe_ffn_hidden_size,
         "moe_shared_expert_intermediate_size": ns.moe_shared_expert_intermediate_size,
-        # the router as the script sets it (its rules depend on the score function: core/model.py)
-        "moe_router_score_function": ns.moe_router_score_function,
-        "moe_router_pre_softmax": bool(ns.moe_router_pre_softmax),
-        "moe_router_enable_expert_bias": bool(ns.moe_router_enable_expert_bias),
-        "moe_router_topk_scaling_factor": ns.moe_router_topk_scaling_factor,
-        "moe_router_num_groups": ns.moe_router_num_groups, "moe_router_group_topk": ns.moe_router_group_topk,
         "multi_latent_attention": bool(ns.multi_latent_attention),
         "mtp_num_layers": ns.mtp_num_layers,
     }
+    if ns.num_experts:   # the router as the script sets it (its rules depend on the score function:
+        # core/model.py); a dense model's router flags are Megatron's to ignore
+        fields.update(moe_router_score_function=ns.moe_router_score_function,
+                      moe_router_pre_softmax=bool(ns.moe_router_pre_softmax),
+                      moe_router_enable_expert_bias=bool(ns.moe_router_enable_expert_bias),
+                      moe_router_topk_scaling_factor=ns.moe_router_topk_scaling_factor,
+                      moe_router_num_groups=ns.moe_router_num_groups, moe_router_group_topk=ns.moe_router_group_topk)
     if ns.multi_latent_attention:
         fields.update(q_lora_rank=ns.q_lora_rank, kv_lora_rank=ns.kv_lora_rank, qk_head_dim=ns.qk_head_dim,
                       qk_pos_emb_head_dim=ns.qk_pos_emb_head_dim, v_head_dim=ns.v_head_dim)

@@ -195,6 +195,7 @@ def parse(lines: Iterable[str]) -> dict[str, Any]:
     unreadable = 0
     finished = False
     traceback_at = -TRACEBACK_REACH - 1   # the line of the last "Traceback (most recent call last)"
+    ignored_at = -TRACEBACK_REACH - 1     # the line of the last "Exception ignored in"
     last_stamp = None
 
     previous: tuple | None = None   # the run before the last split, whole: taken back if nothing follows
@@ -251,19 +252,31 @@ def parse(lines: Iterable[str]) -> dict[str, Any]:
             if rx.search(line):
                 named = True
                 _add_failure(failures, code, n, line, meaning, fix, recent)
-        if not named and n - traceback_at <= TRACEBACK_REACH and ("Error" in line or "Exception" in line
-                                                                 or "Interrupt" in line):
+        if "Exception ignored in" in line:   # Python's note of an error it did not raise (a __del__ at exit)
+            ignored_at = n
+        # (Python prints "Exception ignored in ..." on the line just above such a traceback)
+        if not named and n - traceback_at <= TRACEBACK_REACH and ignored_at < traceback_at - 2 and \
+                ("Error" in line or "Exception" in line or "Interrupt" in line):
             m = EXCEPTION.match(line)
             if m:   # a traceback's end that no known failure explains
+                now = max(iterations, default=0)
+                # an earlier exception the run trained on after is superseded by this one
+                failures[:] = [f for f in failures if f["code"] != "exception" or f["after_iteration"] >= now]
                 meaning, fix = exception_advice(m["type"], m["message"] or "", traceback_frames(list(recent)))
                 _add_failure(failures, "exception", n, line, meaning, fix, recent)
+                next(f for f in failures if f["code"] == "exception").setdefault("after_iteration", now)
     if previous is not None and not iterations and not failures:
         # the last run has only just started (its dump, nothing since): the answer stays the run
         # before it, which the log has, and counts the start
         arguments, iterations, memory, failures, dumps, finished = previous[:4] + (previous[4] + dumps,
                                                                                    previous[5])
         earlier.pop()
+    # an exception the run went on training after (a logger's lost connection, a retried save), or
+    # one raised once training was done, ended nothing: not the run's failure
+    last = max(iterations, default=0)
+    failures = [f for f in failures if f["code"] != "exception" or not (finished or last > f["after_iteration"])]
     for failure in failures:
+        failure.pop("after_iteration", None)
         if failure["code"] == "out_of_memory":
             failure.update(oom_advice(failure.pop("frames"), arguments))
     return {"iterations": [iterations[k] for k in sorted(iterations)], "memory": memory,

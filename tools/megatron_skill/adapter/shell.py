@@ -361,20 +361,26 @@ class Reading:
     notes: list[str]
 
 
-SBATCH = re.compile(r"^#SBATCH\s+(--?[A-Za-z][\w-]*)(?:[= ]\s*(\S+))?", re.M)
+# an #SBATCH line's option and its value (--nodes=2, --nodes 2, -N 2, -N2, -t01:00:00)
+SBATCH_LINE = re.compile(r"^#SBATCH\s+(\S+)(?:[ =]+(\S+))?", re.M)
 # sbatch's and srun's one-letter options, by their long names (the names the reader keeps)
 SBATCH_SHORT = {"N": "nodes", "n": "ntasks", "G": "gpus", "p": "partition", "t": "time"}
 
 
 def sbatch_directives(text: str) -> dict[str, str]:
-    """The #SBATCH lines' options by long name: -N 2, -N2, --nodes=2 and --nodes 2 alike."""
+    """The #SBATCH lines' options by long name, -N 2, -N2, --nodes=2 and --nodes 2 alike; a later
+    line overrides an earlier one, as sbatch reads them."""
     out: dict[str, str] = {}
-    for m in SBATCH.finditer(text):
+    for m in SBATCH_LINE.finditer(text):
         opt, value = m.group(1), m.group(2) or ""
-        if not opt.startswith("--") and len(opt) > 2:   # -N2: the value attached
-            opt, value = opt[:2], opt[2:]
-        out.setdefault(SBATCH_SHORT.get(opt[1:], opt.lstrip("-")) if not opt.startswith("--") else opt[2:], value)
+        if opt.startswith("--"):
+            name, eq, attached = opt[2:].partition("=")
+            out[name] = attached if eq else value
+        elif opt.startswith("-") and len(opt) >= 2:
+            out[SBATCH_SHORT.get(opt[1], opt[1])] = opt[2:].lstrip("=") or value   # -N2: attached
     return out
+
+
 ASSIGN_HEAD = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\[[^\]]*\])?\+?=")
 SHELLS = {"bash", "sh", "zsh", "dash"}
 DECLARE = {"export", "declare", "typeset", "local", "readonly"}

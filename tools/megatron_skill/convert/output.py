@@ -115,16 +115,20 @@ def _strangers(out: Path, record: dict[str, Any]) -> list[str]:
     here = manifest(out)
     if here is None:
         return ["a link or a special file"]
-    if not isinstance(listed, dict) or record.get("request_id") != _request_id(record):
+    if not isinstance(listed, dict) or record.get("request_id") not in _request_ids(record):
         return sorted(here) or [RECORD]
     return sorted(k for k in set(here) | set(listed) if here.get(k) != listed.get(k))
 
 
-def _request_id(record: dict[str, Any]) -> str | None:
-    from ..contract import request_id
+def _request_ids(record: dict[str, Any]) -> set[str]:
+    """The ids the record's own request has: today's (its paths are stored absolute, so from any
+    working folder), and the one an earlier version wrote for it."""
+    from ..contract import legacy_request_id, request_id
 
     request, tool = record.get("request"), record.get("tool")
-    return request_id(tool, request) if isinstance(request, dict) and isinstance(tool, str) else None
+    if not (isinstance(request, dict) and isinstance(tool, str)):
+        return set()
+    return {request_id(tool, request), legacy_request_id(tool, request)}
 
 
 def _remove_listed(folder: Path, listed: dict[str, int]) -> bool:
@@ -171,6 +175,9 @@ def publish(tmp: Path, out: Path, tool: str, rid: str, request: dict, result: di
     then put tmp at out: an empty folder or a previous result of this skill (checked by existing)
     is moved aside first, and only the files its manifest lists are removed from it after."""
     listed = manifest(tmp) or {}
+    from ..contract import with_absolute_paths
+
+    request = with_absolute_paths(request)   # its id the same from any working folder
     (tmp / RECORD).write_text(json.dumps({"tool": tool, "request_id": rid, "request": request, "result": result,
                                           "files": listed, "inputs": inputs or {}}, indent=1) + "\n")
     old = None

@@ -51,6 +51,10 @@ def _finding(code: str, message: str, fix: str, where: str | None = None, severi
     return out
 
 
+# Megatron-LM's training entries that add no flags of their own beyond its optional groups
+MEGATRON_PLAIN_ENTRIES = {"pretrain_gpt", "pretrain_mamba", "pretrain_hybrid"}
+
+
 @dataclasses.dataclass
 class Launch:
     """One argument vector to check, with what the script says around it."""
@@ -75,6 +79,12 @@ class Launch:
         if stem == "pretrain_gpt":
             return "gpt"
         return "training" if re.match(r"(pretrain|train|finetune|sft)", stem) else "other"
+
+    @property
+    def megatrons_own(self) -> bool:
+        """A training entry of Megatron-LM's that adds no flags of its own beyond the optional
+        groups (pretrain_mamba.py runs pretrain_hybrid.py, which adds only modelopt's)."""
+        return self.entry is not None and script_args.entry_stem(self.entry) in MEGATRON_PLAIN_ENTRIES
 
     def where(self, flag: str) -> str | None:
         if self.lines:
@@ -154,7 +164,7 @@ class _FlagReader:
         fix = (self.fixes.get(flag) or {"fix": entry.fix_text(flag)})["fix"]
         message = _obsolete_message(flag, entry, known)
         # another entry may define the old name itself (examples/multimodal's train.py adds --use-te)
-        own = not known and self.launch.kind != "gpt"
+        own = not known and self.launch.kind != "gpt" and not self.launch.megatrons_own
         if own:
             message += f"; {self.launch.entry} may add it itself (its extra_args_provider)"
             fix = f"check it against {self.launch.entry}'s own arguments; in Megatron's: {fix}"
@@ -191,8 +201,9 @@ class _FlagReader:
                                           "itself) is not known", (hint + "; else " if hint else "") +
                                           "check it against that entry's own arguments", launch.where(flag),
                                           severity="warning"))
-        elif launch.kind == "gpt":
-            self.findings.append(_finding("unknown_flag", f"{flag} is not a flag of Megatron's pretrain_gpt.py",
+        elif launch.kind == "gpt" or launch.megatrons_own:
+            entry = script_args.entry_stem(launch.entry) + ".py" if launch.entry else "pretrain_gpt.py"
+            self.findings.append(_finding("unknown_flag", f"{flag} is not a flag of Megatron's {entry}",
                                           hint or "remove it", launch.where(flag)))
         else:   # the entry may add it (extra_args_provider): not ours to refuse
             self.findings.append(_finding("unknown_flag", f"{flag} is not a flag of Megatron's pretrain_gpt.py; "
@@ -202,15 +213,17 @@ class _FlagReader:
 
     def stray_finding(self) -> dict:
         quoted = " ".join(self.stray[:6]) + (" ..." if len(self.stray) > 6 else "")
-        placeholders = re.findall(r"<[^<>\n]{1,80}>", self.launch.script_text or "")
+        # a template's placeholder in the script's code (a comment's "<1 or 2>" is no value)
+        code = "\n".join(re.sub(r"(^|\s)#.*", "", line) for line in (self.launch.script_text or "").splitlines())
+        placeholders = re.findall(r"<[^<>\n]{1,80}>", code)
         words = {w for p in placeholders for w in p.strip("<>").split()}
-        placeholder = re.search(r"<[^<>\n]{1,80}>", self.launch.script_text or "")
+        placeholder = placeholders[0] if placeholders else None
         if placeholder and all("<" in w or ">" in w or w in words for w in self.stray):
             # a template's "<some dir>", expanded unquoted: its words split the value it stands in
             return _finding(
-                "placeholder", f"the script holds a placeholder to fill in ({placeholder.group(0)}): as it stands, "
+                "placeholder", f"the script holds a placeholder to fill in ({placeholder}): as it stands, "
                 f"its words split a flag's value and leave {len(self.stray)} word(s) no flag takes ({quoted})",
-                f"replace {placeholder.group(0)} with a real value before the script runs",
+                f"replace {placeholder} with a real value before the script runs",
                 self.launch.where(self.owner) if self.owner else None, severity="warning")
         if self.launch.kind == "other":   # a tool of its own (a converter, an inspector): its positionals
             return _finding("stray_arguments", f"{len(self.stray)} word(s) no Megatron training flag takes "
@@ -331,6 +344,11 @@ def _training_dtype(ns: argparse.Namespace, findings: list[dict], launch: Launch
     if getattr(ns, "fp16", False):
         assumed["precision"] = "fp16, costed as bf16 (two bytes a value alike; the loss scaler's state is small)"
         return "fp16"
+    left = [a for a in launch.args if not a.startswith("--") and UNRESOLVED.match(a)]
+    if left:   # a word of the launch only the run expands ($PRECISION_ARGS) may hold the flag
+        assumed["precision"] = (f"bf16: the launch sets neither --bf16 nor --fp16, and {left[0]}, which only the "
+                                "run expands, may")
+        return "bf16"
     if launch.kind != "other":
         findings.append(_finding(
             "fp32_training", "neither --bf16 nor --fp16: Megatron trains in fp32, with twice the activation memory "
@@ -432,14 +450,18 @@ def _readable(clean: list[str], launch: Launch, findings: list[dict],
     return None, "refused a value: the other checks need the values read"
 
 
+UNRESOLVED = re.compile(r"\$(\{|\(|[A-Za-z_])")   # $NAME, ${...}, $(...): left for the run to expand
+
+
 def _unresolved_value(args: list[str], flag: str) -> str | None:
-    """The value of flag in args where the script left it to the run ($VAR, $(command)), else None."""
+    """The value of flag's last occurrence in args (the one Megatron's parser keeps) where the
+    script left it to the run ($VAR, ${VAR}, $(command)), else None (a literal: its own error)."""
+    found = None
     for i, a in enumerate(args):
         name, eq, value = a.partition("=")
         if name == flag:
-            value = value if eq else (args[i + 1] if i + 1 < len(args) and not args[i + 1].startswith("--") else "")
-            return value if "$" in value else None
-    return None
+            found = value if eq else (args[i + 1] if i + 1 < len(args) and not args[i + 1].startswith("--") else "")
+    return found if found is not None and UNRESOLVED.search(found) else None
 
 
 def _without(args: list[str], drop: set[str]) -> list[str]:
