@@ -777,17 +777,17 @@ def _with_digest(text: str) -> str:
     return body + DIGEST_LINE.format(hashlib.sha256(body.encode()).hexdigest())
 
 
-def _edited(path: Path, new: str) -> bool:
-    """Whether a rendered file's lines differ from the digest on its last line; one without the
-    digest (its line removed, or rendered by a version before it) cannot be shown unedited, unless
-    it is what render writes now, line for line (replacing it loses nothing)."""
+def _edited(path: Path) -> bool:
+    """Whether a rendered file's lines differ from the digest on its last line. One without the
+    digest was rendered by a version before it (run folders of earlier runs, which resume and
+    relayout render into again): taken as written, as render took every file it marked then."""
     try:
         text = files.read_text(path, "/output_dir", "launch script")
     except ToolError:
         return True
     found = list(DIGEST.finditer(text))
     if not found:
-        return text.rstrip("\n") != new.rstrip("\n")
+        return False
     m = found[-1]
     after = text[m.start():].partition("\n")[2]   # lines added below the digest are an edit too
     return bool(after.strip()) or hashlib.sha256(text[:m.start()].encode()).hexdigest() != m.group(1)
@@ -881,9 +881,9 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
     if files.kind_of(path) != "missing" and RENDERED_MARK not in _head(path):
         raise ToolError("conflict", f"{path} exists and was not written by render", where="/output_dir",
                         fix="choose another output_dir (the file is left as it is)")
-    if files.kind_of(path) != "missing" and _edited(path, text):
+    if files.kind_of(path) != "missing" and _edited(path):
         raise ToolError("conflict", f"{path} was written by render and edited since (its digest line no longer "
-                        "matches, or is gone): render leaves the edit",
+                        "matches its lines): render leaves the edit",
                         where="/output_dir", fix="choose another output_dir, or move the edited file away first")
     text = _with_digest(text)
     if ctx.dry_run:

@@ -524,10 +524,15 @@ def _check_layout(launch: Launch, ns: argparse.Namespace, model: ModelConfig, gp
                                  "TP or CP > 1 without CUDA_DEVICE_MAX_CONNECTIONS=1 (Megatron refuses to start "
                                  "on Hopper and older)", "export CUDA_DEVICE_MAX_CONNECTIONS=1 before the launch"))
     _pretrained_rows(launch, ns, lay.tp, findings, result)
-    if _training_dtype(ns, findings, launch, assumed) == "fp32":
-        result["memory"] = {"skipped": "fp32 training: the memory model costs 16-bit weights and activations"}
-    elif launch.kind == "gpt":
+    fp32 = _training_dtype(ns, findings, launch, assumed) == "fp32"
+    if launch.kind == "gpt":
         result["memory"] = _memory(launch, ns, model, lay, gpu, findings, assumed)
+        if fp32 and "peak_gib" in result["memory"]:
+            # costed as 16-bit training, a lower bound of fp32's: an error where even it does not
+            # fit (_memory said so), no verdict where it does
+            bound = result["memory"].pop("peak_gib")
+            result["memory"] = {"skipped": "fp32 training: the memory model costs 16-bit weights and activations",
+                                "lower_bound_gib": bound}
     else:
         result["memory"] = {"skipped": f"{launch.entry} is not Megatron's GPT training entry: its model and memory "
                                        "are not the ones the planner costs"}
