@@ -524,19 +524,23 @@ def _check_layout(launch: Launch, ns: argparse.Namespace, model: ModelConfig, gp
                                  "TP or CP > 1 without CUDA_DEVICE_MAX_CONNECTIONS=1 (Megatron refuses to start "
                                  "on Hopper and older)", "export CUDA_DEVICE_MAX_CONNECTIONS=1 before the launch"))
     _pretrained_rows(launch, ns, lay.tp, findings, result)
-    fp32 = _training_dtype(ns, findings, launch, assumed) == "fp32"
-    if launch.kind == "gpt":
-        result["memory"] = _memory(launch, ns, model, lay, gpu, findings, assumed)
-        if fp32 and "peak_gib" in result["memory"]:
-            # costed as 16-bit training, a lower bound of fp32's: an error where even it does not
-            # fit (_memory said so), no verdict where it does
-            bound = result["memory"].pop("peak_gib")
-            result["memory"] = {"skipped": "fp32 training: the memory model costs 16-bit weights and activations",
-                                "lower_bound_gib": bound}
-    else:
-        result["memory"] = {"skipped": f"{launch.entry} is not Megatron's GPT training entry: its model and memory "
-                                       "are not the ones the planner costs"}
+    result["memory"] = _memory_verdict(launch, ns, model, lay, gpu, findings, assumed)
     result["predicted_peak_gib"] = result["memory"].get("peak_gib")
+
+
+def _memory_verdict(launch: Launch, ns: argparse.Namespace, model: ModelConfig, lay: Layout, gpu: Any,
+                    findings: list[dict], assumed: dict[str, str]) -> dict[str, Any]:
+    """_memory for Megatron's GPT entry; for fp32 training its 16-bit cost as a lower bound (an
+    error where even that does not fit, no verdict where it does); nothing for another entry."""
+    fp32 = _training_dtype(ns, findings, launch, assumed) == "fp32"
+    if launch.kind != "gpt":
+        return {"skipped": f"{launch.entry} is not Megatron's GPT training entry: its model and memory are not the "
+                           "ones the planner costs"}
+    memory = _memory(launch, ns, model, lay, gpu, findings, assumed)
+    if fp32 and "peak_gib" in memory:
+        return {"skipped": "fp32 training: the memory model costs 16-bit weights and activations",
+                "lower_bound_gib": memory["peak_gib"]}
+    return memory
 
 
 def _uneven_virtual_split(ns: argparse.Namespace, model: ModelConfig, pp: int) -> str | None:
