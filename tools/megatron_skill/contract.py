@@ -516,10 +516,25 @@ def _no_constant(name: str) -> None:
 
 
 def parse_json(text: str, where: str, name: str, unique_keys: bool = False) -> Any:
-    """A request's strict JSON (files.parse_json); unique_keys: an object that gives a key twice is
-    refused too (Python keeps the last, another reader the first: {"dry_run": true, "dry_run":
-    false} reads as a dry run to a person and ran for real)."""
-    return files.parse_json(text, name, where, "bad_request", unique_keys)
+    """Strict JSON: NaN and Infinity (which Python's parser accepts) are refused, and so is
+    nesting deeper than the parser can follow; unique_keys: an object that gives a key twice
+    too (Python keeps the last, another reader the first: {"dry_run": true, "dry_run": false} reads
+    as a dry run to a person and ran for real)."""
+    try:
+        hook = files.unique_object if unique_keys else None
+        return json.loads(text, parse_constant=_no_constant, object_pairs_hook=hook)
+    except files.DuplicateKey as e:
+        raise ToolError("bad_request", f"{name}: {e}", where=where,
+                        fix="give each key once: which of the two was meant is not for the tool to guess") from None
+    except json.JSONDecodeError as e:
+        raise ToolError("bad_request", f"{name} is not JSON: {e}", where=where, fix="give one JSON object") from None
+    except ValueError as e:
+        raise ToolError("bad_request", f"{name}: {e}", where=where,
+                        fix="give finite numbers (JSON has no NaN or Infinity)") from None
+    except RecursionError:
+        raise ToolError("bad_request", f"{name} is nested too deeply", where=where,
+                        fix=f"no field of any tool nests more than {MAX_DEPTH} levels") from None
+
 
 
 @contextlib.contextmanager
