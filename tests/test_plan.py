@@ -365,7 +365,7 @@ def test_every_calibration_figure_the_model_reads_exists_for_every_gpu():
 
     real = timing.calibration
     timing.calibration = lambda gpu_key: Recording(real(gpu_key))
-    timing._layer_times.cache_clear()   # every figure read anew
+    timing.clear_caches_keep_calibration()   # every figure read anew
     try:   # plans that take every path of the step-time model: FP8, MoE, CP, PP, no TE
         for req in ({"model": "llama3-8b", "num_gpus": 16, "precision": "fp8", "seq_length": 32768},
                     {"model": "mixtral-8x7b", "num_gpus": 64},

@@ -292,20 +292,23 @@ def _search_stage(model: ModelConfig, gpu: GPUSpec, n_gpus: int, lay: Layout, c:
         _drop(rej, "gbs_divisible", mbss, keep, len(vps) * len(eps) * len(etps),
               lambda m: f"mbs{m} x DP{lay.dp} for gbs {lay.gbs}")
         mbss = keep
-    for vp in vps:
-        if vp > 1 and lay.pp == 1:
-            continue
-        for ep in eps:
-            for etp in etps:
-                rule = next(expert_rules(lay.but(ep=ep, etp=etp), model), None)
-                if rule:
-                    rej.add(rule, f"EP{ep} ETP{etp} with TP{lay.tp} CP{lay.cp} DP{lay.dp}")
-                    continue
+    vps = [vp for vp in vps if vp == 1 or lay.pp > 1]
+    if not vps:
+        return
+    sp = lay.tp > 1 and not (c.get("sequence_parallel") is False or (model.qk_layernorm and not opts.te))
+    distopt = c.get("distributed_optimizer", True)
+    for ep in eps:
+        for etp in etps:
+            # the expert rules read no virtual stage or micro-batch: checked once for all of them
+            rule = next(expert_rules(lay.but(ep=ep, etp=etp), model), None)
+            if rule:
+                rej.add(rule, lambda ep=ep, etp=etp: f"EP{ep} ETP{etp} with TP{lay.tp} CP{lay.cp} DP{lay.dp}",
+                        len(vps))
+                continue
+            for vp in vps:
                 for mbs in mbss:
-                    cand = lay.but(vp=vp, ep=ep, etp=etp, mbs=mbs,
-                                               distributed_optimizer=c.get("distributed_optimizer", True))
-                    if lay.tp > 1 and (c.get("sequence_parallel") is False or (model.qk_layernorm and not opts.te)):
-                        cand = cand.but(sequence_parallel=False)
+                    cand = lay.but(vp=vp, ep=ep, etp=etp, mbs=mbs, distributed_optimizer=distopt,
+                                   sequence_parallel=sp)
                     rule = check_layout(cand, model, gpu, n_gpus, opts.te, opts.moe, opts.megatron)
                     if rule:
                         rej.add(rule, cand.label)

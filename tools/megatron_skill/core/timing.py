@@ -343,12 +343,14 @@ def _kernel_attention(model: ModelConfig, gpu: GPUSpec, rates: _Rates, lay: Layo
 def clear_caches() -> None:
     """After the calibration changes (bench --store-calibration): costs are computed anew."""
     calibration.cache_clear()
-    _layer_times.cache_clear()
+    clear_caches_keep_calibration()
 
 
 def clear_caches_keep_calibration() -> None:
     """Costs computed anew from a calibration edited in place (the fit of benchmarks/published_runs.py)."""
     _layer_times.cache_clear()
+    _one_layer.cache_clear()
+    _rank_mix.cache_clear()
 
 
 LAYER_FIELDS = ("gemm", "attention", "elementwise", "tp_comm", "cp_comm", "ep_comm", "moe_experts")
@@ -362,55 +364,66 @@ def _layer_times(model: ModelConfig, gpu: GPUSpec, te: bool, fp8_linear: bool, t
                  kernel: AttentionKernel = PLANNED, fp8_reads: int = 2) -> dict[bool | str, tuple[float, ...]]:
     """Seconds of one dense (key False) and one MoE layer (True) for one micro-batch, by
     LAYER_FIELDS, and one forward of the MoE block alone ("moe_forward"): what the layout decides
-    of them (not the pipeline split or data parallelism, which the planner varies most), so cached
-    across the layouts of a search."""
+    of them (not the pipeline split or data parallelism, which the planner varies most)."""
+    shape = (model, gpu, te, fp8_linear, tp, cp, mbs, s, sp, precision, moe_opts, tp_overlap, kernel, fp8_reads)
+    out: dict[bool | str, tuple[float, ...]] = {False: _one_layer(*shape, 1, 1, False)}
+    if model.is_moe:
+        out[True], out["moe_forward"] = _one_layer(*shape, ep, etp, True)
+    return out
+
+
+@functools.lru_cache(maxsize=65536)
+def _one_layer(model: ModelConfig, gpu: GPUSpec, te: bool, fp8_linear: bool, tp: int, cp: int, mbs: int, s: int,
+               sp: bool, precision: str, moe_opts: MoEOptions, tp_overlap: bool | None, kernel: AttentionKernel,
+               fp8_reads: int, ep: int, etp: int, moe: bool):
+    """_layer_times of one kind of layer, cached across the layouts of a search: a dense layer's by
+    the sizes it depends on (not EP or ETP, which the search varies across hundreds of values);
+    an MoE layer's with the forward of its MoE block."""
     lay = Layout(tp=tp, cp=cp, ep=ep, etp=etp, mbs=mbs, seq_length=s, sequence_parallel=sp, precision=precision)
     rates = _Rates(gpu, precision if te else "bf16", te, tp_overlap)
     layer_rates = _Rates(gpu, "fp8", te, tp_overlap) if fp8_linear else rates
     h, t = model.hidden_size, tp
     tokens = mbs * s / cp
     node = gpu.nvlink_domain
-    out = {}
     routed = moe_opts.routed_factor()
-    for moe in (False, True) if model.is_moe else (False,):
-        gemm = _layer_gemms(model, lay, rates if moe else layer_rates, tokens, moe, routed)
-        elementwise = 0.0
-        if (layer_rates is not rates and not moe) or (te and precision == "fp8"):
-            # the casts of the FP8 GEMMs' inputs: the skill's layers, or TE's current scaling
-            reads = fp8_reads if layer_rates is not rates else 2   # the skill's layers scale as asked
-            elementwise += rates.cal["fp8_cast_factor"] * rates.memory_bound(
-                _layer_fp8_cast_bytes(model, lay, moe, reads) * tokens)
-        core = flops.core_attention_flops_per_token(model, s) * tokens / t
-        # Load-balanced causal CP runs attention as 2 x CP smaller blocks per rank: less efficient.
-        head_dim = model.head_dim if not model.multi_latent_attention else model.qk_head_dim
-        attn_rate = rates.attention_rate(s // cp, head_dim) / (1 + rates.cal["cp_block_penalty"] * (cp - 1))
-        attention = _kernel_attention(model, gpu, rates, lay, kernel, 3 * core / attn_rate)
-        # Without TE, Megatron's local layers run RoPE, norms, residual adds and casts as
-        # separate torch kernels: calibrated as a multiple of the fused byte count.
-        unfused = 1.0 if te else rates.cal["elementwise_local_factor"]
-        elementwise += unfused * rates.memory_bound(_layer_elementwise_bytes(model, lay, moe, routed) * tokens)
-        # TP: 2 all-gathers + 2 reduce-scatters forward (or 2 all-reduces without SP),
-        # as many backward; the backward ones overlap half with the weight-gradient GEMMs.
-        act = BF16 * tokens * h
-        tp_one = rates.collective(act, t, min(t, node), "ag") + (rates.latency if t > 1 else 0.0)
-        tp_comm = tp_one * 8 * rates.tp_exposed
-        cp_comm = ep_comm = experts = 0.0
-        if cp > 1:
-            kv = (2 * model.query_groups * model.head_dim if not model.multi_latent_attention
-                  else model.num_attention_heads * (model.qk_head_dim + model.qk_pos_emb_head_dim + model.v_head_dim))
-            fast = t * cp <= node
-            ring = 3 * (cp - 1) * (BF16 * tokens * kv / t / (rates.nvlink if fast else rates.network) + rates.latency)
-            # The ring overlaps with attention blocks, but never completely.
-            cp_comm = max(rates.cal["cp_ring_min_exposed"] * ring, ring - 3 * core / attn_rate)
-        if moe:
-            ep_comm = _dispatch_time(model, lay, rates, tokens / (t if sp else 1), node, moe_opts)
-            # per token a rank routes: with sequence parallelism 1/TP of the micro-batch, as the dispatch
-            experts = _expert_overhead_time(model, lay, gpu, rates.cal, tokens / (t if sp else 1), moe_opts)
-        out[moe] = (gemm, attention, elementwise, tp_comm, cp_comm, ep_comm, experts)
-        if moe:   # one forward of the MoE block: what recomputing it ('moe' in --recompute-modules) re-runs
-            # (GEMMs and the experts' overhead: a third of forward and backward; the exchanges: half)
-            out["moe_forward"] = (_moe_gemms(model, lay, rates, tokens, routed) / 3 + ep_comm / 2 + experts / 3,)
-    return out
+    gemm = _layer_gemms(model, lay, rates if moe else layer_rates, tokens, moe, routed)
+    elementwise = 0.0
+    if (layer_rates is not rates and not moe) or (te and precision == "fp8"):
+        # the casts of the FP8 GEMMs' inputs: the skill's layers, or TE's current scaling
+        reads = fp8_reads if layer_rates is not rates else 2   # the skill's layers scale as asked
+        elementwise += rates.cal["fp8_cast_factor"] * rates.memory_bound(
+            _layer_fp8_cast_bytes(model, lay, moe, reads) * tokens)
+    core = flops.core_attention_flops_per_token(model, s) * tokens / t
+    # Load-balanced causal CP runs attention as 2 x CP smaller blocks per rank: less efficient.
+    head_dim = model.head_dim if not model.multi_latent_attention else model.qk_head_dim
+    attn_rate = rates.attention_rate(s // cp, head_dim) / (1 + rates.cal["cp_block_penalty"] * (cp - 1))
+    attention = _kernel_attention(model, gpu, rates, lay, kernel, 3 * core / attn_rate)
+    # Without TE, Megatron's local layers run RoPE, norms, residual adds and casts as
+    # separate torch kernels: calibrated as a multiple of the fused byte count.
+    unfused = 1.0 if te else rates.cal["elementwise_local_factor"]
+    elementwise += unfused * rates.memory_bound(_layer_elementwise_bytes(model, lay, moe, routed) * tokens)
+    # TP: 2 all-gathers + 2 reduce-scatters forward (or 2 all-reduces without SP),
+    # as many backward; the backward ones overlap half with the weight-gradient GEMMs.
+    act = BF16 * tokens * h
+    tp_one = rates.collective(act, t, min(t, node), "ag") + (rates.latency if t > 1 else 0.0)
+    tp_comm = tp_one * 8 * rates.tp_exposed
+    cp_comm = ep_comm = experts = 0.0
+    if cp > 1:
+        kv = (2 * model.query_groups * model.head_dim if not model.multi_latent_attention
+              else model.num_attention_heads * (model.qk_head_dim + model.qk_pos_emb_head_dim + model.v_head_dim))
+        fast = t * cp <= node
+        ring = 3 * (cp - 1) * (BF16 * tokens * kv / t / (rates.nvlink if fast else rates.network) + rates.latency)
+        # The ring overlaps with attention blocks, but never completely.
+        cp_comm = max(rates.cal["cp_ring_min_exposed"] * ring, ring - 3 * core / attn_rate)
+    if not moe:
+        return (gemm, attention, elementwise, tp_comm, cp_comm, ep_comm, experts)
+    ep_comm = _dispatch_time(model, lay, rates, tokens / (t if sp else 1), node, moe_opts)
+    # per token a rank routes: with sequence parallelism 1/TP of the micro-batch, as the dispatch
+    experts = _expert_overhead_time(model, lay, gpu, rates.cal, tokens / (t if sp else 1), moe_opts)
+    # one forward of the MoE block, what recomputing it ('moe' in --recompute-modules) re-runs
+    # (GEMMs and the experts' overhead: a third of forward and backward; the exchanges: half)
+    moe_forward = (_moe_gemms(model, lay, rates, tokens, routed) / 3 + ep_comm / 2 + experts / 3,)
+    return (gemm, attention, elementwise, tp_comm, cp_comm, ep_comm, experts), moe_forward
 
 
 def _per_layer(model: ModelConfig, lay: Layout, gpu: GPUSpec, te: bool, fp8_linear: bool, moe: MoEOptions,
@@ -434,12 +447,27 @@ def step_floor(model: ModelConfig, lay: Layout, gpu: GPUSpec, te: bool = True, f
     head of its ranking; a few table look-ups instead of the whole model."""
     per_layer = _per_layer(model, lay, gpu, te, fp8_linear, moe, megatron, attention, fp8_delayed)
     dense, expert = sum(per_layer[False]), sum(per_layer.get(True, ZERO_LAYER))
-    busiest = 0.0
+    busiest = max(n_dense * dense + n_moe * expert for n_dense, n_moe in _checked_rank_mix(model, lay))
+    return busiest * (lay.num_microbatches + (lay.pp - 1) / lay.vp)
+
+
+def _checked_rank_mix(model: ModelConfig, lay: Layout) -> tuple[tuple[int, int], ...]:
+    """(dense, MoE) layer counts of each rank step_time checks: the pipeline split's alone."""
+    return _rank_mix(model, lay.pp, lay.vp, lay.pipeline_split, lay.first_stage_layers, lay.last_stage_layers,
+                     lay.pipeline_layout)
+
+
+@functools.lru_cache(maxsize=4096)
+def _rank_mix(model: ModelConfig, pp: int, vp: int, split: str, first: int, last: int,
+              layout: str) -> tuple[tuple[int, int], ...]:
+    lay = Layout(pp=pp, vp=vp, pipeline_split=split, first_stage_layers=first, last_stage_layers=last,
+                 pipeline_layout=layout)
+    mix = []
     for r in ranks_to_check(lay):
         layers = rank_layers(model, lay, r)
-        n_moe = moe_layers_among(model, tuple(layers)) if expert else 0
-        busiest = max(busiest, (len(layers) - n_moe) * dense + n_moe * expert)
-    return busiest * (lay.num_microbatches + (lay.pp - 1) / lay.vp)
+        n_moe = moe_layers_among(model, tuple(layers))
+        mix.append((len(layers) - n_moe, n_moe))
+    return tuple(mix)
 
 
 def step_time(model: ModelConfig, lay: Layout, gpu: GPUSpec, padded_vocab: int, te: bool = True,
