@@ -132,3 +132,15 @@ def test_the_parser_help_text_kept_per_class_is_megatrons_own():
     assert ArgumentGroupFactory(TransformerConfig).field_docstrings == own
     first, second = megatron_parser.parse(["--num-layers", "2"]), megatron_parser.parse(["--num-layers", "2"])
     assert vars(first) == vars(second)
+
+
+def test_importing_megatrons_parser_leaves_torch_as_it_was():
+    """adapter/parser.py defers two of torch's import-time costs while it imports Megatron's parser
+    (torch.compile's decoration, the source read for each custom op's place): both are torch's own
+    again afterwards, for anything else the process runs."""
+    import torch
+    import torch._library.utils as library_utils
+
+    compile_before, source_before = torch.compile, library_utils.get_source
+    megatron_parser._module()
+    assert torch.compile is compile_before and library_utils.get_source is source_before

@@ -120,19 +120,28 @@ def _verdict_key(argv: list[str], world_size: int | None, device_major: int, env
 
 
 def _module():
-    """megatron.training.arguments, imported with torch.compile deferred: Megatron decorates its
-    fused kernels with torch.compile at import, which loads TorchDynamo and Inductor (about
-    2 s of a 4.5 s import here); the parser never runs a kernel, so the decoration is the
-    identity while it imports (in this process only, and restored after). Whatever the import
-    prints goes to stderr: stdout is the answer's."""
+    """megatron.training.arguments, imported with two of torch's import-time costs deferred, in this
+    process only and restored after: Megatron decorates its fused kernels with torch.compile at
+    import, which loads TorchDynamo and Inductor (about 2 s of a 4.5 s import here), and registers
+    custom ops, for each of which torch reads the source lines around the registering call (about
+    0.2 s) only to name its file and line. The parser never runs a kernel: the decoration is the
+    identity, and the place is read from the frame. Whatever the import prints goes to stderr:
+    stdout is the answer's."""
     import torch
-
-    real = torch.compile
 
     def deferred(model=None, **_kwargs):
         return model if model is not None else (lambda fn: fn)
 
-    torch.compile = deferred
+    def place(stacklevel: int) -> str:
+        frame = sys._getframe(stacklevel)
+        return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+
+    library_utils = getattr(getattr(torch, "_library", None), "utils", None)
+    patched = [(torch, "compile", deferred)] + (
+        [(library_utils, "get_source", place)] if hasattr(library_utils, "get_source") else [])
+    real = [(owner, name, getattr(owner, name)) for owner, name, _ in patched]
+    for owner, name, stand_in in patched:
+        setattr(owner, name, stand_in)
     try:
         with contextlib.redirect_stdout(sys.stderr):
             import megatron.training.arguments as arguments
@@ -143,7 +152,8 @@ def _module():
                         where="megatron.training",
                         fix="pip install 'megatron-core==0.19.*' (Python 3.12) or use the parser manifest") from None
     finally:
-        torch.compile = real
+        for owner, name, original in real:
+            setattr(owner, name, original)
     _docstrings_once()
     return arguments
 
