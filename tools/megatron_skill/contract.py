@@ -419,8 +419,8 @@ def _flag(key: str) -> str:
 def _json_or_text(text: str) -> Any:
     """A flag's value: JSON where it parses as strict JSON (an object, a list, a number), else the text."""
     try:
-        return json.loads(text, parse_constant=_no_constant)
-    except (ValueError, RecursionError):
+        return files.parse_json(text, "a flag's value", "argv", unicode_checked_later=True)
+    except ToolError:
         return text
 
 
@@ -511,30 +511,12 @@ def _read_request(source: str) -> Any:
     return parse_json(text, where="--request", name=f"the request in {where}", unique_keys=True)
 
 
-def _no_constant(name: str) -> None:
-    raise ValueError(f"{name} is not JSON")
-
-
 def parse_json(text: str, where: str, name: str, unique_keys: bool = False) -> Any:
-    """Strict JSON: NaN and Infinity (which Python's parser accepts) are refused, and so is
-    nesting deeper than the parser can follow; unique_keys: an object that gives a key twice
-    too (Python keeps the last, another reader the first: {"dry_run": true, "dry_run": false} reads
-    as a dry run to a person and ran for real)."""
-    try:
-        hook = files.unique_object if unique_keys else None
-        return json.loads(text, parse_constant=_no_constant, object_pairs_hook=hook)
-    except files.DuplicateKey as e:
-        raise ToolError("bad_request", f"{name}: {e}", where=where,
-                        fix="give each key once: which of the two was meant is not for the tool to guess") from None
-    except json.JSONDecodeError as e:
-        raise ToolError("bad_request", f"{name} is not JSON: {e}", where=where, fix="give one JSON object") from None
-    except ValueError as e:
-        raise ToolError("bad_request", f"{name}: {e}", where=where,
-                        fix="give finite numbers (JSON has no NaN or Infinity)") from None
-    except RecursionError:
-        raise ToolError("bad_request", f"{name} is nested too deeply", where=where,
-                        fix=f"no field of any tool nests more than {MAX_DEPTH} levels") from None
-
+    """A request's strict JSON (files.parse_json; a lone surrogate is refused where the request's
+    values are checked, with the field that holds it); unique_keys: an object that gives a key twice
+    is refused too (Python keeps the last, another reader the first: {"dry_run": true, "dry_run":
+    false} reads as a dry run to a person and ran for real)."""
+    return files.parse_json(text, name, where, unique_keys=unique_keys, unicode_checked_later=True)
 
 
 @contextlib.contextmanager

@@ -227,13 +227,16 @@ def unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def parse_json(text: str, name: str, where: str, code: str = "bad_request", unique_keys: bool = False) -> Any:
+def parse_json(text: str, name: str, where: str, code: str = "bad_request", unique_keys: bool = False,
+               unicode_checked_later: bool = False) -> Any:
     """Strict JSON (NaN and Infinity refused, as is nesting deeper than the parser follows, and
     text that is not Unicode: an escaped lone surrogate, which no later write could encode);
-    unique_keys: an object giving a key twice too (which of the two was meant is not ours to guess)."""
+    unique_keys: an object giving a key twice too (which of the two was meant is not ours to guess);
+    unicode_checked_later: the caller names the field that holds a lone surrogate (a request's
+    check of its values), so it is not refused here."""
     try:
         value = json.loads(text, parse_constant=_no_constant, object_pairs_hook=unique_object if unique_keys else None)
-        if _SURROGATE_ESCAPE.search(text):   # a pair decodes to one character; a lone half stays
+        if not unicode_checked_later and _SURROGATE_ESCAPE.search(text):   # a pair decodes to one character; a lone half stays
             json.dumps(value, ensure_ascii=False).encode("utf-8")
         return value
     except DuplicateKey as e:
