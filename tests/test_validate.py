@@ -316,6 +316,17 @@ def test_a_quoted_value_split_by_word_splitting_is_joined_in_the_fixed_vector():
     assert any("--step-batch-size-schedule and --global-batch-size" in e for e in res["fixed_args"]["remaining_errors"])
 
 
+def test_a_flag_of_several_values_beside_an_obsolete_flag_is_kept_whole_in_the_fixed_vector():
+    """--rampup-batch-size takes three values: none of them is read as a flag, and no stray word
+    after it joins them (NVIDIA's GPT-3 175B examples of 2023-24 give it beside retired flags)."""
+    args = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "128",
+            "--max-position-embeddings", "128", "--micro-batch-size", "1", "--global-batch-size", "16",
+            "--rampup-batch-size", "16", "16", "1000", "--use-mcore-models", "--bf16"]
+    res = call("validate", {"args": args, "num_gpus": 1})["result"]
+    assert res["fixed_args"]["args"][-5:] == ["--rampup-batch-size", "16", "16", "1000", "--bf16"], res["fixed_args"]
+    assert "obsolete_flag" in [w["code"] for w in res["warnings"]]
+
+
 # ---- Megatron's code may exit, print or raise while it reads the arguments ----------------
 SMALL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "128",
          "--max-position-embeddings", "128", "--micro-batch-size", "1", "--global-batch-size", "8", "--bf16"]

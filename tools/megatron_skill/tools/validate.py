@@ -265,7 +265,7 @@ def fixed_vector(args: list[str]) -> list[str]:
     out, _ = megatron_flags.rewrite_obsolete(args)
     known = megatron_flags.known_flags()
     fixed: list[str] = []
-    room, owner_at = 0, None
+    room, owner_at, takes = 0, None, None   # values the flag before still takes; where its one value is
     for a in out:
         flag, eq, value = a.partition("=")
         if a.startswith("--"):
@@ -274,8 +274,8 @@ def fixed_vector(args: list[str]) -> list[str]:
                 m = re.fullmatch(r"did you mean (--[\w-]+)\?", hint)
                 if m:
                     a, flag = m.group(1) + eq + value, m.group(1)
-            n = megatron_flags.arity(flag) if flag in known else None
-            room, owner_at = (0 if eq else n) if n is not None else -1, None
+            takes = megatron_flags.arity(flag) if flag in known else None
+            room, owner_at = (0 if eq else takes) if takes is not None else -1, None
             fixed.append(a)
             continue
         if room == 0 and owner_at is not None and "$" not in a:
@@ -283,7 +283,8 @@ def fixed_vector(args: list[str]) -> list[str]:
             continue
         if room > 0:
             room -= 1
-            owner_at = len(fixed) if room == 0 and megatron_flags.arity(fixed[-1].split("=")[0]) == 1 else None
+            # only a one-value flag's value gathers the words after it (not one of several values)
+            owner_at = len(fixed) if room == 0 and takes == 1 else None
         fixed.append(a)
     return fixed
 
