@@ -327,6 +327,19 @@ def test_a_flag_of_several_values_beside_an_obsolete_flag_is_kept_whole_in_the_f
     assert "obsolete_flag" in [w["code"] for w in res["warnings"]]
 
 
+def test_uniform_recompute_is_costed_as_every_layer_recomputed():
+    """--recompute-method uniform --recompute-num-layers 1 recomputes all layers (one checkpoint per
+    layer), block with 1 only the first layer of each stage: the two cost differently."""
+    args = ["--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads", "32", "--seq-length", "4096",
+            "--max-position-embeddings", "4096", "--micro-batch-size", "1", "--global-batch-size", "64", "--bf16",
+            "--tensor-model-parallel-size", "2", "--recompute-granularity", "full", "--recompute-num-layers", "1"]
+    read = {m: call("validate", {"args": args + ["--recompute-method", m], "num_gpus": 8, "gpu": "h100-sxm"})["result"]
+            for m in ("uniform", "block")}
+    assert read["uniform"]["layout"]["recompute_layers"] == 32 and read["block"]["layout"]["recompute_layers"] == 1
+    assert read["uniform"]["predicted_peak_gib"] < read["block"]["predicted_peak_gib"] - 5
+    assert "uniform" in read["uniform"]["assumed"]["recompute"]
+
+
 # ---- Megatron's code may exit, print or raise while it reads the arguments ----------------
 SMALL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "128",
          "--max-position-embeddings", "128", "--micro-batch-size", "1", "--global-batch-size", "8", "--bf16"]

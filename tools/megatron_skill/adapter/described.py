@@ -380,7 +380,7 @@ def layout_from_args(ns: Any, model: ModelConfig, world: int | None, assumed: di
     if ns.seq_length is None:
         assumed["seq_length"] = "4096 (the arguments set no --seq-length)"
     recompute = ns.recompute_granularity or "none"
-    return Layout(tp=tp, pp=pp, vp=vp, cp=cp, ep=ns.expert_model_parallel_size or 1,
+    lay = Layout(tp=tp, pp=pp, vp=vp, cp=cp, ep=ns.expert_model_parallel_size or 1,
                   etp=ns.expert_tensor_parallel_size or 1, dp=dp, mbs=mbs,
                   gbs=ns.global_batch_size if ns.global_batch_size is not None else mbs * dp,
                   seq_length=ns.seq_length if ns.seq_length is not None else 4096, recompute=recompute,
@@ -388,6 +388,16 @@ def layout_from_args(ns: Any, model: ModelConfig, world: int | None, assumed: di
                   distributed_optimizer=bool(ns.use_distributed_optimizer),
                   sequence_parallel=bool(ns.sequence_parallel),
                   precision=precision(ns), **_pipeline_split(ns, model.num_layers, pp))
+    if recompute == "full" and getattr(ns, "recompute_method", None) == "uniform":
+        # uniform recomputes every layer, checkpointing the input of each group of
+        # --recompute-num-layers; block recomputes that many layers of each stage (the Layout's count)
+        chunks = lay.chunk_sizes(model.num_layers)
+        if chunks:
+            lay = lay.but(recompute_layers=max(1, min(chunks)))
+            assumed["recompute"] = (f"--recompute-method uniform recomputes every layer ({min(chunks)} of each "
+                                    f"stage, in groups of {ns.recompute_num_layers or 1}): costed as full "
+                                    "recompute of all of them")
+    return lay
 
 
 def precision(ns: Any) -> str:
