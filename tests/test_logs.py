@@ -702,3 +702,38 @@ def test_an_exception_the_run_trained_on_after_is_no_failure(tmp_path):
         log.write_text(text)
         r = call("logs", {"log": str(log)})["result"]
         assert r["state"] == state, (name, r["state"], r["failures"])
+
+
+def test_counts_of_each_interval_add_up_and_a_nan_is_dated_where_megatron_drops_the_loss(tmp_path):
+    """Megatron's skipped and NaN counts are of one logging interval each (it resets them after
+    printing): the run's count is their sum. A line whose interval had a NaN has no lm loss at
+    all: the NaN is dated at that line, and final_loss says which iteration it is of."""
+    skipping = [_line(i).replace("skipped iterations:   0", "skipped iterations:   2") for i in range(1, 11)]
+    (tmp_path / "skip.log").write_text("\n".join(skipping) + "\n")
+    assert call("logs", {"log": str(tmp_path / "skip.log")})["result"]["skipped_iterations"] == 20
+    dropped = [_line(i, 3.0 - i * 0.01) for i in range(1, 6)]
+    dropped += [_line(i).replace(" lm loss: 3.000000E+00 |", "").replace("nan iterations:   0", "nan iterations:   4")
+                for i in range(6, 9)]
+    (tmp_path / "nan.log").write_text("\n".join(dropped) + "\n")
+    r = call("logs", {"log": str(tmp_path / "nan.log")})["result"]
+    assert r["nan_iterations"] == 12 and r["final_loss_iteration"] == 5 and r["last_iteration"] == 8
+    assert [a["iteration"] for a in r["anomalies"] if a["kind"] == "nan"] == [6]
+    assert any("from iteration 6" in h for h in r["hints"])
+
+
+def test_a_failure_the_same_run_resumed_after_is_its_history_not_its_state(tmp_path):
+    """One log appended to by two starts of the same run (tee -a): the first ends in an NCCL
+    timeout, the second resumes and finishes. The run is finished; the timeout is kept as what
+    the run resumed after. A different run after a failure keeps the failure with that run."""
+    first = _dump(**ONE_B, train_iters=6) + [_line(i) for i in (1, 2, 3)]
+    first += ["[rank5]:[E1202] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9, OpType=ALLREDUCE)"]
+    second = _dump(**ONE_B, train_iters=6) + [_line(i) for i in (4, 5, 6)] + ["[after training is done]"]
+    log = tmp_path / "resumed.log"
+    log.write_text("\n".join(first + second) + "\n")
+    r = call("logs", {"log": str(log)})["result"]
+    assert r["state"] == "finished" and r["failures"] == [], r["failures"]
+    assert [(f["code"], f["ranks"], f["after_iteration"]) for f in r["resumed_after"]] == [("nccl_timeout", [5], 3)]
+    failing_again = tmp_path / "again.log"
+    failing_again.write_text("\n".join(first + second[:-1] + [first[-1]]) + "\n")
+    r = call("logs", {"log": str(failing_again)})["result"]
+    assert r["state"] == "failed" and [f["code"] for f in r["failures"]] == ["nccl_timeout"]

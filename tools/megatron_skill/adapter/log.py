@@ -190,6 +190,7 @@ def parse(lines: Iterable[str]) -> dict[str, Any]:
     arguments: dict[str, Any] = {}
     dump: dict[str, Any] | None = None   # the dump being read
     earlier: list[dict] = []
+    resumed_after: list[dict] = []   # failures of this run's earlier starts, each followed by a resume
     dumps = 0          # argument dumps of this run: one per start of the job (a resume adds one)
     recent: collections.deque[str] = collections.deque(maxlen=400)  # the lines just above (a traceback's frames)
     unreadable = 0
@@ -210,6 +211,13 @@ def parse(lines: Iterable[str]) -> dict[str, Any]:
             previous = (arguments, iterations, memory, failures, dumps - 1, finished)
             earlier.append(_earlier_run(arguments, iterations, failures, dumps - 1))
             iterations, memory, failures, arguments, dumps, finished = {}, {}, [], {}, 1, False
+        elif failures:
+            # the same run started again (a resume after the failure): what ended the start
+            # before is its history, not the state of the run now
+            last = max(iterations, default=None)
+            resumed_after.extend({"code": f["code"], "line": f["line"], "ranks": f["ranks"], "after_iteration": last}
+                                 for f in failures)
+            failures = []
         for k, v in new.items():
             arguments.setdefault(k, v)   # the first dump's value (a resume repeats it)
 
@@ -281,7 +289,7 @@ def parse(lines: Iterable[str]) -> dict[str, Any]:
             failure.update(oom_advice(failure.pop("frames"), arguments))
     return {"iterations": [iterations[k] for k in sorted(iterations)], "memory": memory,
             "failures": failures, "unreadable_lines": unreadable, "arguments": arguments, "starts": dumps,
-            "finished": finished, "last_time": last_stamp, "earlier_runs": earlier}
+            "finished": finished, "last_time": last_stamp, "earlier_runs": earlier, "resumed_after": resumed_after}
 
 
 def _add_failure(failures: list[dict], code: str, n: int, line: str, meaning: str, fix: str, recent) -> None:
@@ -553,6 +561,8 @@ def summarize(parsed: dict[str, Any], seq_length: int | None = None, peak_tflops
                            "unreadable_lines": parsed["unreadable_lines"], "starts": parsed.get("starts", 0)}
     if parsed.get("earlier_runs"):
         out["earlier_runs"] = parsed["earlier_runs"]
+    if parsed.get("resumed_after"):
+        out["resumed_after"] = parsed["resumed_after"]
     out["state"] = ("failed" if parsed["failures"] else "finished" if parsed.get("finished") or
                     (its and its[-1]["iteration"] >= its[-1]["train_iters"]) else "stopped or running")
     if not its:
@@ -564,6 +574,9 @@ def summarize(parsed: dict[str, Any], seq_length: int | None = None, peak_tflops
     out["loss_curve"] = [[i, loss] for i, loss in losses]
     if losses:
         out["first_loss"], out["final_loss"] = losses[0][1], losses[-1][1]
+        # Megatron leaves the loss out of a line whose interval had a NaN: the last loss shown
+        # may be older than the last iteration
+        out["final_loss_iteration"] = losses[-1][0]
     out["lr_curve"] = [[r["iteration"], r["lr"]] for r in its if "lr" in r]
     steady = its[skip_first:] if len(its) > skip_first else its
     # speeds from finite figures only (a damaged line's inf or NaN is no speed, and JSON has neither)
@@ -584,9 +597,10 @@ def summarize(parsed: dict[str, Any], seq_length: int | None = None, peak_tflops
     if parsed["memory"]:
         out["max_allocated_gib"] = round(max(m["max_allocated_mb"] for m in parsed["memory"].values()) / 1024, 2)
         out["max_reserved_gib"] = round(max(m["max_reserved_mb"] for m in parsed["memory"].values()) / 1024, 2)
-    # counts: a damaged line's inf or nan (1e999 parses as inf) counts for nothing
-    out["nan_iterations"] = int(max((v for r in its if math.isfinite(v := r.get("nan", 0))), default=0))
-    out["skipped_iterations"] = int(max((v for r in its if math.isfinite(v := r.get("skipped", 0))), default=0))
+    # counts: each line's count is of its own logging interval (Megatron resets both after printing),
+    # so the run's is their sum; a damaged line's inf or nan (1e999 parses as inf) counts for nothing
+    out["nan_iterations"] = int(sum(v for r in its if math.isfinite(v := r.get("nan", 0)) and v > 0))
+    out["skipped_iterations"] = int(sum(v for r in its if math.isfinite(v := r.get("skipped", 0)) and v > 0))
     anomalies = []
     vals = [loss for _, loss in losses]
     last_spike = None   # a spike the next values stay up with is one spike (a plateau), said once
@@ -596,7 +610,10 @@ def summarize(parsed: dict[str, Any], seq_length: int | None = None, peak_tflops
             anomalies.append({"kind": "loss_spike", "iteration": losses[k][0], "loss": vals[k], "before": base})
         last_spike = k if base is not None else last_spike
     if any(not math.isfinite(v) for v in vals) or out["nan_iterations"]:
-        anomalies.append({"kind": "nan", "iteration": next((i for i, v in losses if not math.isfinite(v)), None)})
+        # the first line whose loss is not finite or whose interval counted a NaN iteration
+        first = next((r["iteration"] for r in its if not math.isfinite(r.get("loss", 0.0))
+                      or (math.isfinite(r.get("nan", 0)) and r.get("nan", 0) > 0)), None)
+        anomalies.append({"kind": "nan", "iteration": first})
     rise = _divergence(vals)
     if rise:
         # the last iteration with a finite loss: the rise is of those (a NaN after them is the 'nan' anomaly)

@@ -96,6 +96,9 @@ def run(req: dict, ctx: Context) -> dict[str, Any]:
 def _hints(summary: dict) -> list[str]:
     """One line of advice per failure, skipped step, anomaly and the three biggest speed levers."""
     hints = [f"{f['code']}: {f['meaning']} -> {f['fix']}" for f in summary.get("failures", [])]
+    for f in summary.get("resumed_after", []):
+        hints.append(f"resumed after {f['code']} (line {f['line']}, after iteration {f['after_iteration']}): the "
+                     "same run started again and trained on; that failure is not its state now")
     if summary.get("skipped_iterations"):
         hints.append(f"{summary['skipped_iterations']} iteration(s) skipped: Megatron drops a step whose gradients hold "
                      "NaN or Inf (and, with --check-for-nan-in-loss-and-grad, stops); a few early on are the loss "
@@ -110,7 +113,10 @@ def _hints(summary: dict) -> list[str]:
             hints.append(f"loss spike at iteration {a['iteration']} ({a['before']:.3g} -> {a['loss']:.3g}): "
                          "lower the learning rate or raise warm-up; check the data around that step")
         elif a["kind"] == "nan":
-            hints.append("NaN loss: lower the learning rate, check --clip-grad, and the data; with FP8 try BF16")
+            since = f" from iteration {a['iteration']} on" if a.get("iteration") is not None else ""
+            hints.append(f"NaN loss{since} (the last finite loss: {summary.get('final_loss')} at iteration "
+                         f"{summary.get('final_loss_iteration')}): lower the learning rate, check --clip-grad, and "
+                         "the data; with FP8 try BF16")
         elif a["kind"] == "grad_norm_spike":
             hints.append(f"grad-norm spike at iteration {a['iteration']} ({a['before']:.3g} -> {a['grad_norm']:.3g}): "
                          "watch the loss after it; keep --clip-grad 1.0, lower the learning rate if spikes repeat")
