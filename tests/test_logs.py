@@ -737,3 +737,63 @@ def test_a_failure_the_same_run_resumed_after_is_its_history_not_its_state(tmp_p
     failing_again.write_text("\n".join(first + second[:-1] + [first[-1]]) + "\n")
     r = call("logs", {"log": str(failing_again)})["result"]
     assert r["state"] == "failed" and [f["code"] for f in r["failures"]] == ["nccl_timeout"]
+
+
+def _traceback(rank, frames, error):
+    """A rank's traceback as torchrun prefixes it: frames (path, line, function, code), then the error."""
+    lines = [f"[rank{rank}]: Traceback (most recent call last):"]
+    for path, line, func, code in frames:
+        lines += [f'[rank{rank}]:   File "{path}", line {line}, in {func}', f"[rank{rank}]:     {code}"]
+    return lines + [f"[rank{rank}]: {error}"]
+
+
+OOM_ERROR = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 8.00 GiB. GPU 0 has a total capacity of 79.10 GiB"
+IN_TRAINING = [("/m/megatron/training/training.py", 2400, "train", "train_step(...)")]
+ATTENTION = IN_TRAINING + [("/m/megatron/core/transformer/dot_product_attention.py", 161, "forward",
+                      "matmul_result = torch.baddbmm(")]
+LOGITS = IN_TRAINING + [("/m/megatron/core/tensor_parallel/cross_entropy.py", 140, "forward",
+                   "exp_logits = vocab_parallel_logits.exp()")]
+SAVE = IN_TRAINING + [("/m/megatron/training/checkpointing.py", 480, "save_checkpoint", "state_dict = ..."),
+                ("/m/megatron/core/optimizer/distrib_optimizer.py", 1100, "get_parameter_state_dp_zero", "recv")]
+LOAD = [("/m/megatron/training/checkpointing.py", 1300, "load_checkpoint", "state_dict = ..."),
+        ("/m/megatron/core/dist_checkpointing/strategies/torch.py", 900, "load", "checkpoint.load_state_dict(")]
+
+
+def test_interleaved_ranks_each_get_the_oom_site_of_their_own_traceback(tmp_path):
+    """Rank 0 dies in unfused attention and rank 7 (the last pipeline stage) in the cross-entropy;
+    their lines interleave. Each OOM is reported with its own rank's frame, and the attention one
+    keeps its fix."""
+    a, b = _traceback(0, ATTENTION, OOM_ERROR), _traceback(7, LOGITS, OOM_ERROR.replace("GPU 0", "GPU 7"))
+    mixed = [line for pair in zip(a, b) for line in pair]
+    log = tmp_path / "two.log"
+    log.write_text("\n".join(_dump(**{**ONE_B, "transformer_impl": "local"}) + [_line(1), _line(2)] + mixed) + "\n")
+    ooms = [f for f in call("logs", {"log": str(log)})["result"]["failures"] if f["code"] == "out_of_memory"]
+    assert {(f["ranks"][0], f["site"]) for f in ooms} == {(0, "attention_scores"), (7, "logits")}, ooms
+    for f in ooms:
+        assert ("dot_product_attention" if f["site"] == "attention_scores" else "cross_entropy") in f["frame"]
+
+
+def test_an_oom_in_a_save_is_the_saves_and_fixes_of_a_checkpoint_leave_out_what_the_run_has(tmp_path):
+    """A save that runs out of memory after training steps fitted is not a load; a load's fixes
+    do not offer the checkpoint format or --no-load-optim the run already has."""
+    log = tmp_path / "save.log"
+    log.write_text("\n".join(_dump(**ONE_B, ckpt_format="torch") + [_line(1), _line(2)]
+                             + _traceback(0, SAVE, OOM_ERROR)) + "\n")
+    oom = _oom(call("logs", {"log": str(log)})["result"])
+    assert oom["site"] == "checkpoint_save" and "torch_dist" in oom["fix"] and "the save" in oom["fix"], oom
+    log.write_text("\n".join(_dump(**ONE_B, ckpt_format="torch_dist", no_load_optim=True)
+                             + _traceback(0, LOAD, OOM_ERROR)) + "\n")
+    oom = _oom(call("logs", {"log": str(log)})["result"])
+    assert oom["site"] == "checkpoint_load" and "--ckpt-format" not in oom["fix"] and "--no-load-optim" not in oom["fix"]
+
+
+def test_torchruns_summary_names_the_failed_ranks(tmp_path):
+    summary = ["torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ", "=" * 60,
+               "pretrain_gpt.py FAILED", "-" * 60, "Failures:"]
+    for i, rank in enumerate((3, 11)):
+        summary += [f"[{i + 1}]:", "  time      : 2026-12-07_12:30:01", "  host      : node002",
+                    f"  rank      : {rank} (local_rank: {rank % 8})", "  exitcode  : 1 (pid: 500)"]
+    log = tmp_path / "child.log"
+    log.write_text("\n".join([_line(1), _line(2)] + summary) + "\n")
+    failed = next(f for f in call("logs", {"log": str(log)})["result"]["failures"] if f["code"] == "worker_failed")
+    assert failed["ranks"] == [3, 11], failed

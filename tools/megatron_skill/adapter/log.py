@@ -132,6 +132,7 @@ def _arg_value(text: str) -> Any:
 STAMP = re.compile(r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)(?:\.\d+)?\]")
 RANK = re.compile(r"^\s*\[(?:default)?(?:rank)?(\d+)\]:|^\s*(\d+):\s|\brank[ =:]?(\d+)\b", re.I)
 SKILL_NOTE = "> megatron-core-training skill:"   # what the skill's entry script says it changed
+SUMMARY_RANK = re.compile(r"^\W*(?:\[\w*rank\d+\]:)?\s*rank\s*:\s*(\d+)\s*\(local_rank")   # torchrun's summary
 FINISHED = re.compile(r"\[after training is done\]|after training is done")
 
 
@@ -260,6 +261,11 @@ def parse(lines: Iterable[str]) -> dict[str, Any]:
             if rx.search(line):
                 named = True
                 _add_failure(failures, code, n, line, meaning, fix, recent)
+        summary_rank = SUMMARY_RANK.match(line) if "rank" in line else None
+        if summary_rank:   # torchrun's summary of a worker failure names each failed rank below it
+            failed = next((f for f in failures if f["code"] == "worker_failed" and n - f["line"] <= 400), None)
+            if failed is not None and int(summary_rank[1]) not in failed["ranks"] and len(failed["ranks"]) < 64:
+                failed["ranks"].append(int(summary_rank[1]))
         if "Exception ignored in" in line:   # Python's note of an error it did not raise (a __del__ at exit)
             ignored_at = n
         # (Python prints "Exception ignored in ..." on the line just above such a traceback)
@@ -286,6 +292,7 @@ def parse(lines: Iterable[str]) -> dict[str, Any]:
     for failure in failures:
         failure.pop("after_iteration", None)
         if failure["code"] == "out_of_memory":
+            failure.pop("oom_site")
             failure.update(oom_advice(failure.pop("frames"), arguments))
     return {"iterations": [iterations[k] for k in sorted(iterations)], "memory": memory,
             "failures": failures, "unreadable_lines": unreadable, "arguments": arguments, "starts": dumps,
@@ -293,14 +300,18 @@ def parse(lines: Iterable[str]) -> dict[str, Any]:
 
 
 def _add_failure(failures: list[dict], code: str, n: int, line: str, meaning: str, fix: str, recent) -> None:
-    """The first line of each failure kind, with the ranks that reported it (64 at most)."""
-    seen = next((f for f in failures if f["code"] == code), None)
+    """The first line of each failure kind, with the ranks that reported it (64 at most); an
+    out-of-memory error once for each site its ranks' tracebacks show (one rank in the attention,
+    the last pipeline stage in its logits)."""
     rank = _rank_of(line)
+    frames = traceback_frames(list(recent), rank) if code == "out_of_memory" else []
+    site = (oom_site(frames) or ("",))[0]
+    seen = next((f for f in failures if f["code"] == code and f.get("oom_site", "") == site), None)
     if seen is None:
         failure = {"code": code, "line": n, "text": line.strip()[:300], "meaning": meaning, "fix": fix,
                    "ranks": [] if rank is None else [rank]}
         if code == "out_of_memory":
-            failure["frames"] = traceback_frames(list(recent))   # read once the arguments are known
+            failure["frames"], failure["oom_site"] = frames, site   # advice once the arguments are known
         failures.append(failure)
     elif rank is not None and rank not in seen["ranks"] and len(seen["ranks"]) < 64:
         seen["ranks"].append(rank)
@@ -340,6 +351,12 @@ FRAME = re.compile(r'File "(?P<path>[^"]+)", line (?P<line>\d+), in (?P<func>[\w
 # or backward through the layers. Each: its code, the frames that name it, what it holds, and
 # its fix where the log has no argument dump to fit the fix to.
 OOM_SITES = (
+    # a save's frames name checkpointing.py too: the save is told by its own functions, first
+    ("checkpoint_save", re.compile(r" in (save_checkpoint\w*|_save\w*|save|sharded_param_state\w*|"
+                                   r"get_parameter_state\w*)\b|dist_checkpointing/\S*save"),
+     "saving a checkpoint (the optimizer state gathered or copied for the write)",
+     "a torch_dist checkpoint (--ckpt-format torch_dist: each rank writes its own shards); "
+     "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"),
     ("checkpoint_load", re.compile(r"checkpointing\.py|load_checkpoint|dist_checkpointing"),
      "loading the checkpoint", "see the fixes for a load: a torch_dist checkpoint, --no-load-optim"),
     ("optimizer_step", re.compile(r"torch/optim/|_multi_tensor_adam|_fused_adam|_foreach_|optimizer\.step\(|"
@@ -363,9 +380,12 @@ OOM_SITES = (
 )
 
 
-def traceback_frames(lines: list[str]) -> list[str]:
+def traceback_frames(lines: list[str], rank: int | None = None) -> list[str]:
     """The frames of the last traceback in lines, innermost last: each frame's place and the
-    code line under it ("path:line in func | code")."""
+    code line under it ("path:line in func | code"). With a rank: that rank's lines alone, where
+    the log prefixes lines with their rank (tracebacks of several ranks interleave there)."""
+    if rank is not None and any(_rank_of(ln) is not None for ln in lines):
+        lines = [ln for ln in lines if _rank_of(ln) == rank]
     start = max((i for i, ln in enumerate(lines) if "Traceback (most recent call last)" in ln), default=0)
     frames: list[str] = []
     for i in range(start, len(lines)):
@@ -403,6 +423,8 @@ class RunFacts:
     fused_cross_entropy: bool     # Megatron's --cross-entropy-loss-fusion
     skill_head: bool              # the skill's fused output layer + loss (never whole logits)
     sequence_parallel: bool
+    ckpt_format: str | None = None
+    no_load_optim: bool = False
 
     @classmethod
     def from_args(cls, args: dict[str, Any]) -> "RunFacts | None":
@@ -425,7 +447,9 @@ class RunFacts:
                    else None, unfused_attention=described.attention_path(ns)[0] == "unfused",
                    fused_cross_entropy=bool(args.get("cross_entropy_loss_fusion")),
                    skill_head=bool(args.get("skill_linear_cross_entropy")),
-                   sequence_parallel=args.get("sequence_parallel") is True)
+                   sequence_parallel=args.get("sequence_parallel") is True,
+                   ckpt_format=args.get("ckpt_format") if isinstance(args.get("ckpt_format"), str) else None,
+                   no_load_optim=args.get("no_load_optim") is True)
 
 
 def _smaller_micro_batch(run: RunFacts, why: str) -> list[str]:
@@ -513,10 +537,24 @@ def _activation_fixes(run: RunFacts) -> list[str]:
 
 
 def _checkpoint_fixes(run: RunFacts | None) -> list[str]:
-    return ["the load ran out of memory before training started, so the layout's training memory is not the cause: "
-            "load a torch_dist checkpoint (--ckpt-format torch_dist, read shard by shard) rather than a legacy "
-            "torch one", "--no-load-optim where the optimizer state is not needed (the start of a fine-tune)",
-            "check that no other process holds memory on the GPU (nvidia-smi)"]
+    out = ["the load ran out of memory before training started, so the layout's training memory is not the cause"]
+    if run is None or run.ckpt_format != "torch_dist":
+        out.append("load a torch_dist checkpoint (--ckpt-format torch_dist, read shard by shard) rather than a legacy "
+                   "torch one")
+    if run is None or not run.no_load_optim:
+        out.append("--no-load-optim where the optimizer state is not needed (the start of a fine-tune)")
+    return out + ["check that no other process holds memory on the GPU (nvidia-smi)"]
+
+
+def _checkpoint_save_fixes(run: RunFacts | None) -> list[str]:
+    out = ["the save ran out of memory after training steps fitted: the layout's training memory is not the cause, "
+           "what the save allocates on top of it is"]
+    if run is None or run.ckpt_format != "torch_dist":
+        out.append("--ckpt-format torch_dist: each rank writes its own shards of the optimizer state (the legacy "
+                   "torch format gathers it onto one data-parallel rank first)")
+    return out + ["PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (the save's large buffers come after training "
+                  "has fragmented the allocator's cache)", "check that no other process holds memory on the GPU "
+                  "(nvidia-smi)"]
 
 
 def _generic_fixes(run: RunFacts | None) -> list[str]:
@@ -539,10 +577,11 @@ def oom_advice(frames: list[str], args: dict[str, Any]) -> dict[str, Any]:
         site, meaning, frame = found
         out.update(site=site, frame=frame, meaning=f"out of GPU memory in {meaning}")
         without_dump = next(fix for code, _, _, fix in OOM_SITES if code == site)
-        by_site = {"checkpoint_load": lambda: _checkpoint_fixes(run), "optimizer_step": lambda: _optimizer_fixes(run, frame),
+        by_site = {"checkpoint_load": lambda: _checkpoint_fixes(run), "checkpoint_save": lambda: _checkpoint_save_fixes(run),
+                   "optimizer_step": lambda: _optimizer_fixes(run, frame),
                    "logits": lambda: _logits_fixes(run), "attention_scores": lambda: _attention_fixes(run),
                    "activations": lambda: _activation_fixes(run)}
-        fixes = by_site[site]() if run is not None or site == "checkpoint_load" else [without_dump]
+        fixes = by_site[site]() if run is not None or site.startswith("checkpoint") else [without_dump]
     if run is not None:
         out["run"] = {"micro_batch_size": run.mbs, "data_parallel_size": run.dp, "tensor_parallel_size": run.tp,
                       "pipeline_parallel_size": run.pp, "distributed_optimizer": run.distributed_optimizer,
