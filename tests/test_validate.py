@@ -340,6 +340,32 @@ def test_uniform_recompute_is_costed_as_every_layer_recomputed():
     assert "uniform" in read["uniform"]["assumed"]["recompute"]
 
 
+def test_megatrons_independent_refusals_come_in_one_pass_with_the_flags_to_change():
+    """Megatron's validate_args stops at its first failed assert (--min-lr above --lr); the copy
+    without the flag it names is checked again, so the next one (--save without --save-interval)
+    shows in the same answer, each fix naming the flags its check reads."""
+    args = SMALL + ["--lr", "1e-4", "--min-lr", "1e-3", "--lr-warmup-iters", "1", "--save", "/ckpt"]
+    res = call("validate", {"args": args, "num_gpus": 1})["result"]
+    refused = [e for e in res["errors"] if e["code"] == "megatron_validate_args"]
+    assert len(refused) == 2, refused
+    assert "args.min_lr <= args.lr" in refused[0]["message"] and "--min-lr" in refused[0]["fix"]
+    assert "args.save_interval" in refused[1]["message"] and "--save-interval" in refused[1]["fix"]
+    assert "--min-lr left out" in refused[1]["message"]
+
+
+def test_renamed_flags_are_read_as_what_replaces_them():
+    """--activations-checkpoint-method/-num-layers (Megatron-LM 2021-22 scripts) are errors whose
+    fixes name the recompute flags, and the layout is read with that recompute, as the fix runs."""
+    args = SMALL + ["--activations-checkpoint-method", "uniform", "--activations-checkpoint-num-layers", "1",
+                    "--custom-fsdp", "--data-impl", "mmap"]
+    res = call("validate", {"args": args, "num_gpus": 1})["result"]
+    fixes = {e["message"].split()[0]: e["fix"] for e in res["errors"] if e["code"] == "obsolete_flag"}
+    assert "--recompute-granularity full --recompute-method uniform" in fixes["--activations-checkpoint-method"]
+    assert "--recompute-num-layers 1" in fixes["--activations-checkpoint-num-layers"]
+    assert "--use-megatron-fsdp" in fixes["--custom-fsdp"] and fixes["--data-impl"].startswith("delete --data-impl mmap")
+    assert res["layout"]["recompute"] == "full" and res["layout"]["recompute_layers"] == 2
+
+
 # ---- Megatron's code may exit, print or raise while it reads the arguments ----------------
 SMALL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "128",
          "--max-position-embeddings", "128", "--micro-batch-size", "1", "--global-batch-size", "8", "--bf16"]

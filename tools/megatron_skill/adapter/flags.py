@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import functools
 import json
+import re
 from typing import Any, Callable
 
 from ..core.catalog import CATALOG_DIR
@@ -75,6 +76,22 @@ OBSOLETE = {
                                          "selective recompute, which saves less memory", refused=True),
     "--use-rotary-position-embeddings": Obsolete(False, ("--position-embedding-type", "rope"),
                                                  "0.19 translates it so"),
+    # Renamed when recompute replaced "activation checkpointing" (Megatron-LM 2022): the method
+    # and count keep their meaning, and 0.19 asks the full granularity beside a method.
+    "--activations-checkpoint-method": Obsolete(True, ("--recompute-granularity", "full", "--recompute-method",
+                                                       "{value}"), "renamed; the same method"),
+    "--activations-checkpoint-num-layers": Obsolete(True, ("--recompute-num-layers", "{value}"),
+                                                    "renamed; the same count"),
+    "--distribute-checkpointed-activations": Obsolete(False, ("--distribute-saved-activations",), "renamed"),
+    "--use-custom-fsdp": Obsolete(False, ("--use-megatron-fsdp",), "renamed"),
+    "--custom-fsdp": Obsolete(False, ("--use-megatron-fsdp",), "renamed"),
+    "--data-impl": Obsolete(True, (), "removed: the dataset's index file says its format"),
+    # Mamba hybrids of 2024 gave ratios; 0.19 takes the layers themselves, one letter each
+    "--hybrid-attention-ratio": Obsolete(True, None, "0.19 describes a hybrid model by its layers: "
+                                         "--hybrid-layer-pattern, a letter a layer (M Mamba, * attention, - MLP, "
+                                         "E MoE), e.g. M-M-M*-M-M-"),
+    "--hybrid-mlp-ratio": Obsolete(True, None, "0.19 describes a hybrid model by its layers: --hybrid-layer-pattern, "
+                                   "a letter a layer (M Mamba, * attention, - MLP, E MoE), e.g. M-M-M*-M-M-"),
 }
 
 
@@ -355,6 +372,26 @@ def arity(flag: str) -> int | None:
     if nargs in ("+", "*"):
         return None
     return 1 if nargs is None else int(nargs) if str(nargs).isdigit() else 1
+
+
+@functools.lru_cache(maxsize=1)
+def _flags_by_dest() -> dict[str, str]:
+    """Each argument's name in Megatron's namespace (its dest) -> its first flag that sets a value."""
+    out: dict[str, str] = {}
+    for flag, entry in load_manifest()["flags"].items():
+        if entry["action"] != "StoreFalseAction" and (entry["dest"] not in out or flag == _flag_of(entry["dest"])):
+            out[entry["dest"]] = flag   # the flag named as the argument is, where there are several
+    return out
+
+
+def _flag_of(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def flags_named(text: str) -> list[str]:
+    """The flags of the arguments a text of Megatron's code names as args.NAME, in order."""
+    by_dest = _flags_by_dest()
+    return list(dict.fromkeys(by_dest[m] for m in re.findall(r"\bargs\.(\w+)", text) if m in by_dest))
 
 
 def suggest(flag: str) -> str | None:

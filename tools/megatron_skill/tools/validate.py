@@ -175,6 +175,8 @@ class _FlagReader:
             self.clean.append(a)
         else:
             self.skip_values = True
+            if not own:   # read as what replaces it (a renamed recompute flag still recomputes)
+                self.clean.extend((self.fixes.get(flag) or {}).get("added", []))
 
     def _conditional(self, a: str, flag: str, group) -> None:
         n, choices = group.flags[flag]
@@ -670,17 +672,47 @@ def _megatron_checks(launch: Launch, clean: list[str], findings: list[dict], che
     try:
         said = megatron_parser.check(argv, world_size=world, env=env)
     except ToolError as e:
-        findings.append(_finding("megatron_validate_args", e.message + (f" (checked{on})" if on else ""),
-                                 e.fix or "fix the combination Megatron names"))
+        findings.append(_refusal_finding(e, f" (checked{on})" if on else ""))
         checks["megatron"] = ("Megatron's parser and validate_args refused the arguments" if world else
                               "Megatron's parser refused the arguments") + on
         _megatron_warnings(getattr(e, "warnings", []), findings)
+        _refusals_after(e, argv, world, env, findings)
         return
     checks["megatron"] = (f"Megatron's parser and validate_args ran at world size {world}" if world else
                           f"Megatron's parser ran; validate_args skipped: {launch.entry} sets defaults of its own"
                           if launch.kind == "other" else
                           "Megatron's parser ran; validate_args skipped: the GPU count is not known (pass num_gpus)") + on
     _megatron_warnings(said, findings)
+
+
+def _refusal_finding(e: ToolError, note: str) -> dict:
+    """Megatron's refusal as an error, its fix naming the flags of the arguments its check reads."""
+    named = megatron_flags.flags_named(e.message)
+    fix = (f"set or change {' / '.join(named)} (the check reads them)" if named and (e.fix or "").startswith("fix the")
+           else e.fix or "fix the combination Megatron names")
+    return _finding("megatron_validate_args", e.message + note, fix)
+
+
+MORE_REFUSALS = 4   # Megatron's checks run again on a copy without a refused flag, this many times at most
+
+
+def _refusals_after(e: ToolError, argv: list[str], world: int | None, env: dict, findings: list[dict]) -> None:
+    """Megatron stops at its first failed check: where that check names a flag the copy gives,
+    the copy without it is checked again, so that the checks after it speak in the same pass
+    (an assert on --min-lr against --lr, then a --save without --save-interval)."""
+    left_out: list[str] = []
+    for _ in range(MORE_REFUSALS):
+        flag = next((f for f in megatron_flags.flags_named(e.message) if f in argv), None)
+        if flag is None:
+            return
+        argv = _without(argv, {flag})
+        left_out.append(flag)
+        try:
+            megatron_parser.check(argv, world_size=world, env=env)
+            return
+        except ToolError as again:
+            e = again
+            findings.append(_refusal_finding(e, f" (found with {', '.join(left_out)} left out of the copy)"))
 
 
 # How validate repairs an error on the copy of the arguments that Megatron's own checks read, so
