@@ -530,8 +530,10 @@ VOCAB_MODEL = ("--num-layers 4 --hidden-size 1024 --num-attention-heads 8 --seq-
     (f"--tokenizer-type HuggingFaceTokenizer --tokenizer-model {Path(__file__).parent / 'fixtures/hf/qwen2-7b'}",
      152064, True, "config.json"),
     ("--tokenizer-type NullTokenizer --vocab-size 32000", 32000, True, "--vocab-size 32000"),
-    ("--tokenizer-type Llama2Tokenizer --tokenizer-model /nonexistent/tokenizer.model", 128256, False,
-     "not here"),
+    ("--tokenizer-type Llama2Tokenizer --tokenizer-model /nonexistent/tokenizer.model", 32000, False,
+     "Llama 2's tokenizer.model"),
+    # no type: pretrain_gpt.py's default, GPT2BPETokenizer, reads the vocab and merge files given
+    ("--vocab-file /nonexistent/vocab.json --merge-file /nonexistent/m.txt", 50257, False, "GPT-2"),
     ("--tokenizer-type GPT2BPETokenizer --vocab-file /nonexistent/vocab.json --merge-file /nonexistent/m.txt",
      50257, False, "GPT-2"),
 ])

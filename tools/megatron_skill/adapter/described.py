@@ -130,6 +130,7 @@ def parse_values(args: list[str]) -> argparse.Namespace:
 
 
 DEFAULT_VOCAB = 128256   # Llama 3's, said as assumed where nothing the arguments name tells
+LLAMA2_VOCAB = 32000   # the pieces of Llama 2's tokenizer.model (Meta's Llama 2 release)
 GPT2_VOCAB = 50257
 MAX_TOKENIZER_BYTES = 256 << 20   # a tokenizer file larger than this is not read
 
@@ -202,6 +203,8 @@ def vocabulary(ns: Any) -> tuple[int, str, bool]:
     if kind in ("NullTokenizer", "TikTokenizer") and given:
         return given, f"--vocab-size {given} ({kind} takes its size from it)", True
     missing = ""
+    if kind is None and getattr(ns, "vocab_file", None) and getattr(ns, "merge_file", None):
+        kind = "GPT2BPETokenizer"   # pretrain_gpt.py's default type (its args_defaults), which reads these files
     try:
         if kind in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer") and model:
             path = Path(model)
@@ -232,6 +235,9 @@ def vocabulary(ns: Any) -> tuple[int, str, bool]:
         missing = f"the tokenizer file could not be read here ({type(e).__name__}: {e})"
     if given:
         return given, f"--vocab-size {given}" + (f" ({missing})" if missing else ""), True
+    if kind == "Llama2Tokenizer":
+        return LLAMA2_VOCAB, (f"{LLAMA2_VOCAB}, assumed: Llama 2's tokenizer.model, which Llama2Tokenizer is named "
+                              f"for ({missing or 'no --tokenizer-model'}); add --vocab-size for another"), False
     why = missing or f"the run's tokenizer ({kind or 'unnamed'}) decides at run time"
     return DEFAULT_VOCAB, f"{DEFAULT_VOCAB}, assumed: {why}; add --vocab-size for an exact figure", False
 
