@@ -289,6 +289,7 @@ def test_sequence_parallel_at_tp1_is_a_warning_as_megatron_makes_it():
     res = call("validate", {"args": argv, "num_gpus": 8, "gpu": "h100-sxm"})["result"]
     assert "sp_needs_tp" not in [e["code"] for e in res["errors"]]
     assert "sp_needs_tp" in [w["code"] for w in res["warnings"]]
+    assert res["layout"]["sequence_parallel"] is False   # the layout as Megatron runs it
 
 
 def test_a_launch_inside_bash_c_with_its_entry_in_a_variable():

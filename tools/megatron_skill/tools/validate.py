@@ -516,8 +516,9 @@ def _check_layout(launch: Launch, ns: argparse.Namespace, model: ModelConfig, gp
                                          severity="warning"))
             continue
         findings.append(_finding(rule, RULES[rule].message, RULES[rule].fix))
-    if lay.sequence_parallel and lay.tp == 1:
+    if lay.sequence_parallel and lay.tp == 1:   # as Megatron runs it (it switches SP off at TP 1)
         lay = dataclasses.replace(lay, sequence_parallel=False)
+        result["layout"]["sequence_parallel"] = False
     # Megatron asserts it on Hopper and older, unless FSDP or the MoE all-to-all overlap run (they
     # want several queues; Megatron only warns then)
     several_queues = bool(ns.use_megatron_fsdp or ns.use_torch_fsdp2 or ns.overlap_moe_expert_parallel_comm)
