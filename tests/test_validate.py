@@ -367,6 +367,18 @@ def test_renamed_flags_are_read_as_what_replaces_them():
     assert res["layout"]["recompute"] == "full" and res["layout"]["recompute_layers"] == 2
 
 
+def test_a_layout_broken_past_costing_names_its_errors_not_an_arithmetic_fault():
+    """EP 8 over 2 GPUs of TP x CP x DP (expert folding) leaves no expert data-parallel group: the
+    memory is not costed, and the answer says which error stops it."""
+    args = ["--num-layers", "8", "--hidden-size", "512", "--num-attention-heads", "8", "--seq-length", "1024",
+            "--max-position-embeddings", "1024", "--micro-batch-size", "1", "--global-batch-size", "64", "--bf16",
+            "--num-experts", "8", "--expert-model-parallel-size", "8", "--pipeline-model-parallel-size", "4",
+            "--moe-router-topk", "2", "--use-distributed-optimizer"]
+    res = call("validate", {"args": args, "num_gpus": 8, "gpu": "h100-sxm"})["result"]
+    assert "expert_folding" in [e["code"] for e in res["errors"]]
+    assert "expert_folding" in res["memory"]["skipped"] and "division" not in res["memory"]["skipped"], res["memory"]
+
+
 # ---- Megatron's code may exit, print or raise while it reads the arguments ----------------
 SMALL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "128",
          "--max-position-embeddings", "128", "--micro-batch-size", "1", "--global-batch-size", "8", "--bf16"]

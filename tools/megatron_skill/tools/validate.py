@@ -608,7 +608,9 @@ def _memory(launch: Launch, ns: argparse.Namespace, model: ModelConfig, lay: Lay
     try:
         mem = memory_report(model, lay, padded_vocab_size(model.vocab_size, lay.tp), opts)
     except (ZeroDivisionError, ValueError) as e:   # a layout broken past costing (see its error)
-        return {"skipped": f"the layout cannot be costed: {e}"}
+        broken = list(dict.fromkeys(f["code"] for f in findings if f["severity"] == "error"))
+        return {"skipped": f"not costed: the layout breaks {', '.join(broken)} (the errors above); its memory is "
+                           "predicted once they are fixed" if broken else f"the layout cannot be costed: {e}"}
     attention = "unfused" if opts.score_bytes else ("sdpa" if opts.fused_head else "flash")
     peak = memory_peak(mem) / GIB
     out = {"peak_gib": round(peak, 2), "attention": attention,
