@@ -717,6 +717,10 @@ def test_encoder_seq_length_is_the_sequence_length_as_megatron_reads_it():
     res = call("validate", {"args": (SMALL_TEXT + "--bf16 --encoder-seq-length 512").split(), "num_gpus": 1})["result"]
     assert res["valid"], res["errors"]
     assert res["layout"]["seq_length"] == 512 and "seq_length" not in res["assumed"]
+    # a T5 script gives the encoder's layers, no --num-layers: Megatron reads them as the layers
+    t5 = SMALL_TEXT.replace("--num-layers 4", "--encoder-num-layers 6 --decoder-num-layers 6")
+    res = call("validate", {"args": (t5 + "--bf16 --seq-length 512").split(), "num_gpus": 1})["result"]
+    assert res["layout"]["seq_length"] == 512 and "incomplete" not in [w["code"] for w in res["warnings"]], res
 
 
 def test_a_value_the_script_leaves_to_the_job_is_a_warning_not_a_bad_value():

@@ -124,8 +124,12 @@ def typed_arguments(dumped: dict[str, Any]) -> tuple[dict[str, Any], dict[str, s
 
 def parse_values(args: list[str]) -> argparse.Namespace:
     ns, _ = megatron_flags.manifest_parser().parse_known_args(args)
-    if ns.seq_length is None:   # Megatron's validate_args: --encoder-seq-length stands for it
+    # Megatron's validate_args: --encoder-seq-length and --encoder-num-layers stand for the sizes
+    # an encoder-decoder script (T5) leaves unset
+    if ns.seq_length is None:
         ns.seq_length = ns.encoder_seq_length
+    if ns.num_layers is None:
+        ns.num_layers = ns.encoder_num_layers
     return ns
 
 
