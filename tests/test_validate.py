@@ -379,6 +379,22 @@ def test_a_layout_broken_past_costing_names_its_errors_not_an_arithmetic_fault()
     assert "expert_folding" in res["memory"]["skipped"] and "division" not in res["memory"]["skipped"], res["memory"]
 
 
+def test_an_entry_that_megatron_moved_or_removed_is_named_with_where_it_is_now():
+    """pretrain_bert.py left Megatron-LM's root for examples/bert/ (core_v0.19.0); pretrain_retro.py
+    is gone. A warning each (the script may run an older checkout); the moved one in its new place
+    is no finding."""
+    def entry_warnings(entry):
+        text = f"#!/bin/bash\ntorchrun --nproc-per-node 8 {entry} --num-layers 4 --hidden-size 256 " \
+               "--num-attention-heads 4 --seq-length 512 --max-position-embeddings 512 --micro-batch-size 1 " \
+               "--global-batch-size 16\n"
+        res = call("validate", {"script_text": text})["result"]
+        return [w for w in res["warnings"] if w["code"] == "entry_moved"]
+    moved = entry_warnings("/workspace/megatron/pretrain_bert.py")
+    assert len(moved) == 1 and "examples/bert/pretrain_bert.py" in moved[0]["message"], moved
+    assert "removed" in entry_warnings("pretrain_retro.py")[0]["message"]
+    assert entry_warnings("/workspace/megatron/examples/bert/pretrain_bert.py") == []
+
+
 # ---- Megatron's code may exit, print or raise while it reads the arguments ----------------
 SMALL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "128",
          "--max-position-embeddings", "128", "--micro-batch-size", "1", "--global-batch-size", "8", "--bf16"]

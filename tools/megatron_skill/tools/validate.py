@@ -94,6 +94,29 @@ class Launch:
         return None
 
 
+# Megatron-LM's entries that core_v0.19.0 moved out of its root or removed (its tree read at that
+# tag against core_v0.12.0's): where each is now, or None where it is gone.
+MOVED_ENTRIES = {"pretrain_bert.py": "examples/bert/pretrain_bert.py", "pretrain_t5.py": "examples/t5/pretrain_t5.py",
+                 "pretrain_retro.py": None, "pretrain_ict.py": None, "pretrain_vision_classify.py": None,
+                 "pretrain_vision_dino.py": None, "pretrain_vision_inpaint.py": None}
+
+
+def _entry_notes(launch: Launch) -> list[dict]:
+    """A root entry of an older Megatron-LM that 0.19's tree no longer has there (a warning: the
+    script may run an older checkout, whose flags are another matter)."""
+    if launch.entry is None:
+        return []
+    parts = launch.entry.replace("\\", "/").split("/")
+    name = parts[-1]
+    if name not in MOVED_ENTRIES or (len(parts) > 1 and parts[-2] in ("bert", "t5")):
+        return []
+    now = MOVED_ENTRIES[name]
+    return [_finding("entry_moved", f"{name}: Megatron-LM core_v0.19.0 has no {name} at its root" +
+                     (f"; it is {now}" if now else "; the model was removed"),
+                     f"run {now} of a 0.19 checkout" if now else
+                     f"run a Megatron-LM release that has {name}, and validate against its flags", severity="warning")]
+
+
 # ---- one vector ----------------------------------------------------------------------
 def _flag_findings(launch: Launch) -> tuple[list[dict], list[str]]:
     """Unknown and obsolete flags, each with its exact fix; and the vector Megatron's parser can
@@ -293,7 +316,7 @@ def fixed_vector(args: list[str]) -> list[str]:
 
 def check_launch(launch: Launch, gpu_name: str | None, recheck_fix: bool = True) -> dict[str, Any]:
     flag_findings, clean = _flag_findings(launch)
-    findings = list(launch.notes) + flag_findings
+    findings = list(launch.notes) + _entry_notes(launch) + flag_findings
     checks: dict[str, str] = {}
     assumed: dict[str, str] = {}
     have_megatron = megatron_parser.available()
