@@ -395,6 +395,24 @@ def test_an_entry_that_megatron_moved_or_removed_is_named_with_where_it_is_now()
     assert entry_warnings("/workspace/megatron/examples/bert/pretrain_bert.py") == []
 
 
+def test_a_templates_placeholders_are_one_error_and_the_rest_of_the_script_is_checked():
+    """Megatron-LM's older example scripts say CHECKPOINT_PATH=<Specify path>: bash cannot parse
+    them (< and > redirect), so they are an error to fix; the rest is read with them as quoted
+    values, so its own errors (TP 8 on 4 GPUs here) come in the same answer. Heredocs and
+    redirections are left alone."""
+    text = ("#!/bin/bash\nCHECKPOINT_PATH=<Specify path>\nDATA_PATH=<Specify path and prefix>\n"
+            "cat <<EOF > /tmp/notes.txt\nnotes\nEOF\n"
+            "torchrun --nproc-per-node 4 pretrain_gpt.py --num-layers 4 --hidden-size 256 --num-attention-heads 8 "
+            "--seq-length 512 --max-position-embeddings 512 --micro-batch-size 1 --global-batch-size 16 --bf16 "
+            "--tensor-model-parallel-size 8 --save \"$CHECKPOINT_PATH\" --data-path \"$DATA_PATH\" 2>&1 < /dev/null\n")
+    res = call("validate", {"script_text": text})["result"]
+    codes = [e["code"] for e in res["errors"]]
+    assert "unfilled_placeholder" in codes and "world_size" in codes, res["errors"]
+    placeholder = next(e for e in res["errors"] if e["code"] == "unfilled_placeholder")
+    assert "<Specify path>" in placeholder["message"] and "<Specify path and prefix>" in placeholder["message"]
+    assert "EOF" not in placeholder["message"] and "/dev/null" not in placeholder["message"]
+
+
 # ---- Megatron's code may exit, print or raise while it reads the arguments ----------------
 SMALL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "128",
          "--max-position-embeddings", "128", "--micro-batch-size", "1", "--global-batch-size", "8", "--bf16"]

@@ -43,12 +43,22 @@ class Reading:
     ended: list[str]                     # how the paths without a launch end
     notes: list[str]                     # what the reader could not follow
     flag_variables: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # variables holding flags
+    placeholders: list[str] = dataclasses.field(default_factory=list)  # a template's <...>, read quoted
 
 
 def read(text: str, script_path: Path | None = None, env: dict[str, str] | None = None,
          known_flags: frozenset[str] | set[str] | None = None, positional: list[str] | None = None) -> Reading:
+    placeholders: list[str] = []
     try:
-        reading = shell.read(text, script_path, env, None if positional is None else tuple(positional))
+        try:
+            reading = shell.read(text, script_path, env, None if positional is None else tuple(positional))
+        except shell.ShellSyntax:
+            # a template's placeholders (DATA_PATH=<Specify path>) are redirections to bash: read
+            # them quoted, so that the rest of the script is checked too (validate says to fill them)
+            quoted, placeholders = quote_placeholders(text)
+            if not placeholders:
+                raise
+            reading = shell.read(quoted, script_path, env, None if positional is None else tuple(positional))
     except shell.ScriptTooLarge as e:
         raise ToolError("invalid_script", f"the script is not read: {e}", where="/script",
                         fix="give validate the launch script itself (launch scripts are kilobytes, their commands "
@@ -68,7 +78,26 @@ def read(text: str, script_path: Path | None = None, env: dict[str, str] | None 
         chosen = _megatron_launch(path.launches, known_flags or set())
         launches.append(_extracted(chosen, path, [la.entry for la in path.launches if la is not chosen]))
     return Reading(launches=launches, paths=len(reading.paths), ended=ended, notes=reading.notes,
-                   flag_variables=_flag_variables(reading.paths, known_flags or set()))
+                   flag_variables=_flag_variables(reading.paths, known_flags or set()), placeholders=placeholders)
+
+
+# <Specify path>, <PATH_OF_DATA>: a word of a template, in code (not a heredoc's <<, a redirection
+# from a file, or a process substitution <(...)), ending on its own line
+PLACEHOLDER = re.compile(r"(?<![<\w\"'$])<([A-Za-z_][^<>\n\"'()|;&$`]{0,80})>(?![>&])")
+
+
+def quote_placeholders(text: str) -> tuple[str, list[str]]:
+    """text with each template placeholder outside comments quoted as a word, and the placeholders."""
+    found: list[str] = []
+    lines = []
+    for line in text.splitlines(keepends=True):
+        code, hash_, comment = line.partition(" #") if not line.lstrip().startswith("#") else ("", "", line)
+        if not hash_ and not code:
+            lines.append(line)
+            continue
+        found += [f"<{m}>" for m in PLACEHOLDER.findall(code)]
+        lines.append(PLACEHOLDER.sub(lambda m: f'"<{m.group(1)}>"', code) + hash_ + comment)
+    return "".join(lines), list(dict.fromkeys(found))
 
 
 def _flag_variables(paths: list[shell.Path_], known: frozenset[str] | set[str]) -> dict[str, list[str]]:

@@ -900,8 +900,17 @@ def script_launches(text: str, script_path: Path | None, env: dict[str, str], nu
         seen.add(key)
         launches.append(Launch(args=ex.args, world=world, env={**ex.env, **env}, lines=ex.lines, entry=ex.entry,
                                path="; ".join(ex.choices) or None, script_text=text, info=script_args.summary(ex),
-                               notes=_line_ending_findings(text)))
+                               notes=_line_ending_findings(text) + _placeholder_findings(reading.placeholders)))
     return launches, about
+
+
+def _placeholder_findings(placeholders: list[str]) -> list[dict]:
+    if not placeholders:
+        return []
+    shown = ", ".join(placeholders[:4]) + (" ..." if len(placeholders) > 4 else "")
+    return [_finding("unfilled_placeholder", f"the script holds a template's placeholders ({shown}): bash reads "
+                     "< and > as redirections and cannot run it as it stands (the other findings read them as "
+                     "quoted values)", "replace each placeholder with its real value")]
 
 
 def _line_ending_findings(text: str) -> list[dict]:
