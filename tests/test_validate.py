@@ -413,6 +413,17 @@ def test_a_templates_placeholders_are_one_error_and_the_rest_of_the_script_is_ch
     assert "EOF" not in placeholder["message"] and "/dev/null" not in placeholder["message"]
 
 
+def test_an_old_flag_whose_replacement_the_launch_already_gives_is_to_be_deleted():
+    """--fp8-hybrid beside --fp8-format hybrid: delete it (not "replace it with what is there");
+    beside --fp8-format e4m3 the two disagree, and the fix still says what it stood for."""
+    def fix_of(extra):
+        res = call("validate", {"args": SMALL + extra, "num_gpus": 1})["result"]
+        return next(f["fix"] for f in res["errors"] + res["warnings"] if f["code"] == "obsolete_flag")
+    assert fix_of(["--fp8-format", "hybrid", "--fp8-hybrid"]).startswith("delete --fp8-hybrid: the launch's "
+                                                                          "--fp8-format hybrid already")
+    assert fix_of(["--fp8-format", "e4m3", "--fp8-hybrid"]).startswith("replace --fp8-hybrid with --fp8-format hybrid")
+
+
 # ---- Megatron's code may exit, print or raise while it reads the arguments ----------------
 SMALL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "128",
          "--max-position-embeddings", "128", "--micro-batch-size", "1", "--global-batch-size", "8", "--bf16"]

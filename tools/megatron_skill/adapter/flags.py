@@ -95,6 +95,20 @@ OBSOLETE = {
 }
 
 
+def _given_as(words: list[str], args: list[str]) -> bool:
+    """Whether args give each flag of words with the value words give it (the last occurrence:
+    the one Megatron's parser keeps)."""
+    def last_value(flag: str, vector: list[str]) -> str | None:
+        value = None
+        for i, a in enumerate(vector):
+            name, eq, inline = a.partition("=")
+            if name == flag:
+                value = inline if eq else (vector[i + 1] if i + 1 < len(vector) and not vector[i + 1].startswith("--")
+                                           else "")
+        return value
+    return all(last_value(w, args) == last_value(w, words) for w in words if w.startswith("--"))
+
+
 @dataclasses.dataclass(frozen=True)
 class ConditionalGroup:
     """Flags an entry script adds to Megatron's parser only under a condition (an optional
@@ -276,11 +290,13 @@ def rewrite_obsolete(args: list[str]) -> tuple[list[str], list[dict[str, Any]]]:
             removed.append(value)
         added = entry.replacement(value, removed)
         present = [w for w in added if w.startswith("--") and (w in out or w in args)]
+        fix = entry.fix_text(flag, value)
         if entry.becomes is not None and present and len(present) == sum(w.startswith("--") for w in added):
+            if _given_as(added, args):
+                fix = f"delete {' '.join(removed)}: the launch's {' '.join(added)} already says it"
             added = []
         out += added
-        changes.append({"flag": flag, "value": value, "removed": removed, "added": added,
-                        "fix": entry.fix_text(flag, value)})
+        changes.append({"flag": flag, "value": value, "removed": removed, "added": added, "fix": fix})
         i += len(removed)
     return out, changes
 
