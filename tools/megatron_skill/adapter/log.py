@@ -23,13 +23,11 @@ MEMORY = re.compile(r"\[Rank (\d+)\].*?memory \(MB\)\s*\|\s*allocated:\s*([\d.]+
 # Megatron's line after a checkpoint is written (the CPU loop prints the same words).
 CHECKPOINT_SAVED = re.compile(r"successfully saved checkpoint from iteration\s+(\d+)")
 KEYS = {
-    "consumed samples": "consumed_samples",
     "elapsed time per iteration (ms)": "iter_ms",
     "throughput per GPU (TFLOP/s/GPU)": "tflops_per_gpu",
     "learning rate": "lr",
     "global batch size": "global_batch_size",
     "lm loss": "loss",
-    "loss scale": "loss_scale",
     "grad norm": "grad_norm",
     "number of skipped iterations": "skipped",
     "number of nan iterations": "nan",
@@ -199,6 +197,7 @@ def parse(lines: Iterable[str]) -> dict[str, Any]:
     traceback_at = -TRACEBACK_REACH - 1   # the line of the last "Traceback (most recent call last)"
     ignored_at = -TRACEBACK_REACH - 1     # the line of the last "Exception ignored in"
     last_stamp = None
+    top_seen = [-1]   # the highest iteration of the run read so far
 
     previous: tuple | None = None   # the run before the last split, whole: taken back if nothing follows
 
@@ -212,6 +211,7 @@ def parse(lines: Iterable[str]) -> dict[str, Any]:
             previous = (arguments, iterations, memory, failures, dumps - 1, finished)
             earlier.append(_earlier_run(arguments, iterations, failures, dumps - 1))
             iterations, memory, failures, arguments, dumps, finished = {}, {}, [], {}, 1, False
+            top_seen[0] = -1
         elif failures:
             # the same run started again (a resume after the failure): what ended the start
             # before is its history, not the state of the run now
@@ -251,7 +251,16 @@ def parse(lines: Iterable[str]) -> dict[str, Any]:
                 stamp = STAMP.search(line)
                 if stamp:
                     rec["time"] = last_stamp = stamp.group(1)
-                iterations[rec["iteration"]] = {**iterations.get(rec["iteration"], {}), **rec}
+                it = rec["iteration"]
+                iterations[it] = {**iterations[it], **rec} if it in iterations else rec
+                # only the latest iteration keeps its time (the answer's last_logged): a log of a
+                # million iterations would otherwise hold a million time strings
+                if it >= top_seen[0]:
+                    if it != top_seen[0] and top_seen[0] in iterations:
+                        iterations[top_seen[0]].pop("time", None)
+                    top_seen[0] = it
+                else:
+                    iterations[it].pop("time", None)
             else:
                 unreadable += 1
         if "Traceback (most recent call last)" in line:
