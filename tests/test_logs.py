@@ -737,6 +737,11 @@ def test_a_failure_the_same_run_resumed_after_is_its_history_not_its_state(tmp_p
     failing_again.write_text("\n".join(first + second[:-1] + [first[-1]]) + "\n")
     r = call("logs", {"log": str(failing_again)})["result"]
     assert r["state"] == "failed" and [f["code"] for f in r["failures"]] == ["nccl_timeout"]
+    # a different run after both starts: it has no resumes of its own; the run before keeps its failure
+    other = _dump(**{**ONE_B, "hidden_size": 4096}, train_iters=6) + [_line(i) for i in (1, 2)]
+    log.write_text("\n".join(first + second + other) + "\n")
+    r = call("logs", {"log": str(log)})["result"]
+    assert "resumed_after" not in r and r["earlier_runs"][0]["failures"][0]["code"] == "nccl_timeout", r
 
 
 def _traceback(rank, frames, error):
@@ -797,3 +802,15 @@ def test_torchruns_summary_names_the_failed_ranks(tmp_path):
     log.write_text("\n".join([_line(1), _line(2)] + summary) + "\n")
     failed = next(f for f in call("logs", {"log": str(log)})["result"]["failures"] if f["code"] == "worker_failed")
     assert failed["ranks"] == [3, 11], failed
+
+
+def test_a_log_without_rank_prefixes_keeps_its_tracebacks_frames_whatever_rank_its_text_names(tmp_path):
+    """Megatron's '[Rank 0] ... memory (MB)' line and an error that says 'on rank 1' are no rank
+    prefixes: the traceback's own lines (unprefixed) still give the OOM its site."""
+    frames = [line.split("]: ", 1)[1] for line in _traceback(0, LOGITS, OOM_ERROR + " (on rank 1)")]
+    memory = "[Rank 0] (after 2 iterations) memory (MB) | allocated: 100.0 | max allocated: 200.0 | reserved: 300.0 " \
+             "| max reserved: 300.0"
+    log = tmp_path / "plain.log"
+    log.write_text("\n".join([_line(1), _line(2), memory] + frames) + "\n")
+    oom = _oom(call("logs", {"log": str(log)})["result"])
+    assert oom["site"] == "logits" and "cross_entropy.py" in oom["frame"], oom

@@ -352,6 +352,12 @@ def test_megatrons_independent_refusals_come_in_one_pass_with_the_flags_to_chang
     assert "args.min_lr <= args.lr" in refused[0]["message"] and "--min-lr" in refused[0]["fix"]
     assert "args.save_interval" in refused[1]["message"] and "--save-interval" in refused[1]["fix"]
     assert "--min-lr left out" in refused[1]["message"]
+    # a check that reads a size Megatron requires: the copy keeps the size, and nothing of the copy's own
+    # making (a size "argument is None") is reported
+    heads = [a if a != "4" else "3" for a in SMALL] + ["--lr", "1e-4"]
+    refused = [e for e in call("validate", {"args": heads, "num_gpus": 1})["result"]["errors"]
+               if e["code"] == "megatron_validate_args"]
+    assert len(refused) == 1 and "num_attention_heads" in refused[0]["message"], refused
 
 
 def test_renamed_flags_are_read_as_what_replaces_them():
@@ -401,7 +407,7 @@ def test_a_templates_placeholders_are_one_error_and_the_rest_of_the_script_is_ch
     values, so its own errors (TP 8 on 4 GPUs here) come in the same answer. Heredocs and
     redirections are left alone."""
     text = ("#!/bin/bash\nCHECKPOINT_PATH=<Specify path>\nDATA_PATH=<Specify path and prefix>\n"
-            "cat <<EOF > /tmp/notes.txt\nnotes\nEOF\n"
+            "cat <<EOF > /tmp/notes.txt\nnotes\nEOF\nwhile read -r h; do echo $h; done <hosts.txt >nodes.txt\n"
             "torchrun --nproc-per-node 4 pretrain_gpt.py --num-layers 4 --hidden-size 256 --num-attention-heads 8 "
             "--seq-length 512 --max-position-embeddings 512 --micro-batch-size 1 --global-batch-size 16 --bf16 "
             "--tensor-model-parallel-size 8 --save \"$CHECKPOINT_PATH\" --data-path \"$DATA_PATH\" 2>&1 < /dev/null\n")
@@ -411,6 +417,10 @@ def test_a_templates_placeholders_are_one_error_and_the_rest_of_the_script_is_ch
     placeholder = next(e for e in res["errors"] if e["code"] == "unfilled_placeholder")
     assert "<Specify path>" in placeholder["message"] and "<Specify path and prefix>" in placeholder["message"]
     assert "EOF" not in placeholder["message"] and "/dev/null" not in placeholder["message"]
+    assert "hosts" not in placeholder["message"]
+    # where quoting them does not make the script readable, the error is the script's own, where bash meets it
+    broken = call("validate", {"script_text": "X=<Specify path>\nif true; then\n"})
+    assert broken["error"]["code"] == "invalid_script" and "<Specify path>" in broken["error"]["fix"], broken
 
 
 def test_an_old_flag_whose_replacement_the_launch_already_gives_is_to_be_deleted():

@@ -404,9 +404,12 @@ def layout_from_args(ns: Any, model: ModelConfig, world: int | None, assumed: di
         chunks = lay.chunk_sizes(model.num_layers)
         if chunks:
             lay = lay.but(recompute_layers=max(1, min(chunks)))
-            assumed["recompute"] = (f"--recompute-method uniform recomputes every layer ({min(chunks)} of each "
-                                    f"stage, in groups of {ns.recompute_num_layers or 1}): costed as full "
-                                    "recompute of all of them")
+            # (the layout's count is one for every stage: where the split is uneven, the smallest's)
+            costed = ("costed as full recompute of all of them" if min(chunks) == max(chunks) else
+                      f"costed as full recompute of {min(chunks)} layers of each stage, the smallest stage's count "
+                      f"(the larger stages' other layers are costed as kept: their memory is overstated)")
+            assumed["recompute"] = (f"--recompute-method uniform recomputes every layer of each stage, in groups "
+                                    f"of {ns.recompute_num_layers or 1}: {costed}")
     return lay
 
 

@@ -134,6 +134,16 @@ SUMMARY_RANK = re.compile(r"^\W*(?:\[\w*rank\d+\]:)?\s*rank\s*:\s*(\d+)\s*\(loca
 FINISHED = re.compile(r"\[after training is done\]|after training is done")
 
 
+RANK_PREFIX = re.compile(r"^\s*\[(?:default)?(?:rank)?(\d+)\]:|^\s*(\d+):\s", re.I)
+
+
+def _prefix_rank(line: str) -> int | None:
+    """The rank a line's own prefix names (torchrun's [rankN]:, srun --label's 'N: '), not a rank
+    its text mentions."""
+    m = RANK_PREFIX.match(line)
+    return int(m.group(1) or m.group(2)) if m else None
+
+
 def _rank_of(line: str) -> int | None:
     """The rank a line says it comes from: torchrun's [rankN]: prefix, srun --label's 'N: '."""
     m = RANK.search(line)
@@ -208,9 +218,11 @@ def parse(lines: Iterable[str]) -> dict[str, Any]:
         new = dump or {}
         if arguments and any(k in new and k in arguments and type(new[k]) is type(arguments[k])
                              and new[k] != arguments[k] for k in RUN_DEFINING):
-            previous = (arguments, iterations, memory, failures, dumps - 1, finished)
-            earlier.append(_earlier_run(arguments, iterations, failures, dumps - 1))
+            previous = (arguments, iterations, memory, failures, dumps - 1, finished, list(resumed_after))
+            # the run before keeps what ended each of its starts
+            earlier.append(_earlier_run(arguments, iterations, resumed_after + failures, dumps - 1))
             iterations, memory, failures, arguments, dumps, finished = {}, {}, [], {}, 1, False
+            resumed_after.clear()
             top_seen[0] = -1
         elif failures:
             # the same run started again (a resume after the failure): what ended the start
@@ -293,6 +305,7 @@ def parse(lines: Iterable[str]) -> dict[str, Any]:
         # before it, which the log has, and counts the start
         arguments, iterations, memory, failures, dumps, finished = previous[:4] + (previous[4] + dumps,
                                                                                    previous[5])
+        resumed_after[:] = previous[6]
         earlier.pop()
     # an exception the run went on training after (a logger's lost connection, a retried save), or
     # one raised once training was done, ended nothing: not the run's failure
@@ -393,8 +406,8 @@ def traceback_frames(lines: list[str], rank: int | None = None) -> list[str]:
     """The frames of the last traceback in lines, innermost last: each frame's place and the
     code line under it ("path:line in func | code"). With a rank: that rank's lines alone, where
     the log prefixes lines with their rank (tracebacks of several ranks interleave there)."""
-    if rank is not None and any(_rank_of(ln) is not None for ln in lines):
-        lines = [ln for ln in lines if _rank_of(ln) == rank]
+    if rank is not None and any(_prefix_rank(ln) == rank for ln in lines):
+        lines = [ln for ln in lines if _prefix_rank(ln) == rank]
     start = max((i for i, ln in enumerate(lines) if "Traceback (most recent call last)" in ln), default=0)
     frames: list[str] = []
     for i in range(start, len(lines)):

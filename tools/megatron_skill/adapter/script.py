@@ -52,13 +52,16 @@ def read(text: str, script_path: Path | None = None, env: dict[str, str] | None 
     try:
         try:
             reading = shell.read(text, script_path, env, None if positional is None else tuple(positional))
-        except shell.ShellSyntax:
+        except shell.ShellSyntax as first:
             # a template's placeholders (DATA_PATH=<Specify path>) are redirections to bash: read
             # them quoted, so that the rest of the script is checked too (validate says to fill them)
             quoted, placeholders = quote_placeholders(text)
             if not placeholders:
                 raise
-            reading = shell.read(quoted, script_path, env, None if positional is None else tuple(positional))
+            try:
+                reading = shell.read(quoted, script_path, env, None if positional is None else tuple(positional))
+            except shell.ShellSyntax:
+                raise first from None   # the script's own error, where bash meets it
     except shell.ScriptTooLarge as e:
         raise ToolError("invalid_script", f"the script is not read: {e}", where="/script",
                         fix="give validate the launch script itself (launch scripts are kilobytes, their commands "
@@ -81,9 +84,10 @@ def read(text: str, script_path: Path | None = None, env: dict[str, str] | None 
                    flag_variables=_flag_variables(reading.paths, known_flags or set()), placeholders=placeholders)
 
 
-# <Specify path>, <PATH_OF_DATA>: a word of a template, in code (not a heredoc's <<, a redirection
-# from a file, or a process substitution <(...)), ending on its own line
-PLACEHOLDER = re.compile(r"(?<![<\w\"'$])<([A-Za-z_][^<>\n\"'()|;&$`]{0,80})>(?![>&])")
+# <Specify path>, <PATH_OF_DATA>: a word of a template, in code; not a heredoc's <<, a process
+# substitution <(...), nor a redirection from a file (a name with a dot, or a space before the
+# '>' that redirects the output: `done <hosts.txt >nodes.txt`)
+PLACEHOLDER = re.compile(r"(?<![<\w\"'$])<([A-Za-z_][^<>\n\"'()|;&$`.]{0,80}(?<!\s))>(?![>&])")
 
 
 def quote_placeholders(text: str) -> tuple[str, list[str]]:

@@ -98,7 +98,7 @@ def _hints(summary: dict) -> list[str]:
     hints = [f"{f['code']}: {f['meaning']} -> {f['fix']}" for f in summary.get("failures", [])]
     for f in summary.get("resumed_after", []):
         hints.append(f"resumed after {f['code']} (line {f['line']}, after iteration {f['after_iteration']}): the "
-                     "same run started again and trained on; that failure is not its state now")
+                     "same run started again; that failure ended an earlier start, not the run's state now")
     if summary.get("skipped_iterations"):
         hints.append(f"{summary['skipped_iterations']} iteration(s) skipped: Megatron drops a step whose gradients hold "
                      "NaN or Inf (and, with --check-for-nan-in-loss-and-grad, stops); a few early on are the loss "

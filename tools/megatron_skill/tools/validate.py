@@ -720,6 +720,10 @@ def _refusal_finding(e: ToolError, note: str) -> dict:
 
 
 MORE_REFUSALS = 4   # Megatron's checks run again on a copy without a refused flag, this many times at most
+# sizes Megatron requires (its required_args) or every layout reads: never left out of the copy
+REQUIRED_FLAGS = {"--num-layers", "--hidden-size", "--num-attention-heads", "--max-position-embeddings",
+                  "--seq-length", "--micro-batch-size", "--global-batch-size", "--ffn-hidden-size",
+                  "--encoder-num-layers"}
 
 
 def _refusals_after(e: ToolError, argv: list[str], world: int | None, env: dict, findings: list[dict]) -> None:
@@ -728,7 +732,7 @@ def _refusals_after(e: ToolError, argv: list[str], world: int | None, env: dict,
     (an assert on --min-lr against --lr, then a --save without --save-interval)."""
     left_out: list[str] = []
     for _ in range(MORE_REFUSALS):
-        flag = next((f for f in megatron_flags.flags_named(e.message) if f in argv), None)
+        flag = next((f for f in megatron_flags.flags_named(e.message) if f in argv and f not in REQUIRED_FLAGS), None)
         if flag is None:
             return
         argv = _without(argv, {flag})
@@ -738,6 +742,8 @@ def _refusals_after(e: ToolError, argv: list[str], world: int | None, env: dict,
             return
         except ToolError as again:
             e = again
+            if any(f[2:].replace("-", "_") in e.message for f in left_out):
+                return   # a refusal of the copy's own making (the flag left out was needed): not the launch's
             findings.append(_refusal_finding(e, f" (found with {', '.join(left_out)} left out of the copy)"))
 
 
