@@ -71,6 +71,7 @@ BREAKS = {
     "fsdp_needs_te": (LLAMA8B, GOOD, H100, 8, False, None, MegatronOptions(fsdp=True)),
     "precision_aware_needs_distopt": (LLAMA8B, dataclasses.replace(GOOD, distributed_optimizer=False), H100, 8, True,
                                       None, MegatronOptions(precision_aware_optimizer=True)),
+    "activation_offload": (LLAMA8B, GOOD, H100, 8, True, None, MegatronOptions(activation_offload_layers=32)),
     # The CPU loop's own limits (local layers, cpu_loop=True).
     "cpu_loop_vp": (TINY, dataclasses.replace(CPU_GOOD, vp=2), H100, 4, False, *CPU_LOOP),
     "cpu_loop_ep": (TINY, dataclasses.replace(CPU_GOOD, ep=2), H100, 4, False, *CPU_LOOP),

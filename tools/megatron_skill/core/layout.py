@@ -315,6 +315,14 @@ RULES = {
         "the precision-aware optimizer (precision_aware_optimizer) runs with the distributed optimizer "
         "(Megatron's optimizer config asserts it)",
         "add --use-distributed-optimizer, or drop --use-precision-aware-optimizer"),
+    "activation_offload": Rule(
+        "activation offload (--cpu-offloading-num-layers) runs on Transformer Engine's layers with PP 1, no "
+        "recompute and no per-layer CUDA graphs, for fewer layers than the model has (Megatron's "
+        "TransformerConfig refuses the rest)",
+        "drop --cpu-offloading-num-layers, or run it with PP 1, no --recompute-granularity and no per-layer "
+        "--cuda-graph-impl, offloading fewer layers than --num-layers",
+        "set megatron_options.activation_offload_layers to 0, or plan it with pp 1, no recompute and "
+        "cuda_graph_impl none, for fewer layers than the model has"),
     "fsdp_needs_te": Rule(
         "Megatron-FSDP runs with Transformer Engine's layers (its adapter asserts Transformer Engine 2.10 or "
         "newer)",
@@ -396,8 +404,13 @@ def moe_rules(lay: Layout, model: ModelConfig, moe: MoEOptions, te: bool) -> Ite
             yield "moe_overlap_recompute"
 
 
-def options_rules(lay: Layout, megatron: MegatronOptions, te: bool) -> Iterator[str]:
+def options_rules(lay: Layout, megatron: MegatronOptions, te: bool, num_layers: int | None = None) -> Iterator[str]:
     """Megatron's checks of its memory and communication options against the layout."""
+    offload = megatron.activation_offload_layers
+    if offload and (not te or lay.pp > 1 or lay.recompute != "none"
+                    or megatron.cuda_graph_impl not in ("none", "full_iteration")
+                    or (num_layers is not None and offload >= num_layers)):
+        yield "activation_offload"
     if megatron.fp8_param_gather and not (te and lay.precision == "fp8"
                                           and (lay.distributed_optimizer or megatron.fsdp)):
         yield "fp8_param_gather_needs_te_fp8"
@@ -490,7 +503,7 @@ def broken_rules(lay: Layout, model: ModelConfig, gpu: GPUSpec, n_gpus: int, te:
     if model.position_embedding_type == "learned_absolute" and lay.seq_length > model.max_position_embeddings:
         yield "seq_positions"
     yield from moe_rules(lay, model, moe or MoEOptions(), te)
-    yield from options_rules(lay, megatron or MegatronOptions(), te)
+    yield from options_rules(lay, megatron or MegatronOptions(), te, model.num_layers)
 
 
 def check_layout(lay: Layout, model: ModelConfig, gpu: GPUSpec, n_gpus: int, te: bool = True,

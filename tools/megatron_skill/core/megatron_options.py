@@ -35,6 +35,7 @@ class MegatronOptions:
     exp_avg_sq_dtype: str = "fp32"       # --exp-avg-sq-dtype: its second moment
     fsdp_grads_fp32: bool = False        # --megatron-fsdp-main-grads-dtype fp32 (read from scripts only)
     optimizer_offload: float = 0.0       # --optimizer-cpu-offload: the share of the state on the host (scripts only)
+    activation_offload_layers: int = 0   # --cpu-offloading-num-layers: layers whose activations wait on the host
 
     @classmethod
     def from_request(cls, options: dict[str, Any] | None) -> "MegatronOptions":
@@ -72,7 +73,8 @@ class MegatronOptions:
                    fp8_param_gather=bool(getattr(ns, "fp8_param_gather", False)), fsdp=fsdp,
                    cross_entropy_fusion=bool(getattr(ns, "cross_entropy_loss_fusion", False)),
                    tp_comm_overlap=bool(getattr(ns, "tp_comm_overlap", False)),
-                   cuda_graph_impl=impl, cuda_graph_modules=tuple(m for m in modules if m != "full"))
+                   cuda_graph_impl=impl, cuda_graph_modules=tuple(m for m in modules if m != "full"),
+                   activation_offload_layers=max(0, int(getattr(ns, "cpu_offloading_num_layers", 0) or 0)))
 
     @property
     def bf16_grads(self) -> bool:
@@ -145,6 +147,14 @@ class MegatronOptions:
                             f"cuda_graph_impl {self.cuda_graph_impl} they {effect}",
                             where="/megatron_options/cuda_graph_modules",
                             fix="set cuda_graph_impl to transformer_engine or local, or leave cuda_graph_modules empty")
+        if self.activation_offload_layers and not te:
+            raise ToolError("bad_request", "activation offload is Transformer Engine's CPU-offload context",
+                            where="/megatron_options/activation_offload_layers",
+                            fix="plan for Transformer Engine, or set activation_offload_layers to 0")
+        if self.activation_offload_layers and self.cuda_graph_impl not in ("none", "full_iteration"):
+            raise ToolError("bad_request", "Megatron refuses activation offload with per-layer CUDA graphs",
+                            where="/megatron_options/activation_offload_layers",
+                            fix="set cuda_graph_impl to none, or activation_offload_layers to 0")
         if "moe_preprocess" in self.cuda_graph_modules and "moe_router" not in self.cuda_graph_modules:
             raise ToolError("bad_request", "the MoE preprocessing is captured only together with the router",
                             where="/megatron_options/cuda_graph_modules", fix="add moe_router")
@@ -177,6 +187,8 @@ class MegatronOptions:
             for name in ("exp_avg_dtype", "exp_avg_sq_dtype"):
                 if getattr(self, name) != "fp32":
                     a += [f"--{name.replace('_', '-')}", getattr(self, name)]
+        if self.activation_offload_layers:   # Megatron's offload is TE's CPU-offload context
+            a += ["--cpu-offloading-num-layers", str(self.activation_offload_layers)]
         if self.cuda_graph_impl == "none":
             return a
         a += ["--cuda-graph-impl", self.cuda_graph_impl]

@@ -67,6 +67,7 @@ class MemoryOptions:
     optimizer_bytes: float = 12.0       # per optimizer-shard parameter: fp32 master and two fp32 moments, or
     #                                     the precision-aware optimizer's (MegatronOptions.optimizer_state_bytes)
     tp_comm_overlap: bool = False       # TE's userbuffers for --tp-comm-overlap, counted where TP > 1 under SP
+    offloaded_layers: int = 0           # --cpu-offloading-num-layers: layers whose saved activations wait on the host
     #                                     (also where a TP group spans NVLink domains and render leaves it off)
 
 
@@ -474,6 +475,15 @@ def stage_memory(model: ModelConfig, lay: Layout, rank: int, padded_vocab: int,
     else:
         per_chunk = (n_dense * act[0] + n_moe * act.get(1, 0.0)) / chunks
         transient = 0.0
+        if opts.offloaded_layers:
+            # TE's CPU-offload context sends the first N layers' saved tensors to the host after
+            # their forward and brings each back before its backward: one layer's in flight stays
+            # (PP 1, one chunk: Megatron's rule); which layers go is the model's first N
+            gone = min(opts.offloaded_layers, len(layers))
+            first_n = layers[:gone]
+            moe_gone = moe_layers_among(model, tuple(first_n))
+            per_chunk -= (gone - moe_gone) * act[0] + moe_gone * act.get(1, 0.0)
+            transient = tokens * largest
     if opts.score_bytes:
         # The score matrix in flight while a layer's attention runs (forward, and its gradient
         # in the backward): one layer's bf16 scores and their fp32 softmax input.

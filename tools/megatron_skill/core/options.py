@@ -82,7 +82,8 @@ class RuntimeOptions:
                              fsdp_params=self.megatron.fsdp,
                              optimizer_bytes=self.megatron.optimizer_state_bytes(lay.precision, self.te),
                              fused_cross_entropy=self.megatron.cross_entropy_fusion and not self.fused_head,
-                             te_attention=self.te, tp_comm_overlap=self.te and self.megatron.tp_comm_overlap)
+                             te_attention=self.te, tp_comm_overlap=self.te and self.megatron.tp_comm_overlap,
+                             offloaded_layers=self.megatron.activation_offload_layers if self.te else 0)
 
     def entry_flags(self) -> list[str]:
         """The skill entry script's own flags for these paths (adapter/skill_flags.py)."""

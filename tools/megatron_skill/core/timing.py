@@ -25,6 +25,7 @@ from .memory import (
     FP32,
     fused_head_chunk,
     fused_head_defers_wgrad,
+    layer_activation_bytes,
     moe_layers_among,
     param_split,
     rank_layers,
@@ -73,6 +74,7 @@ class StepTime:
     dp_comm_exposed: float = 0.0
     optimizer: float = 0.0
     host: float = 0.0
+    offload: float = 0.0        # activation offload's copies to and from the host, where compute does not hide them
 
     @property
     def total(self) -> float:
@@ -587,4 +589,22 @@ def step_time(model: ModelConfig, lay: Layout, gpu: GPUSpec, padded_vocab: int, 
         layer_ms = max(layer_ms, ungraphed * per_layer)
     per_mb = 0.0 if megatron.cuda_graph_impl == "full_iteration" else lay.vp * rates.cal["host_overhead_ms_per_microbatch"]
     st.host = m * (per_mb + layer_ms) * 1e-3
+    st.offload = m * _offload_exposed(model, lay, gpu, megatron, busiest.total) if te else 0.0
     return st
+
+
+def _offload_exposed(model: ModelConfig, lay: Layout, gpu: GPUSpec, megatron: MegatronOptions,
+                     micro_batch_s: float) -> float:
+    """Seconds a micro-batch waits on activation offload: the offloaded layers' saved tensors go to
+    the host in the forward and come back in the backward over the GPU's host link, each way
+    beside that micro-batch's compute (TE's CPU-offload context overlaps the copies with the
+    next layers); what the compute does not cover is exposed."""
+    n = min(megatron.activation_offload_layers, model.num_layers)
+    if not n:
+        return 0.0
+    layers = tuple(range(n))
+    n_moe = moe_layers_among(model, layers)
+    tokens = lay.mbs * lay.seq_length / lay.cp
+    one_way = tokens * ((n - n_moe) * layer_activation_bytes(model, lay, False)
+                        + (n_moe * layer_activation_bytes(model, lay, True) if n_moe else 0.0))
+    return max(0.0, 2 * one_way / (gpu.host_link_gbps * 1e9) - micro_batch_s)

@@ -66,6 +66,10 @@ class GPUSpec:
     gpus_per_node: int
     network_gbps: float
     source: str
+    # the GPU's link to its host's memory, one direction: PCIe Gen5 x16 (64 GB/s) on Hopper and
+    # B200 boards, Gen4 x16 (32 GB/s) on A100, NVLink-C2C to the Grace CPU (450 GB/s) on GB200;
+    # what activation offload's copies move over
+    host_link_gbps: float = 64.0
 
     @property
     def supports_fp8(self) -> bool:
