@@ -814,3 +814,10 @@ def test_a_log_without_rank_prefixes_keeps_its_tracebacks_frames_whatever_rank_i
     log.write_text("\n".join([_line(1), _line(2), memory] + frames) + "\n")
     oom = _oom(call("logs", {"log": str(log)})["result"])
     assert oom["site"] == "logits" and "cross_entropy.py" in oom["frame"], oom
+
+
+def test_counts_too_large_to_add_up_are_no_internal_error(tmp_path):
+    huge = [_line(i).replace("skipped iterations:   0", "skipped iterations:   1e308") for i in range(1, 4)]
+    (tmp_path / "huge.log").write_text("\n".join(huge) + "\n")
+    env = call("logs", {"log": str(tmp_path / "huge.log")})
+    assert env["ok"] and env["result"]["skipped_iterations"] >= 10 ** 300, env

@@ -660,8 +660,7 @@ def summarize(parsed: dict[str, Any], seq_length: int | None = None, peak_tflops
         out["max_reserved_gib"] = round(max(m["max_reserved_mb"] for m in parsed["memory"].values()) / 1024, 2)
     # counts: each line's count is of its own logging interval (Megatron resets both after printing),
     # so the run's is their sum; a damaged line's inf or nan (1e999 parses as inf) counts for nothing
-    out["nan_iterations"] = int(sum(v for r in its if math.isfinite(v := r.get("nan", 0)) and v > 0))
-    out["skipped_iterations"] = int(sum(v for r in its if math.isfinite(v := r.get("skipped", 0)) and v > 0))
+    out["nan_iterations"], out["skipped_iterations"] = _interval_total(its, "nan"), _interval_total(its, "skipped")
     anomalies = []
     vals = [loss for _, loss in losses]
     last_spike = None   # a spike the next values stay up with is one spike (a plateau), said once
@@ -688,6 +687,14 @@ def summarize(parsed: dict[str, Any], seq_length: int | None = None, peak_tflops
                               "before": before})
     out["anomalies"] = anomalies
     return out
+
+
+def _interval_total(its: list[dict], key: str) -> int:
+    """The sum of a count each line gives for its own interval; a damaged line's huge values
+    (1e308 twice overflows a float) make it the largest one alone."""
+    counts = [v for r in its if math.isfinite(v := r.get(key, 0)) and v > 0]
+    total = sum(counts)
+    return int(total) if math.isfinite(total) else int(max(counts))
 
 
 def spike_base(before: list[float], loss: float) -> float | None:
