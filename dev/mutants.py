@@ -101,8 +101,8 @@ MUTANTS = [
      "why": "the embedding and the loss count as two layers in Megatron's split",
      "tests": ["tests/test_core.py::test_pipeline_splits_even_embedding_loss_and_uneven"]},
     {"id": "planner-qk-norm-keeps-sp", "area": "planner search", "file": PKG + "core/planner.py",
-     "original": 'if lay.tp > 1 and (c.get("sequence_parallel") is False or (model.qk_layernorm and not opts.te)):',
-     "replacement": 'if lay.tp > 1 and c.get("sequence_parallel") is False:',
+     "original": 'sp = lay.tp > 1 and not (c.get("sequence_parallel") is False or (model.qk_layernorm and not opts.te))',
+     "replacement": 'sp = lay.tp > 1 and not c.get("sequence_parallel") is False',
      "why": "a QK-norm model on local layers runs TP without sequence parallelism: the mutant searches "
             "only layouts the rule book refuses, and loses every TP > 1 layout",
      "tests": ["tests/test_rules.py::test_a_qk_norm_model_is_never_planned_onto_sequence_parallel_local_layers"]},
