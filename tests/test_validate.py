@@ -345,10 +345,11 @@ def test_megatrons_independent_refusals_come_in_one_pass_with_the_flags_to_chang
     """Megatron's validate_args stops at its first failed assert (--min-lr above --lr); the copy
     without the flag it names is checked again, so the next one (--save without --save-interval)
     shows in the same answer, each fix naming the flags its check reads."""
-    args = SMALL + ["--lr", "1e-4", "--min-lr", "1e-3", "--lr-warmup-iters", "1", "--save", "/ckpt"]
-    res = call("validate", {"args": args, "num_gpus": 1})["result"]
-    refused = [e for e in res["errors"] if e["code"] == "megatron_validate_args"]
-    assert len(refused) == 2, refused
+    for min_lr in (["--min-lr", "1e-3"], ["--min-lr=1e-3"]):
+        args = SMALL + ["--lr", "1e-4", *min_lr, "--lr-warmup-iters", "1", "--save", "/ckpt"]
+        res = call("validate", {"args": args, "num_gpus": 1})["result"]
+        refused = [e for e in res["errors"] if e["code"] == "megatron_validate_args"]
+        assert len(refused) == 2, (min_lr, refused)
     assert "args.min_lr <= args.lr" in refused[0]["message"] and "--min-lr" in refused[0]["fix"]
     assert "args.save_interval" in refused[1]["message"] and "--save-interval" in refused[1]["fix"]
     assert "--min-lr left out" in refused[1]["message"]

@@ -732,7 +732,8 @@ def _refusals_after(e: ToolError, argv: list[str], world: int | None, env: dict,
     (an assert on --min-lr against --lr, then a --save without --save-interval)."""
     left_out: list[str] = []
     for _ in range(MORE_REFUSALS):
-        flag = next((f for f in megatron_flags.flags_named(e.message) if f in argv and f not in REQUIRED_FLAGS), None)
+        given = {a.split("=", 1)[0] for a in argv if a.startswith("--")}   # --flag value and --flag=value alike
+        flag = next((f for f in megatron_flags.flags_named(e.message) if f in given and f not in REQUIRED_FLAGS), None)
         if flag is None:
             return
         argv = _without(argv, {flag})
