@@ -47,6 +47,8 @@ class Obsolete:
 
 
 _PAIR = ("--optimizer-cpu-offload", "--use-precision-aware-optimizer")
+_HYBRID_PATTERN = ("0.19 describes a hybrid model by its layers: --hybrid-layer-pattern, a letter a layer (M Mamba, "
+                   "* attention, - MLP, E MoE), e.g. M-M-M*-M-M-")
 # Some still parse in 0.19 (deprecated and ignored, or renamed); all are reported, and the
 # severity comes from whether Megatron's parser still accepts them.
 OBSOLETE = {
@@ -87,26 +89,25 @@ OBSOLETE = {
     "--custom-fsdp": Obsolete(False, ("--use-megatron-fsdp",), "renamed"),
     "--data-impl": Obsolete(True, (), "removed: the dataset's index file says its format"),
     # Mamba hybrids of 2024 gave ratios; 0.19 takes the layers themselves, one letter each
-    "--hybrid-attention-ratio": Obsolete(True, None, "0.19 describes a hybrid model by its layers: "
-                                         "--hybrid-layer-pattern, a letter a layer (M Mamba, * attention, - MLP, "
-                                         "E MoE), e.g. M-M-M*-M-M-"),
-    "--hybrid-mlp-ratio": Obsolete(True, None, "0.19 describes a hybrid model by its layers: --hybrid-layer-pattern, "
-                                   "a letter a layer (M Mamba, * attention, - MLP, E MoE), e.g. M-M-M*-M-M-"),
+    "--hybrid-attention-ratio": Obsolete(True, None, _HYBRID_PATTERN),
+    "--hybrid-mlp-ratio": Obsolete(True, None, _HYBRID_PATTERN),
 }
 
 
+def last_value(args: list[str], flag: str) -> str | None:
+    """The value of flag's last occurrence in args (the one Megatron's parser keeps): "" for a
+    switch, None where args do not give it."""
+    found = None
+    for i, a in enumerate(args):
+        name, eq, value = a.partition("=")
+        if name == flag:
+            found = value if eq else (args[i + 1] if i + 1 < len(args) and not args[i + 1].startswith("--") else "")
+    return found
+
+
 def _given_as(words: list[str], args: list[str]) -> bool:
-    """Whether args give each flag of words with the value words give it (the last occurrence:
-    the one Megatron's parser keeps)."""
-    def last_value(flag: str, vector: list[str]) -> str | None:
-        value = None
-        for i, a in enumerate(vector):
-            name, eq, inline = a.partition("=")
-            if name == flag:
-                value = inline if eq else (vector[i + 1] if i + 1 < len(vector) and not vector[i + 1].startswith("--")
-                                           else "")
-        return value
-    return all(last_value(w, args) == last_value(w, words) for w in words if w.startswith("--"))
+    """Whether args give each flag of words with the value words give it."""
+    return all(last_value(args, w) == last_value(words, w) for w in words if w.startswith("--"))
 
 
 @dataclasses.dataclass(frozen=True)

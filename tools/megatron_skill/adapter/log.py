@@ -128,13 +128,11 @@ def _arg_value(text: str) -> Any:
 
 # A Megatron iteration line starts with its wall-clock time: [2026-12-02 13:24:31.160461].
 STAMP = re.compile(r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)(?:\.\d+)?\]")
-RANK = re.compile(r"^\s*\[(?:default)?(?:rank)?(\d+)\]:|^\s*(\d+):\s|\brank[ =:]?(\d+)\b", re.I)
+RANK_PREFIX = re.compile(r"^\s*\[(?:default)?(?:rank)?(\d+)\]:|^\s*(\d+):\s", re.I)   # torchrun's, srun --label's
+RANK = re.compile(RANK_PREFIX.pattern + r"|\brank[ =:]?(\d+)\b", re.I)           # or a rank the text names
 SKILL_NOTE = "> megatron-core-training skill:"   # what the skill's entry script says it changed
 SUMMARY_RANK = re.compile(r"^\W*(?:\[\w*rank\d+\]:)?\s*rank\s*:\s*(\d+)\s*\(local_rank")   # torchrun's summary
 FINISHED = re.compile(r"\[after training is done\]|after training is done")
-
-
-RANK_PREFIX = re.compile(r"^\s*\[(?:default)?(?:rank)?(\d+)\]:|^\s*(\d+):\s", re.I)
 
 
 def _prefix_rank(line: str) -> int | None:

@@ -482,11 +482,7 @@ UNRESOLVED = re.compile(r"\$(\{|\(|[A-Za-z_])")   # $NAME, ${...}, $(...): left 
 def _unresolved_value(args: list[str], flag: str) -> str | None:
     """The value of flag's last occurrence in args (the one Megatron's parser keeps) where the
     script left it to the run ($VAR, ${VAR}, $(command)), else None (a literal: its own error)."""
-    found = None
-    for i, a in enumerate(args):
-        name, eq, value = a.partition("=")
-        if name == flag:
-            found = value if eq else (args[i + 1] if i + 1 < len(args) and not args[i + 1].startswith("--") else "")
+    found = megatron_flags.last_value(args, flag)
     return found if found is not None and UNRESOLVED.search(found) else None
 
 
