@@ -107,3 +107,34 @@ def test_megatron_hands_te_a_v_strided_inside_the_qkv_output_which_te_copies():
     qkv_out = 64 * (8 + 2 * 2) * 32 * BF16      # tokens x (Q + K + V) x head size, bf16
     assert got["v_storage_bytes"] == qkv_out and not got["v_contiguous"]
     assert got["v_strides"] != got["k_strides"]
+
+
+def test_te_fp8_saves_the_projections_input_once_unless_the_recipe_is_delayed():
+    """Under TE's FP8 the linear layers save their inputs as the FP8 copies they multiply; for any
+    recipe but delayed Megatron has the attention projection save its bf16 input instead, which
+    core attention's output already is (set_save_original_input): one FP8 copy per token and layer
+    fewer than the skill's own FP8 layers keep. validate reads the recipe from the script, where
+    Megatron's default is delayed."""
+    import dataclasses
+
+    from conftest import require_modules
+    require_modules("megatron.training")
+    from megatron_skill.adapter import arguments
+    from megatron_skill.adapter import parser as megatron_parser
+    from megatron_skill.adapter.described import runtime_options
+    from megatron_skill.core.catalog import get_gpu
+
+    model = get_model("llama3-8b")
+    lay = Layout(tp=1, pp=1, dp=8, mbs=1, gbs=64, seq_length=8192, precision="fp8")
+    te = RuntimeOptions.from_request(None, te=True)
+    planned = stage_memory(model, lay, 0, 128256, te.memory(lay))
+    delayed = stage_memory(model, lay, 0, 128256, dataclasses.replace(te, te_fp8_delayed=True).memory(lay))
+    assert delayed.activations - planned.activations == pytest.approx(FP8 * model.hidden_size * 8192 * model.num_layers)
+    assert RuntimeOptions.from_request(None, te=False).memory(lay).fp8_proj_copy   # the skill's layers keep it
+    bf16 = dataclasses.replace(lay, precision="bf16")   # (the FP8 flags below, not render's)
+    argv = (arguments.model_args(model, 8192) + arguments.layout_args(bf16, model, get_gpu("h100-sxm"))
+            + ["--transformer-impl", "transformer_engine", "--fp8-format", "hybrid"])
+    env = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    assert runtime_options(megatron_parser.parse(argv, world_size=8, env=env)).te_fp8_delayed
+    tensorwise = megatron_parser.parse(argv + ["--fp8-recipe", "tensorwise"], world_size=8, env=env)
+    assert not runtime_options(tensorwise).te_fp8_delayed

@@ -49,6 +49,7 @@ class MemoryOptions:
     fused_head: bool = False            # the skill's fused output layer + cross-entropy
     fp8_linear: bool = False            # the skill's FP8 linear layers (no TE)
     te_fp8: bool = False                # TE's FP8 GEMMs: their inputs saved in FP8, FP8 weight copies
+    fp8_proj_copy: bool = True          # the projection's input saved again as its FP8 copy (fp8_linear_saved_bytes)
     fp8_params: bool = False            # --fp8-param-gather: weights held in FP8 only
     score_bytes: float = 0.0            # unfused attention's S x S scores kept (unfused_score_bytes)
     grad_bytes: int = FP32              # main gradients: fp32, or bf16 (--grad-reduce-in-bf16)
@@ -345,15 +346,19 @@ def fused_head_runs(tokens: float, hidden: int, vocab: float, chunk: int = FUSED
     return fused_head_chunk(tokens, hidden, vocab, chunk) > 0
 
 
-def fp8_linear_saved_bytes(model: ModelConfig, lay: Layout) -> float:
-    """Per token and dense layer, what the skill's FP8 linear layers (runtime/fp8_linear.py)
-    change in the saved activations, against BF16: QKV's and FC1's inputs (the norms' outputs,
-    which nothing else keeps) and FC2's (SwiGLU's output) saved in FP8, half the bytes; the
-    projection's input adds an FP8 copy (SDPA keeps its bf16 output anyway).  Negative: saved.
-    Measured on the H200: 0.69 GiB less at the 1B shape's micro-batch 4, weight copies
-    included (references/benchmarks.md)."""
+def fp8_linear_saved_bytes(model: ModelConfig, lay: Layout, proj_copy: bool = True) -> float:
+    """Per token and dense layer, what FP8 linear layers change in the saved activations, against
+    BF16: QKV's and FC1's inputs (the norms' outputs, which nothing else keeps) and FC2's
+    (SwiGLU's output) saved in FP8, half the bytes; with proj_copy the projection's input adds an
+    FP8 copy (attention keeps its bf16 output anyway).  Negative: saved.
+    The skill's layers (runtime/fp8_linear.py) keep that copy: measured on the H200, 0.69 GiB less
+    at the 1B shape's micro-batch 4, weight copies included (references/benchmarks.md). TE's
+    layers save their inputs as the FP8 copies they multiply (its Linear and LayerNormLinear,
+    without sequence parallelism's gather), and under any recipe but delayed Megatron has the
+    projection save its bf16 input instead, which core attention's output already is
+    (set_save_original_input in megatron/core/transformer/attention.py, TE 2.6 and later)."""
     h, f = model.hidden_size, model.ffn_hidden_size
-    return -(h + f) / lay.tp          # -h (QKV) - h (FC1) - f (FC2) + h (projection's copy)
+    return -(2 * h + f - (h if proj_copy else 0)) / lay.tp   # -h (QKV) - h (FC1) - f (FC2) [+ h]
 
 
 @functools.lru_cache(maxsize=65536)
@@ -420,7 +425,8 @@ def _layer_acts(model: ModelConfig, tp: int, sequence_parallel: bool, recompute:
     lay = Layout(tp=tp, sequence_parallel=sequence_parallel, recompute=recompute, seq_length=seq_length, cp=cp,
                  etp=etp, precision=precision)
     fp8_inputs = (opts.fp8_linear or opts.te_fp8 and precision == "fp8") and "mlp" not in recomputed_modules(lay, opts)
-    act = {0: layer_activation_bytes(model, lay, False, opts) + (fp8_linear_saved_bytes(model, lay) if fp8_inputs else 0)}
+    act = {0: layer_activation_bytes(model, lay, False, opts) + (fp8_linear_saved_bytes(model, lay, opts.fp8_proj_copy)
+                                                                  if fp8_inputs else 0)}
     if model.is_moe:
         act[1] = layer_activation_bytes(model, lay, True, opts)
         re_run = recomputed_modules(lay, opts)
@@ -483,7 +489,7 @@ def stage_memory(model: ModelConfig, lay: Layout, rank: int, padded_vocab: int,
             first_n = layers[:gone]
             moe_gone = moe_layers_among(model, tuple(first_n))
             per_chunk -= (gone - moe_gone) * act[0] + moe_gone * act.get(1, 0.0)
-            transient = tokens * largest
+            transient = tokens * largest   # less the logits below
     if opts.score_bytes:
         # The score matrix in flight while a layer's attention runs (forward, and its gradient
         # in the backward): one layer's bf16 scores and their fp32 softmax input.
@@ -507,6 +513,11 @@ def stage_memory(model: ModelConfig, lay: Layout, rank: int, padded_vocab: int,
         else:
             # fp32 copy of the logits kept for the backward, plus the bf16 logits alive while it is made.
             logits = tokens * v * (FP32 + BF16) * (1 + (model.mtp_num_layers or 0))
+    if opts.offloaded_layers and lay.recompute != "full":
+        # TE 2.10 and later free an offloaded layer's copy as a later layer starts, so the layers
+        # kept include the one running; TE 2.9 kept one more, through the last layer only, before
+        # the logits exist (transformer_engine/pytorch/cpu_offload.py of each)
+        transient = max(0.0, transient - logits)
     step_transient = opts.adam_temp_bytes * shard_params
     if opts.local_clip:
         # the largest gradient of the rank (the embedding's or the output layer's where it lives

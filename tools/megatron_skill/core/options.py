@@ -42,6 +42,9 @@ class RuntimeOptions:
     megatron: MegatronOptions = MegatronOptions()   # Megatron's memory and communication options
     # the core-attention kernel where a stock script's arguments ask for a slower one than planned
     attention_kernel: AttentionKernel = PLANNED
+    # TE's FP8 under Megatron's delayed recipe (a script's --fp8-recipe, Megatron's default): render
+    # writes tensorwise or mxfp8 (adapter/arguments.py fp8_recipe), validate reads what a script says
+    te_fp8_delayed: bool = False
 
     @classmethod
     def from_request(cls, runtime: dict[str, Any] | None, te: bool = True, moe: dict[str, Any] | None = None,
@@ -51,7 +54,7 @@ class RuntimeOptions:
 
     def to_json(self) -> dict[str, Any]:
         return {k: v for k, v in dataclasses.asdict(self).items()
-                if k not in ("te", "moe", "megatron", "attention_kernel")}
+                if k not in ("te", "moe", "megatron", "attention_kernel", "te_fp8_delayed")}
 
     @property
     def fused_head(self) -> bool:
@@ -72,6 +75,7 @@ class RuntimeOptions:
 
     def memory(self, lay: Layout) -> MemoryOptions:
         return MemoryOptions(fused_head=self.fused_head, fp8_linear=self.fp8_local(lay), te_fp8=self.te,
+                             fp8_proj_copy=not self.te or self.te_fp8_delayed,
                              recompute_modules=self.moe.selective_modules(),
                              moe_routed_factor=self.moe.routed_factor(),
                              router_score_bytes=self.moe.router_score_bytes(),
