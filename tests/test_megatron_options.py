@@ -277,8 +277,14 @@ def test_activation_offload_frees_the_offloaded_layers_and_runs_where_megatron_a
     one_layer = base.activations / LLAMA8B.num_layers
     assert off.activations == pytest.approx(base.activations - 16 * one_layer, rel=0.02)
     # the peak: the kept layers with the logits, or with one more layer where it outweighs them
-    peak = off.activations + off.logits + off.transient
-    assert peak == pytest.approx(off.activations + max(off.logits, one_layer), rel=0.02)
+    # (a vocabulary of 8,192: logits smaller than a layer)
+    for model, vocab in ((LLAMA8B, 128256), (dataclasses.replace(LLAMA8B, vocab_size=8192), 8192)):
+        opts = _opts(activation_offload_layers=16).memory(bf16)
+        kept = memory_report(model, bf16, vocab, opts)["last_stage"]
+        layer = memory_report(model, bf16, vocab, _opts().memory(bf16))["last_stage"].activations / model.num_layers
+        peak = kept.activations + kept.logits + kept.transient
+        assert peak == pytest.approx(kept.activations + max(kept.logits, layer), rel=0.02)
+        assert (kept.transient > 0) == (layer > kept.logits)
     offload = MegatronOptions(activation_offload_layers=16)
     assert check_layout(bf16, LLAMA8B, H100, 8, True, megatron=offload) is None
     for broken in (dataclasses.replace(bf16, pp=2, dp=4), dataclasses.replace(bf16, recompute="selective")):

@@ -66,24 +66,6 @@ def test_flex_sends_a_token_once_per_remote_domain():
     assert cost({"dispatcher": "flex"}).time.ep_comm == cost(None).time.ep_comm
 
 
-def test_hybridep_permutes_inside_its_exchange():
-    """HybridEP's dispatch and combine kernels permute as they send (fused_a2a.py): an MoE layer
-    has no separate gather, scatter or sort-by-expert passes, four reads and writes of the hidden
-    vector per routed copy, forward, three times over with the backward. DeepEP's flex path
-    permutes as alltoall does."""
-    from megatron_skill.core.timing import BF16, _layer_elementwise_bytes
-
-    h, k = QWEN.hidden_size, QWEN.moe_router_topk
-    plain = _layer_elementwise_bytes(QWEN, QWEN_LAYOUT, True)
-    assert plain - _layer_elementwise_bytes(QWEN, QWEN_LAYOUT, True, fused_permute=True) == 3 * BF16 * 2 * h * 4 * k
-    assert MoEOptions(dispatcher="flex", flex_backend="hybridep").fused_permute
-    assert not MoEOptions(dispatcher="flex").fused_permute and not MoEOptions().fused_permute
-    hybrid = cost({"dispatcher": "flex", "flex_backend": "hybridep"})
-    deepep = cost({"dispatcher": "flex", "flex_backend": "deepep"})
-    assert hybrid.time.elementwise < deepep.time.elementwise == cost(None).time.elementwise
-    assert hybrid.time.gemm == deepep.time.gemm
-
-
 def test_overlapping_the_all_to_all_leaves_the_calibrated_share():
     plain, overlapped = cost(None), cost({"overlap_ep_comm": True})
     share = calibration("h100-sxm")["ep_overlap_exposed"]

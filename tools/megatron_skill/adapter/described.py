@@ -517,7 +517,8 @@ def runtime_options(ns: Any) -> RuntimeOptions:
                           fp8_scaling=str(getattr(ns, "skill_fp8_scaling", None) or "current") if own else "current",
                           te=te, moe=MoEOptions.from_args(ns), megatron=MegatronOptions.from_args(ns),
                           attention_kernel=attention_kernel(ns),
-                          te_fp8_delayed=te and getattr(ns, "fp8_recipe", None) == "delayed")
+                          te_fp8_delayed=te and bool(getattr(ns, "fp8", None))
+                          and getattr(ns, "fp8_recipe", None) == "delayed")
 
 
 def memory_options(ns: Any, lay: Layout, assumed: dict[str, str]) -> MemoryOptions:

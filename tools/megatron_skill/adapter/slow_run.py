@@ -234,7 +234,8 @@ def _precision_levers(gpu: GPUSpec, run: _Variant) -> Iterator[tuple[str, _Varia
         return
     cand = dataclasses.replace(lay, precision="fp8")
     if opts.te:
-        yield ("FP8 GEMMs (Transformer Engine)", dataclasses.replace(run, lay=cand, mem=opts.memory(cand)),
+        tensorwise = dataclasses.replace(opts, te_fp8_delayed=False)   # the recipe the fix names
+        yield ("FP8 GEMMs (Transformer Engine)", dataclasses.replace(run, lay=cand, mem=tensorwise.memory(cand)),
                "--fp8-format hybrid --fp8-recipe tensorwise (check the loss against BF16 over a few hundred steps)")
     elif lay.tp == 1:
         fp8 = dataclasses.replace(opts, fp8_linear=True)

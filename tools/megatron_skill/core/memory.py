@@ -461,6 +461,7 @@ def stage_memory(model: ModelConfig, lay: Layout, rank: int, padded_vocab: int,
     chunks = max(lay.vp, 1)
     n_inflight = inflight_chunks(lay, rank)
     # Activations of one micro-batch through one (average) chunk of this rank.
+    offload_extra = 0.0
     if lay.recompute == "full":
         full_chunk = 0.0
         for c in chunk_layers(model, lay)[rank::lay.pp]:
@@ -483,13 +484,13 @@ def stage_memory(model: ModelConfig, lay: Layout, rank: int, padded_vocab: int,
         transient = 0.0
         if opts.offloaded_layers:
             # TE's CPU-offload context sends the first N layers' saved tensors to the host after
-            # their forward and brings each back before its backward: one layer's in flight stays
-            # (PP 1, one chunk: Megatron's rule); which layers go is the model's first N
+            # their forward and brings each back before its backward (PP 1, one chunk: Megatron's
+            # rule); which layers go is the model's first N
             gone = min(opts.offloaded_layers, len(layers))
             first_n = layers[:gone]
             moe_gone = moe_layers_among(model, tuple(first_n))
             per_chunk -= (gone - moe_gone) * act[0] + moe_gone * act.get(1, 0.0)
-            transient = tokens * largest   # less the logits below
+            offload_extra = tokens * largest   # TE 2.9's one more layer, weighed against the logits below
     if opts.score_bytes:
         # The score matrix in flight while a layer's attention runs (forward, and its gradient
         # in the backward): one layer's bf16 scores and their fp32 softmax input.
@@ -513,11 +514,11 @@ def stage_memory(model: ModelConfig, lay: Layout, rank: int, padded_vocab: int,
         else:
             # fp32 copy of the logits kept for the backward, plus the bf16 logits alive while it is made.
             logits = tokens * v * (FP32 + BF16) * (1 + (model.mtp_num_layers or 0))
-    if opts.offloaded_layers and lay.recompute != "full":
+    if offload_extra:
         # TE 2.10 and later free an offloaded layer's copy as a later layer starts, so the layers
         # kept include the one running; TE 2.9 kept one more, through the last layer only, before
         # the logits exist (transformer_engine/pytorch/cpu_offload.py of each)
-        transient = max(0.0, transient - logits)
+        transient = max(transient, offload_extra - logits)
     step_transient = opts.adam_temp_bytes * shard_params
     if opts.local_clip:
         # the largest gradient of the rank (the embedding's or the output layer's where it lives

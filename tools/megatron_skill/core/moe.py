@@ -37,12 +37,6 @@ class MoEOptions:
         return frozenset({"core_attn", "layernorm", *self.recompute})
 
     @property
-    def fused_permute(self) -> bool:
-        """HybridEP permutes inside its dispatch and combine kernels (megatron/core/transformer/moe/
-        fused_a2a.py): no separate gather, scatter or sort-by-expert passes."""
-        return self.dispatcher == "flex" and self.flex_backend == "hybridep"
-
-    @property
     def dropless(self) -> bool:
         return self.capacity_factor is None
 

@@ -190,8 +190,7 @@ def _moe_gemms(model: ModelConfig, lay: Layout, rates: _Rates, tokens: float, ro
     return time + rates.gemm(tokens, model.num_experts, h)
 
 
-def _layer_elementwise_bytes(model: ModelConfig, lay: Layout, moe: bool, routed_factor: float = 1.0,
-                             fused_permute: bool = False) -> float:
+def _layer_elementwise_bytes(model: ModelConfig, lay: Layout, moe: bool, routed_factor: float = 1.0) -> float:
     """Bytes that norms, RoPE, the activation function and residual adds move per token,
     forward and backward (about three passes over what the forward writes). In an MoE layer
     also the token permutation: each routed copy gathered before the experts and scattered back
@@ -204,7 +203,7 @@ def _layer_elementwise_bytes(model: ModelConfig, lay: Layout, moe: bool, routed_
     ffn = (model.expert_ffn * model.moe_router_topk * routed_factor + (model.moe_shared_expert_intermediate_size or 0)
            if moe else model.ffn_hidden_size)
     fwd = BF16 * (2 * 2 * h * sp + 2 * 2 * h * sp + 2 * (q + kv) / t + 3 * ffn / t)
-    if moe and not fused_permute:
+    if moe:
         passes = 2 + (2 if lay.ep > 1 else 0)
         fwd += BF16 * 2 * h * passes * model.moe_router_topk * routed_factor * lay.etp / t
     return 3 * fwd
@@ -404,8 +403,7 @@ def _one_layer(model: ModelConfig, gpu: GPUSpec, te: bool, fp8_linear: bool, tp:
     # Without TE, Megatron's local layers run RoPE, norms, residual adds and casts as
     # separate torch kernels: calibrated as a multiple of the fused byte count.
     unfused = 1.0 if te else rates.cal["elementwise_local_factor"]
-    elementwise += unfused * rates.memory_bound(_layer_elementwise_bytes(model, lay, moe, routed,
-                                                                                  moe_opts.fused_permute) * tokens)
+    elementwise += unfused * rates.memory_bound(_layer_elementwise_bytes(model, lay, moe, routed) * tokens)
     # TP: 2 all-gathers + 2 reduce-scatters forward (or 2 all-reduces without SP),
     # as many backward; the backward ones overlap half with the weight-gradient GEMMs.
     act = BF16 * tokens * h
