@@ -130,6 +130,11 @@ def test_te_fp8_saves_the_projections_input_once_unless_the_recipe_is_delayed():
     planned = stage_memory(model, lay, 0, 128256, te.memory(lay))
     delayed = stage_memory(model, lay, 0, 128256, dataclasses.replace(te, te_fp8_delayed=True).memory(lay))
     assert delayed.activations - planned.activations == pytest.approx(FP8 * model.hidden_size * 8192 * model.num_layers)
+    # the copy is of the heads' output, wider than the hidden size in Qwen3 (32 x 128 against 2,048)
+    from megatron_skill.core.memory import fp8_linear_saved_bytes
+    qwen3 = get_model("qwen3-30b-a3b")
+    gap = fp8_linear_saved_bytes(qwen3, lay, True) - fp8_linear_saved_bytes(qwen3, lay, False)
+    assert gap == qwen3.num_attention_heads * qwen3.head_dim == 2 * qwen3.hidden_size
     bf16 = dataclasses.replace(lay, precision="bf16")   # (the FP8 flags below, not render's)
     argv = (arguments.model_args(model, 8192) + arguments.layout_args(bf16, model, get_gpu("h100-sxm"))
             + ["--transformer-impl", "transformer_engine", "--fp8-format", "hybrid"])

@@ -358,7 +358,9 @@ def fp8_linear_saved_bytes(model: ModelConfig, lay: Layout, proj_copy: bool = Tr
     projection save its bf16 input instead, which core attention's output already is
     (set_save_original_input in megatron/core/transformer/attention.py, TE 2.6 and later)."""
     h, f = model.hidden_size, model.ffn_hidden_size
-    return -(2 * h + f - (h if proj_copy else 0)) / lay.tp   # -h (QKV) - h (FC1) - f (FC2) [+ h]
+    # the projection's input: the heads' outputs (their value width under MLA), not always h wide
+    proj = model.num_attention_heads * (model.v_head_dim if model.multi_latent_attention else model.head_dim)
+    return -(2 * h + f - (proj if proj_copy else 0)) / lay.tp   # -h (QKV) - h (FC1) - f (FC2) [+ proj]
 
 
 @functools.lru_cache(maxsize=65536)
